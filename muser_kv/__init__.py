@@ -1,0 +1,29 @@
+"""muser-kv: exact, preallocated KV caches for Muse-shaped MLX models.
+
+Sliding RoPE layers get a fixed f16 ring with explicit origins; global NoPE
+layers get a growing head-major plane. ``make_prompt_cache(model)`` is a drop-in
+for mlx-lm's ``model.make_cache()``.
+"""
+
+from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
+from .geometry import Footprint, LayerKind, MuseGeometry, footprint
+from .plane import ContextOverflow, KvPlane
+from .ring import CacheDiscontinuity, Ring, Run
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheDiscontinuity",
+    "ContextOverflow",
+    "Footprint",
+    "KvPlane",
+    "LayerKind",
+    "MuseGeometry",
+    "MuseKVCache",
+    "Ring",
+    "Run",
+    "causal_mask",
+    "footprint",
+    "make_cache_for",
+    "make_prompt_cache",
+]

@@ -1,0 +1,164 @@
+"""The shape of a Muse-style model's KV state, and what it costs in bytes.
+
+Every byte figure in this project is derived here, from integers, never
+measured: a sliding RoPE layer owns ``min(context, window)`` rows, a global NoPE
+layer owns ``context`` rows, and one row is ``kv_heads * head_dim`` f16 halves
+per plane, two planes (K and V) per layer. The seeds' Table 22.1 falls out of
+those three facts to the byte, and the tests hold it there.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Tuple
+
+#: Bytes per stored element: the live planes are f16 on every backend.
+PLANE_ITEMSIZE = 2
+
+
+class LayerKind(str, enum.Enum):
+    """The two storage regimes a Muse layer can need."""
+
+    #: Sliding-window RoPE layer: a bounded ring of ``min(max_context, window)`` rows.
+    SLIDING = "sliding_attention"
+    #: Global NoPE layer: a growing, head-major plane of ``max_context`` rows.
+    GLOBAL = "full_attention"
+
+
+def _default_layer_kinds(num_layers: int) -> Tuple[LayerKind, ...]:
+    # Muse Glimmer's partition rule: layer i is global NoPE iff i % 4 == 3.
+    return tuple(
+        LayerKind.GLOBAL if i % 4 == 3 else LayerKind.SLIDING for i in range(num_layers)
+    )
+
+
+@dataclass(frozen=True)
+class MuseGeometry:
+    """Layer kinds and head geometry; the defaults are Muse Glimmer's.
+
+    ``max_context`` is the capacity a cache is built for: the NoPE planes hold
+    exactly that many rows and a write past it is refused, never shifted.
+    """
+
+    num_layers: int = 52
+    window: int = 2048
+    max_context: int = 131072
+    num_heads: int = 32
+    kv_heads: int = 2
+    head_dim: int = 128
+    layer_kinds: Tuple[LayerKind, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        kinds = tuple(LayerKind(k) for k in self.layer_kinds) or _default_layer_kinds(
+            self.num_layers
+        )
+        object.__setattr__(self, "layer_kinds", kinds)
+        for name in ("num_layers", "window", "max_context", "num_heads", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MuseGeometry.{name} must be a positive int, got {value!r}")
+        if len(kinds) != self.num_layers:
+            raise ValueError(
+                f"MuseGeometry: {self.num_layers} layers but {len(kinds)} layer kinds"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"MuseGeometry: {self.num_heads} query heads is not a multiple of "
+                f"{self.kv_heads} KV heads"
+            )
+
+    @classmethod
+    def from_model_args(cls, args: Any, max_context: int | None = None) -> "MuseGeometry":
+        """Read an mlx-lm ``ModelArgs`` (``layer_types``, ``sliding_window``, heads...).
+
+        ``max_context`` overrides ``max_position_embeddings`` (a smaller cache for a
+        shorter session); it may not exceed it, since positions past the model's
+        limit are not positions the model was built for.
+        """
+        limit = int(getattr(args, "max_position_embeddings"))
+        if max_context is None:
+            max_context = limit
+        elif max_context > limit:
+            raise ValueError(
+                f"max_context {max_context} exceeds the model's max_position_embeddings {limit}"
+            )
+        num_layers = int(args.num_hidden_layers)
+        layer_types: Sequence[str] | None = getattr(args, "layer_types", None)
+        kinds = tuple(LayerKind(t) for t in layer_types) if layer_types else ()
+        num_heads = int(args.num_attention_heads)
+        head_dim = getattr(args, "head_dim", None) or int(args.hidden_size) // num_heads
+        return cls(
+            num_layers=num_layers,
+            window=int(args.sliding_window),
+            max_context=int(max_context),
+            num_heads=num_heads,
+            kv_heads=int(getattr(args, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            layer_kinds=kinds,
+        )
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+        return self.layer_kinds[layer]
+
+    @property
+    def kv_dim(self) -> int:
+        """Halves in one token row of one plane: ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one token costs one layer, K and V together."""
+        return 2 * self.kv_dim * PLANE_ITEMSIZE
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(1 for k in self.layer_kinds if k is LayerKind.SLIDING)
+
+    @property
+    def global_layers(self) -> int:
+        return self.num_layers - self.sliding_layers
+
+    def capacity(self, layer: int, max_context: int | None = None) -> int:
+        """Rows a layer's plane holds: the footprint formula, nothing rounded up."""
+        context = self.max_context if max_context is None else max_context
+        if self.layer_kind(layer) is LayerKind.SLIDING:
+            return min(context, self.window)
+        return context
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """KV bytes for ``slots`` sessions of ``context`` positions (planes only)."""
+
+    context: int
+    slots: int
+    swa_bytes: int  # one slot's sliding-layer rings
+    nope_bytes: int  # one slot's global-layer planes
+    per_token_below_window: int  # marginal bytes of one more token, context < window
+    per_token_above_window: int  # ... and once the rings have stopped growing
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.swa_bytes + self.nope_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes * self.slots
+
+
+def footprint(geometry: MuseGeometry, context: int, slots: int = 1) -> Footprint:
+    """The seeds' formula: ``(n_swa * min(C, W) + n_nope * C) * row_bytes`` per slot."""
+    if context <= 0 or slots <= 0:
+        raise ValueError(f"footprint needs context > 0 and slots > 0, got {context}, {slots}")
+    row = geometry.row_bytes
+    return Footprint(
+        context=context,
+        slots=slots,
+        swa_bytes=geometry.sliding_layers * min(context, geometry.window) * row,
+        nope_bytes=geometry.global_layers * context * row,
+        per_token_below_window=geometry.num_layers * row,
+        per_token_above_window=geometry.global_layers * row,
+    )

@@ -1,0 +1,232 @@
+"""KvPlane: one layer's two f16 planes, its ring, and its layout.
+
+Invariants, each with a test:
+
+* Planes are f16 and zero-filled at allocation, sized exactly by the footprint
+  formula (a wrapped row can never expose uninitialised storage).
+* Every write is validated in full (shape, dtype, batch, continuity, context
+  limit) before any array changes, and the ring is committed only after the
+  rows are placed: a refused write leaves planes and origins as they were.
+* Snapshots leave in logical order; installs put rows back at rotation
+  ``origin_logical % capacity``, where sequential appends would have left them,
+  because attention sums rows in physical order and the rotation is part of the
+  numbers (seeds Ch 15.6).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import mlx.core as mx
+
+from . import kernels
+from .geometry import LayerKind
+from .ring import Ring
+
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+class ContextOverflow(ValueError):
+    """A write past the cache's ``max_context``. The cache never shifts on its
+    own; deciding what to keep is the context policy's job."""
+
+    def __init__(self, layer: int, end: int, max_context: int):
+        self.layer = layer
+        self.end = end
+        self.max_context = max_context
+        super().__init__(
+            f"KV cache for layer {layer}: writing up to position {end} exceeds "
+            f"max_context {max_context}"
+        )
+
+
+class KvPlane:
+    """Two f16 planes plus a ``Ring``.
+
+    Sliding layers are token-major ``[capacity, kv_heads * head_dim]`` with
+    ``capacity = min(max_context, window)``; global layers are head-major
+    ``[kv_heads, capacity, head_dim]`` with ``capacity = max_context``.
+    """
+
+    def __init__(
+        self,
+        kind: LayerKind,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        window: int,
+        max_context: int,
+        layer: int = 0,
+    ):
+        self.kind = LayerKind(kind)
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.window = window
+        self.max_context = max_context
+        self.layer = layer
+        if self.kind is LayerKind.SLIDING:
+            capacity = min(max_context, window)
+            self.layout = kernels.TOKEN_MAJOR
+            shape: Tuple[int, ...] = (capacity, kv_heads * head_dim)
+        else:
+            capacity = max_context
+            self.layout = kernels.HEAD_MAJOR
+            shape = (kv_heads, capacity, head_dim)
+        self.ring = Ring(capacity, layer=layer)
+        self.keys = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
+        self.values = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
+        mx.eval(self.keys, self.values)
+
+    # -- facts ---------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.ring.capacity
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the live rows are one physical span from row 0 (logical order)
+        or the whole ring (rotated): attention can read the plane in place."""
+        ring = self.ring
+        return ring.origin_physical == 0 or ring.len == ring.capacity
+
+    # -- validation ----------------------------------------------------------
+
+    def check_input(self, keys: mx.array, values: mx.array) -> int:
+        """Validate model-shaped ``[1, kv_heads, N, head_dim]`` K/V; return N."""
+        where = f"KV cache for layer {self.layer}"
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, mx.array):
+                raise TypeError(f"{where}: {name} must be an mx.array, got {type(x).__name__}")
+            if x.dtype not in _DTYPE_NAMES:
+                raise TypeError(
+                    f"{where}: {name} dtype must be float32, float16 or bfloat16, got {x.dtype}"
+                )
+            if x.ndim != 4:
+                raise ValueError(
+                    f"{where}: {name} must be [batch, kv_heads, tokens, head_dim], "
+                    f"got shape {tuple(x.shape)}"
+                )
+            b, h, n, d = x.shape
+            if b != 1:
+                raise ValueError(f"{where}: batch size must be 1, got {b}")
+            if h != self.kv_heads:
+                raise ValueError(f"{where}: expected {self.kv_heads} KV heads, got {h}")
+            if d != self.head_dim:
+                raise ValueError(f"{where}: expected head_dim {self.head_dim}, got {d}")
+            if n < 1:
+                raise ValueError(f"{where}: expected at least one token, got {n}")
+        if tuple(keys.shape) != tuple(values.shape):
+            raise ValueError(
+                f"{where}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ"
+            )
+        return keys.shape[2]
+
+    def check_write(self, position: int, count: int) -> None:
+        self.ring.check(position)
+        if position + count > self.max_context:
+            raise ContextOverflow(self.layer, position + count, self.max_context)
+
+    # -- the write path ------------------------------------------------------
+
+    def write(self, position: int, keys: mx.array, values: mx.array) -> None:
+        """Store a chunk of K/V (any width, across the wrap) at ``position``."""
+        n = self.check_input(keys, values)
+        self.check_write(position, n)
+        ring = self.ring.copy()
+        first, count = ring.append_batch(position, n)
+        runs = ring.runs(position + first, count)
+        kernels.place(self.keys, kernels.to_layout(keys, self.layout, first), runs, self.layout)
+        kernels.place(self.values, kernels.to_layout(values, self.layout, first), runs, self.layout)
+        self.ring = ring
+
+    # -- the read path -------------------------------------------------------
+
+    def _rows_view(self, plane: mx.array) -> mx.array:
+        n = self.ring.len
+        if self.layout == kernels.TOKEN_MAJOR:
+            rows = plane if n == self.capacity else plane[:n]
+        else:
+            rows = plane if n == self.capacity else plane[:, :n, :]
+        return kernels.attention_view(rows, self.layout, self.kv_heads, self.head_dim)
+
+    def view(self) -> Tuple[mx.array, mx.array]:
+        """K/V ``[1, H, len, D]`` read in place, in physical order (``contiguous``
+        must hold: a wrapped full ring reads rotated, which is exact)."""
+        if not self.contiguous:
+            raise RuntimeError(
+                f"KV cache for layer {self.layer}: live rows are split in the plane "
+                f"(origin_physical {self.ring.origin_physical}, len {self.ring.len}); "
+                "read them through a staging shadow"
+            )
+        return self._rows_view(self.keys), self._rows_view(self.values)
+
+    def logical_rows(self) -> Tuple[mx.array, mx.array]:
+        """The live rows in logical order, in the plane's layout (a gather)."""
+        runs = self.ring.live_runs()
+        return (
+            kernels.gather(self.keys, runs, self.layout),
+            kernels.gather(self.values, runs, self.layout),
+        )
+
+    def shadow(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """The staging shadow for a chunk: old rows in logical order + the chunk's
+        rows, ``[1, H, len + N, D]``. Attention reads this before the chunk is
+        committed, so a chunk that wraps never overwrites rows its own queries need."""
+        self.check_input(keys, values)
+        old_k, old_v = self.logical_rows()
+        out = []
+        for old, new in ((old_k, keys), (old_v, values)):
+            rows = kernels.stage(old, kernels.to_layout(new, self.layout), self.layout)
+            out.append(kernels.attention_view(rows, self.layout, self.kv_heads, self.head_dim))
+        return out[0], out[1]
+
+    # -- snapshots -----------------------------------------------------------
+
+    def snapshot(self) -> Tuple[int, mx.array, mx.array]:
+        """``(start, keys, values)``: the live rows as ``[len, H, D]`` f16 in
+        logical order from logical position ``start``; never rotated."""
+        k, v = self.logical_rows()
+        to = kernels.to_logical
+        return (
+            self.ring.origin_logical,
+            to(k, self.layout, self.kv_heads, self.head_dim),
+            to(v, self.layout, self.kv_heads, self.head_dim),
+        )
+
+    def install(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Replace the contents with logical rows ``[n, H, D]`` (f16) starting at
+        ``start``, placed at rotation ``start % capacity``: exactly where a
+        sequentially built ring with this origin holds them."""
+        where = f"KV cache for layer {self.layer}"
+        shape = (keys.shape[0], self.kv_heads, self.head_dim)
+        for name, x in (("keys", keys), ("values", values)):
+            if x.dtype != kernels.PLANE_DTYPE:
+                raise TypeError(f"{where}: installed {name} must be float16, got {x.dtype}")
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{where}: installed {name} must be {shape}, got {tuple(x.shape)}")
+        n = shape[0]
+        if n > self.capacity or start < 0 or start + n > self.max_context:
+            raise ValueError(
+                f"{where}: cannot install {n} rows from position {start} "
+                f"(capacity {self.capacity}, max_context {self.max_context})"
+            )
+        if n < self.capacity and start != 0:
+            raise ValueError(
+                f"{where}: a ring that is not full must start at position 0, got {start}"
+            )
+        ring = Ring(self.capacity, n, start, start % self.capacity, self.layer)
+        runs = ring.live_runs()
+        keys_plane = mx.zeros_like(self.keys)
+        values_plane = mx.zeros_like(self.values)
+        kernels.place(keys_plane, kernels.from_logical(keys, self.layout), runs, self.layout)
+        kernels.place(values_plane, kernels.from_logical(values, self.layout), runs, self.layout)
+        self.keys, self.values, self.ring = keys_plane, values_plane, ring
