@@ -112,9 +112,9 @@ class MuseKVCache:
         if self.kind is LayerKind.GLOBAL:
             if window_size is not None:
                 return causal_mask(N, offset, window_size)
-            if N == 1:
-                return None
-            return causal_mask(N, offset) if return_array else "causal"
+            if return_array:
+                return causal_mask(N, offset)
+            return None if N == 1 else "causal"
         if window_size is not None and window_size != self.plane.window:
             raise ValueError(
                 f"layer {self.layer}: sliding cache built for window {self.plane.window}, "

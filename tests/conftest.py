@@ -1,0 +1,37 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models import muse_glimmer  # noqa: E402
+
+
+def tiny_args(**kw) -> muse_glimmer.ModelArgs:
+    """Muse-Glimmer-shaped: real 2 x 128 KV geometry, tiny hidden size."""
+    base = dict(hidden_size=64, num_hidden_layers=8, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                vocab_size=256, sliding_window=16, max_position_embeddings=256)
+    base.update(kw)
+    return muse_glimmer.ModelArgs(**base)
+
+
+def tiny_model(dtype=mx.float32, seed=0, **kw) -> muse_glimmer.Model:
+    mx.random.seed(seed)
+    model = muse_glimmer.Model(tiny_args(**kw))
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="session")
+def model_f32():
+    return tiny_model(mx.float32)
+
+
+@pytest.fixture(scope="session")
+def model_f16():
+    return tiny_model(mx.float16)

@@ -1,0 +1,158 @@
+"""MuseKVCache: mlx-lm's cache protocol, and the rule that the mask describes
+exactly the rows update_and_fetch returns."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import muser_kv
+from muser_kv import CacheDiscontinuity, LayerKind, MuseGeometry, MuseKVCache, make_cache_for
+from oracle import FullHistory, bits
+from test_plane import kv
+
+H, D = 2, 128
+
+
+def caches(window=8, max_context=64, layers=4):
+    return make_cache_for(MuseGeometry(num_layers=layers, window=window, max_context=max_context,
+                                       num_heads=4, kv_heads=H, head_dim=D))
+
+
+def mask_as_array(mask, n, rows):
+    if mask is None:
+        return np.ones((n, rows), bool)
+    if isinstance(mask, str):
+        assert mask == "causal"
+        return np.arange(rows)[None] <= (rows - n + np.arange(n))[:, None]
+    return np.broadcast_to(np.array(mask), (n, rows))
+
+
+def check_step(cache: MuseKVCache, oracle: FullHistory, n: int, seed: int):
+    """One update: mask and returned rows must give every query exactly the
+    rows the oracle says it may see."""
+    window = cache.window
+    L = cache.offset
+    mask = cache.make_mask(n, window_size=window)
+    arr = cache.make_mask(n, window_size=window, return_array=True)
+    k, v = kv(n, mx.float16, seed)
+    keys, values = cache.update_and_fetch(k, v)
+    oracle.append(k, v)
+    assert keys.shape == values.shape and keys.shape[:2] == (1, H) and keys.shape[3] == D
+    assert keys.dtype == mx.float16
+    rows = keys.shape[2]
+    full = mask_as_array(mask, n, rows)
+    np.testing.assert_array_equal(full, np.array(arr))
+    got_k = np.array(keys)[0].transpose(1, 0, 2)  # [rows, H, D]
+    got_v = np.array(values)[0].transpose(1, 0, 2)
+    for i in range(n):
+        vis = oracle.visible(L + i)
+        expect_k = sorted(bits(oracle.keys[p]).tobytes() for p in vis)
+        seen_k = sorted(bits(got_k[j]).tobytes() for j in np.nonzero(full[i])[0])
+        assert seen_k == expect_k, f"query {L + i}: wrong visible key rows"
+        expect_v = sorted(bits(oracle.values[p]).tobytes() for p in vis)
+        seen_v = sorted(bits(got_v[j]).tobytes() for j in np.nonzero(full[i])[0])
+        assert seen_v == expect_v
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunks=st.lists(st.integers(1, 21), min_size=1, max_size=10), layer=st.sampled_from([0, 3]))
+def test_mask_and_rows_agree(chunks, layer):
+    cache = caches()[layer]
+    oracle = FullHistory(cache.window)
+    for i, n in enumerate(chunks):
+        if cache.offset + n > 64:
+            break
+        check_step(cache, oracle, n, seed=i)
+
+
+def test_decode_on_full_ring_needs_no_mask_and_reads_in_place():
+    c = caches()[0]
+    c.update_and_fetch(*kv(11, seed=1))  # wrapped by a chunk
+    assert c.make_mask(1, window_size=8) is None
+    k, _ = c.update_and_fetch(*kv(1, seed=2))
+    assert k.shape == (1, H, 8, D)
+    # the returned keys are the plane itself, viewed: no staging copy
+    np.testing.assert_array_equal(bits(np.array(k)[0].transpose(1, 0, 2).reshape(8, -1)), bits(c.plane.keys))
+
+
+def test_protocol_surface():
+    cs = caches()
+    c, g = cs[0], cs[3]
+    assert c.kind is LayerKind.SLIDING and g.kind is LayerKind.GLOBAL
+    assert c.offset == 0 and c.empty() and c.size() == 0
+    assert c.nbytes == 8 * 256 * 2 * 2 and g.nbytes == 64 * 256 * 2 * 2
+    assert bool(c)  # mlx-lm's create_attention_mask tests `if cache`
+    c.update_and_fetch(*kv(5))
+    assert c.offset == 5 and c.size() == 5 and not c.empty()
+    with pytest.raises(AttributeError):
+        c.offset = 3  # offset moves only through the cache's own operations
+    with pytest.raises(ValueError, match="window 8, asked for a mask with window 4"):
+        c.make_mask(2, window_size=4)
+
+
+def test_state_round_trip_is_exact():
+    cs = caches()
+    for c in cs:
+        c.update_and_fetch(*kv(11, seed=c.layer))
+    for c in cs:
+        d = MuseKVCache.from_state(c.state, c.meta_state)
+        assert d.meta_state == c.meta_state
+        np.testing.assert_array_equal(bits(d.state[0]), bits(c.state[0]))
+        k1, _ = c.update_and_fetch(*kv(1, seed=7))
+        k2, _ = d.update_and_fetch(*kv(1, seed=7))
+        np.testing.assert_array_equal(bits(k1), bits(k2))
+    with pytest.raises(ValueError, match="meta_state"):
+        MuseKVCache.from_state(cs[0].state, None)
+    bad = (cs[0].state[0][:4], cs[0].state[1])
+    with pytest.raises(ValueError, match="state keys must be"):
+        MuseKVCache.from_state(bad, cs[0].meta_state)
+
+
+def test_trim_exact_or_refused():
+    c, g = caches()[0], caches()[3]
+    for x in (c, g):
+        x.update_and_fetch(*kv(6, seed=1))
+        assert x.is_trimmable()
+        assert x.trim(2) == 2 and x.offset == 4
+        k, _ = x.update_and_fetch(*kv(2, seed=3))  # rewrite positions 4, 5
+        assert x.offset == 6
+        with pytest.raises(ValueError, match="negative"):
+            x.trim(-1)
+        with pytest.raises(ValueError, match="at most 6"):
+            x.trim(7)
+    c.update_and_fetch(*kv(5, seed=4))  # wraps: rows 0..2 are gone
+    assert not c.is_trimmable()
+    before = (c.ring.len, c.ring.origin_logical, c.ring.origin_physical)
+    with pytest.raises(ValueError, match="at most 0"):
+        c.trim(1)
+    assert (c.ring.len, c.ring.origin_logical, c.ring.origin_physical) == before
+    assert c.trim(0) == 0
+
+
+def test_discontinuity_through_the_protocol_changes_nothing():
+    cs = caches()
+    c = cs[0]
+    c.update_and_fetch(*kv(3))
+    c.plane.ring.layer  # same object the error reports
+    state = (bits(c.plane.keys).copy(), c.meta_state)
+    # a caller that bypasses offset cannot reach the ring out of order: the
+    # plane itself refuses
+    with pytest.raises(CacheDiscontinuity):
+        c.plane.write(5, *kv(1))
+    np.testing.assert_array_equal(bits(c.plane.keys), state[0])
+    assert c.meta_state == state[1]
+
+
+def test_make_prompt_cache_from_model(model_f32):
+    cache = muser_kv.make_prompt_cache(model_f32, max_context=128)
+    args = model_f32.args
+    assert len(cache) == args.num_hidden_layers
+    for c, t in zip(cache, args.layer_types):
+        assert c.kind.value == t
+        assert c.plane.capacity == (16 if t == "sliding_attention" else 128)
+    fp = muser_kv.footprint(MuseGeometry.from_model_args(args, 128), 128)
+    assert sum(c.nbytes for c in cache) == fp.slot_bytes
+    with pytest.raises(TypeError):
+        muser_kv.make_prompt_cache(object())

@@ -1,0 +1,80 @@
+"""Geometry and footprint: the seeds' Table 22.1 to the byte."""
+
+import pytest
+
+from muser_kv import LayerKind, MuseGeometry, footprint
+from muser_kv.cli import main as cli_main
+
+
+def test_defaults_are_muse_glimmer():
+    g = MuseGeometry()
+    assert (g.num_layers, g.window, g.max_context) == (52, 2048, 131072)
+    assert (g.num_heads, g.kv_heads, g.head_dim) == (32, 2, 128)
+    assert g.kv_dim == 256 and g.row_bytes == 1024
+    assert [i for i in range(52) if g.layer_kind(i) is LayerKind.GLOBAL] == list(range(3, 52, 4))
+    assert (g.sliding_layers, g.global_layers) == (39, 13)
+
+
+def test_table_22_1_to_the_byte():
+    g = MuseGeometry()
+    one = footprint(g, 131072)
+    assert one.swa_bytes == 81_788_928
+    assert one.nope_bytes == 1_744_830_464
+    assert one.slot_bytes == 1_826_619_392
+    assert footprint(g, 131072, slots=4).total_bytes == 7_306_477_568
+    assert one.per_token_below_window == 53_248
+    assert one.per_token_above_window == 13_312
+    assert footprint(g, 8192, 4).total_bytes == 763_363_328
+    assert footprint(g, 32768, 4).total_bytes == 2_071_986_176
+    # Two routes, one number (seeds 22.3): below the window both formulas coincide.
+    assert footprint(g, 2048).slot_bytes == 52 * 2048 * 1024 == 109_051_904
+    assert one.slot_bytes / footprint(g, 2048).slot_bytes == 16.75
+
+
+def test_footprint_matches_capacity_sum():
+    g = MuseGeometry(num_layers=10, window=64, max_context=1000)
+    fp = footprint(g, 1000)
+    assert fp.slot_bytes == sum(g.capacity(i) for i in range(10)) * g.row_bytes
+
+
+def test_from_model_args_reads_layer_types_and_window():
+    from mlx_lm.models.muse_glimmer import ModelArgs
+
+    args = ModelArgs(hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=128, sliding_window=16,
+                     max_position_embeddings=512)
+    g = MuseGeometry.from_model_args(args)
+    assert (g.num_layers, g.window, g.max_context, g.kv_heads, g.head_dim) == (8, 16, 512, 2, 128)
+    assert [k.value for k in g.layer_kinds] == args.layer_types
+    assert MuseGeometry.from_model_args(args, max_context=100).max_context == 100
+    with pytest.raises(ValueError, match="exceeds"):
+        MuseGeometry.from_model_args(args, max_context=513)
+    custom = ModelArgs(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=128,
+                       layer_types=["full_attention", "sliding_attention", "full_attention"])
+    assert MuseGeometry.from_model_args(custom).layer_kinds == (
+        LayerKind.GLOBAL, LayerKind.SLIDING, LayerKind.GLOBAL)
+
+
+@pytest.mark.parametrize("bad", [dict(num_layers=0), dict(window=-1), dict(kv_heads=3),
+                                 dict(num_layers=4, layer_kinds=("full_attention",))])
+def test_bad_geometry_refused(bad):
+    with pytest.raises(ValueError):
+        MuseGeometry(**bad)
+
+
+def test_cli_footprint_prints_table(capsys):
+    assert cli_main(["footprint", "--context", "131072", "--slots", "4"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("1,826,619,392 B", "7,306,477,568 B", "81,788,928 B", "1,744,830,464 B",
+                   "53,248 B", "13,312 B", "16.75x"):
+        assert figure in out
+
+
+def test_cli_any_context_and_plot(tmp_path, capsys):
+    png = tmp_path / "fp.png"
+    assert cli_main(["footprint", "--context", "5000", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    expected = footprint(MuseGeometry(), 5000).slot_bytes
+    assert f"{expected:,} B" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

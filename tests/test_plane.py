@@ -1,0 +1,179 @@
+"""KvPlane: allocation, placement across the wrap, fail-closed validation,
+logical snapshots and rotation-preserving install, bitwise against the oracle."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from muser_kv import CacheDiscontinuity, ContextOverflow, KvPlane, LayerKind
+from oracle import FullHistory, bits, to_f16_rows
+
+H, D = 2, 128
+
+
+def plane(kind, window=8, max_context=64, layer=0):
+    return KvPlane(kind, kv_heads=H, head_dim=D, window=window, max_context=max_context, layer=layer)
+
+
+def kv(n, dtype=mx.float32, seed=0):
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    k = (mx.random.normal((1, H, n, D), key=k1) * 3).astype(dtype)
+    v = (mx.random.normal((1, H, n, D), key=k2) * 3).astype(dtype)
+    return k, v
+
+
+def snapshot_equals(p: KvPlane, oracle: FullHistory):
+    start, k, v = p.snapshot()
+    s, ok, ov = oracle.live()
+    assert start == s
+    assert k.shape == ok.shape and v.shape == ov.shape
+    np.testing.assert_array_equal(bits(k), bits(ok))
+    np.testing.assert_array_equal(bits(v), bits(ov))
+
+
+def physical_equals(p: KvPlane, oracle: FullHistory):
+    """Every live position sits at ring.physical(position), in the plane's layout."""
+    keys = np.array(p.keys)
+    s, e = oracle.live_range()
+    for pos in range(s, e):
+        row = p.ring.physical(pos)
+        got = keys[row].reshape(H, D) if p.layout == "token_major" else keys[:, row, :]
+        np.testing.assert_array_equal(bits(got), bits(oracle.keys[pos]))
+
+
+@pytest.mark.parametrize("kind,shape", [(LayerKind.SLIDING, (8, 256)), (LayerKind.GLOBAL, (2, 64, 128))])
+def test_allocation_zero_filled_and_exact(kind, shape):
+    p = plane(kind)
+    assert p.keys.shape == shape and p.values.shape == shape
+    assert p.keys.dtype == mx.float16
+    assert p.nbytes == 2 * int(np.prod(shape)) * 2
+    assert not np.any(bits(p.keys)) and not np.any(bits(p.values))
+
+
+def test_sliding_capacity_is_min_of_context_and_window():
+    assert plane(LayerKind.SLIDING, window=8, max_context=5).capacity == 5
+    assert plane(LayerKind.GLOBAL, window=8, max_context=5).capacity == 5
+
+
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_chunks_across_wrap_and_wider_than_ring(kind, dtype):
+    p = plane(kind)
+    oracle = FullHistory(8 if kind is LayerKind.SLIDING else None)
+    for i, n in enumerate([1, 3, 5, 1, 1, 13, 2, 8, 1, 9]):  # 13 and 9 are wider than the ring
+        k, v = kv(n, dtype, seed=i)
+        p.write(oracle.position, k, v)
+        oracle.append(k, v)
+        snapshot_equals(p, oracle)
+        physical_equals(p, oracle)
+    assert p.ring.end == 44
+
+
+def test_f32_rounds_to_nearest_even():
+    p = plane(LayerKind.GLOBAL)
+    # 1 + 2^-11 is exactly halfway between f16 1.0 and 1.0009765625: ties to even (1.0);
+    # 1 + 3 * 2^-11 is halfway between 1.0009765625 and 1.001953125: ties to even (the latter).
+    vals = np.array([1 + 2**-11, 1 + 3 * 2**-11, 65519.0, -0.0], np.float32)
+    k = mx.array(np.resize(vals, (1, H, 1, D)))
+    p.write(0, k, k)
+    _, got, _ = p.snapshot()
+    expect = np.resize(np.array([1.0, 1.001953125, 65504.0, -0.0], np.float16), (1, H, D))
+    np.testing.assert_array_equal(bits(got), bits(expect))
+
+
+def _frozen(p):
+    return (bits(p.keys).copy(), bits(p.values).copy(),
+            (p.ring.len, p.ring.origin_logical, p.ring.origin_physical))
+
+
+def _assert_unchanged(p, before):
+    after = _frozen(p)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    assert after[2] == before[2]
+
+
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+def test_discontinuous_write_changes_nothing(kind):
+    p = plane(kind, layer=5)
+    for i in range(3):
+        p.write(p.ring.end, *kv(5, seed=i))
+    before = _frozen(p)
+    for bad in (0, 14, 16, 100):
+        with pytest.raises(CacheDiscontinuity) as e:
+            p.write(bad, *kv(2, seed=9))
+        assert (e.value.layer, e.value.expected, e.value.got) == (5, 15, bad)
+        _assert_unchanged(p, before)
+
+
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+def test_bad_input_refused_before_anything_changes(kind):
+    p = plane(kind, max_context=20)
+    p.write(0, *kv(6))
+    before = _frozen(p)
+    k, v = kv(3)
+    cases = [
+        (ContextOverflow, "max_context 20", lambda: p.write(6, *kv(15))),
+        (ValueError, "batch size must be 1", lambda: p.write(6, mx.concatenate([k, k]), mx.concatenate([v, v]))),
+        (ValueError, "expected 2 KV heads, got 4", lambda: p.write(6, mx.concatenate([k, k], 1), mx.concatenate([v, v], 1))),
+        (ValueError, "expected head_dim 128, got 64", lambda: p.write(6, k[..., :64], v[..., :64])),
+        (TypeError, "dtype must be float32, float16 or bfloat16, got mlx.core.int32", lambda: p.write(6, k.astype(mx.int32), v)),
+        (ValueError, "differ", lambda: p.write(6, k, v[:, :, :2])),
+        (ValueError, "got shape", lambda: p.write(6, k[0], v[0])),
+        (ValueError, "at least one token", lambda: p.write(6, k[:, :, :0], v[:, :, :0])),
+    ]
+    for exc, message, call in cases:
+        with pytest.raises(exc, match=message):
+            call()
+        _assert_unchanged(p, before)
+    p.write(6, k, v)  # the right write still works afterwards
+    assert p.ring.end == 9
+
+
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+@pytest.mark.parametrize("position", [1, 7, 8, 9, 13, 31])
+def test_install_reproduces_the_live_rotation(kind, position):
+    """A restore of the logical snapshot into a fresh plane lands every row at
+    the physical slot the live, sequentially built plane holds it in."""
+    live = plane(kind)
+    done = 0
+    while done < position:
+        n = min(3, position - done)
+        live.write(done, *kv(n, seed=done))
+        done += n
+    start, k, v = live.snapshot()
+    fresh = plane(kind)
+    fresh.install(start, k, v)
+    assert (fresh.ring.len, fresh.ring.origin_logical, fresh.ring.origin_physical) == (
+        live.ring.len, live.ring.origin_logical, live.ring.origin_physical)
+    np.testing.assert_array_equal(bits(fresh.keys), bits(live.keys))
+    np.testing.assert_array_equal(bits(fresh.values), bits(live.values))
+
+
+def test_install_refuses_bad_snapshots():
+    p = plane(LayerKind.SLIDING)
+    rows = mx.zeros((8, H, D), mx.float16)
+    with pytest.raises(TypeError, match="float16"):
+        p.install(0, rows.astype(mx.float32), rows)
+    with pytest.raises(ValueError, match=r"\(8, 2, 128\)"):
+        p.install(0, rows, rows[:, :, :64])
+    with pytest.raises(ValueError, match="cannot install 9 rows"):
+        p.install(0, mx.zeros((9, H, D), mx.float16), mx.zeros((9, H, D), mx.float16))
+    with pytest.raises(ValueError, match="must start at position 0"):
+        p.install(3, rows[:5], rows[:5])
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.integers(1, 20), min_size=1, max_size=8),
+       window=st.integers(1, 12), kind=st.sampled_from(list(LayerKind)))
+def test_random_chunks_match_oracle(chunks, window, kind):
+    p = plane(kind, window=window, max_context=200)
+    oracle = FullHistory(window if kind is LayerKind.SLIDING else None)
+    for i, n in enumerate(chunks):
+        k, v = kv(n, mx.float16, seed=i)
+        p.write(oracle.position, k, v)
+        oracle.append(k, v)
+    snapshot_equals(p, oracle)
