@@ -1,21 +1,30 @@
 """How rows move: the data path between the model's K/V and the planes.
 
-Every function here is a copy plus one f32/bf16 -> f16 conversion (round to
-nearest even), so every backend that implements it must give the same bits.
-Positions never reach this module: the ring hands over physical runs, and the
-functions move the rows they are told to move.
+Every operation here is a copy plus at most one f32/bf16 -> f16 conversion
+(round to nearest even), so every backend must give the same bits:
 
-This is the pure-MLX reference path. It runs on every MLX backend (CPU, Metal,
-CUDA) and is the oracle the custom kernels are compared against bitwise.
+* ``reference``: plain MLX ops; runs on any MLX device and is the oracle;
+* ``metal`` / ``cuda``: the kernel bodies in ``kernels/`` built once with
+  ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` (one body, one prelude).
+
+Positions never reach this module as positions: the ring hands over its
+reservation (origins, counts, runs) and the functions move the rows they are
+told to move. No kernel writes memory it does not declare as an output (MLX
+orders GPU work only by declared outputs), so kernels produce what is new --
+rows in the plane's layout, a staging shadow, a snapshot, a fresh plane -- and
+``place`` puts rows into a plane with MLX's own donated update.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from functools import lru_cache
+from importlib import resources
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .ring import Run
+from .ring import Ring, Run
 
 PLANE_DTYPE = mx.float16
 INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -23,56 +32,14 @@ INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 TOKEN_MAJOR = "token_major"
 HEAD_MAJOR = "head_major"
 
+BACKEND_ENV = "MUSER_KV_BACKEND"
+BACKENDS = ("reference", "metal", "cuda")
+THREADGROUP = 256
 
-def to_layout(x: mx.array, layout: str, first: int = 0) -> mx.array:
-    """Model-shaped ``[1, H, N, D]`` K or V -> f16 rows in the plane's layout,
-    dropping the first ``first`` source rows (a chunk wider than the ring).
-
-    Token-major rows are ``[N, H * D]`` (one token's heads adjacent); head-major
-    rows are ``[H, N, D]`` (one head's tokens adjacent).
-    """
-    if first:
-        x = x[:, :, first:, :]
-    x = x.astype(PLANE_DTYPE)
-    if layout == TOKEN_MAJOR:
-        _, h, n, d = x.shape
-        return x[0].transpose(1, 0, 2).reshape(n, h * d)
-    return x[0]
+Pair = Tuple[mx.array, mx.array]
 
 
-def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str) -> None:
-    """Write ``rows`` (already in the plane's layout) into ``plane`` along ``runs``.
-
-    This is the one placement mechanism of a plane. It uses MLX's slice update,
-    which reuses the plane's buffer when MLX can donate it (O(rows)) and copies
-    it otherwise; it never writes memory MLX does not know about.
-    """
-    for run in runs:
-        src = slice(run.source, run.source + run.length)
-        dst = slice(run.physical, run.physical + run.length)
-        if layout == TOKEN_MAJOR:
-            plane[dst] = rows[src]
-        else:
-            plane[:, dst, :] = rows[:, src, :]
-
-
-def gather(plane: mx.array, runs: Sequence[Run], layout: str) -> mx.array:
-    """Rows along ``runs``, concatenated in run order, in the plane's layout."""
-    parts = []
-    for run in runs:
-        dst = slice(run.physical, run.physical + run.length)
-        parts.append(plane[dst] if layout == TOKEN_MAJOR else plane[:, dst, :])
-    if not parts:
-        return plane[:0] if layout == TOKEN_MAJOR else plane[:, :0, :]
-    if len(parts) == 1:
-        return parts[0]
-    return mx.concatenate(parts, axis=0 if layout == TOKEN_MAJOR else 1)
-
-
-def stage(old: mx.array, new: mx.array, layout: str) -> mx.array:
-    """The staging shadow: old rows (logical order) followed by the chunk's rows,
-    one contiguous span that attention reads before the chunk is committed."""
-    return mx.concatenate([old, new], axis=0 if layout == TOKEN_MAJOR else 1)
+# -- layout helpers shared by every backend ----------------------------------
 
 
 def attention_view(rows: mx.array, layout: str, kv_heads: int, head_dim: int) -> mx.array:
@@ -86,15 +53,222 @@ def attention_view(rows: mx.array, layout: str, kv_heads: int, head_dim: int) ->
     return rows[None]
 
 
-def to_logical(rows: mx.array, layout: str, kv_heads: int, head_dim: int) -> mx.array:
-    """Rows in either layout -> the interchange shape ``[n, H, D]`` (token order)."""
-    if layout == TOKEN_MAJOR:
-        return rows.reshape(rows.shape[0], kv_heads, head_dim)
-    return rows.transpose(1, 0, 2)
+def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str) -> None:
+    """Write ``rows`` (in the plane's layout) into ``plane`` along ``runs``.
+
+    The one placement mechanism of every plane: MLX's slice update, which reuses
+    the plane's buffer when MLX can donate it (O(rows)) and copies it otherwise;
+    either way MLX tracks the write, so no reader can race it."""
+    for run in runs:
+        src = slice(run.source, run.source + run.length)
+        dst = slice(run.physical, run.physical + run.length)
+        if layout == TOKEN_MAJOR:
+            plane[dst] = rows[src]
+        else:
+            plane[:, dst, :] = rows[:, src, :]
 
 
-def from_logical(rows: mx.array, layout: str) -> mx.array:
-    """Interchange ``[n, H, D]`` f16 rows -> the plane's layout."""
+def _rows_shape(layout: str, count: int, kv_heads: int, head_dim: int) -> Tuple[int, ...]:
     if layout == TOKEN_MAJOR:
-        return rows.reshape(rows.shape[0], -1)
-    return rows.transpose(1, 0, 2)
+        return (count, kv_heads * head_dim)
+    return (kv_heads, count, head_dim)
+
+
+# -- the reference path --------------------------------------------------------
+
+
+class ReferenceBackend:
+    """Plain MLX ops. Same outputs, bit for bit, as the kernels."""
+
+    name = "reference"
+
+    def store(self, keys: mx.array, values: mx.array, layout: str, first: int, count: int,
+              ring: Optional[Ring] = None, start: int = 0) -> Pair:
+        """Model-shaped ``[1, H, N, D]`` K/V -> f16 rows ``first .. first+count``
+        in the plane's layout (``[count, H*D]`` or ``[H, count, D]``).
+
+        ``ring`` (the reservation, after ``append_batch``) and ``start`` (the
+        chunk's first position) let a kernel also compute each row's physical
+        destination on the device; placement itself uses the ring's runs."""
+        return self._rows(keys, layout, first, count), self._rows(values, layout, first, count)
+
+    @staticmethod
+    def _rows(x: mx.array, layout: str, first: int, count: int) -> mx.array:
+        if first or count != x.shape[2]:
+            x = x[:, :, first:first + count, :]
+        x = x.astype(PLANE_DTYPE)
+        if layout == TOKEN_MAJOR:
+            _, h, n, d = x.shape
+            return x[0].transpose(1, 0, 2).reshape(n, h * d)
+        return x[0]
+
+    def stage(self, ring_keys: mx.array, ring_values: mx.array, ring: Ring,
+              keys: mx.array, values: mx.array) -> Pair:
+        """The staging shadow ``[len + N, H*D]``: live ring rows in logical order,
+        then the chunk's rows (token-major planes only)."""
+        runs = ring.live_runs()
+        out = []
+        for plane, x in ((ring_keys, keys), (ring_values, values)):
+            parts = [plane[r.physical:r.physical + r.length] for r in runs]
+            parts.append(self._rows(x, TOKEN_MAJOR, 0, x.shape[2]))
+            out.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
+        return out[0], out[1]
+
+    def gather(self, plane_keys: mx.array, plane_values: mx.array, layout: str, ring: Ring) -> Pair:
+        """The live rows in logical order as ``[len, H*D]`` (token order)."""
+        runs = ring.live_runs()
+        out = []
+        for plane in (plane_keys, plane_values):
+            if layout == TOKEN_MAJOR:
+                parts = [plane[r.physical:r.physical + r.length] for r in runs]
+            else:
+                h, _, d = plane.shape
+                parts = [plane[:, r.physical:r.physical + r.length, :].transpose(1, 0, 2)
+                         .reshape(r.length, h * d) for r in runs]
+            if not parts:
+                out.append(mx.zeros((0, plane.size // ring.capacity), PLANE_DTYPE))
+            else:
+                out.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else mx.contiguous(parts[0]))
+        return out[0], out[1]
+
+    def install(self, rows_keys: mx.array, rows_values: mx.array, layout: str, ring: Ring,
+                shape: Tuple[int, ...]) -> Pair:
+        """A fresh zero-filled plane of ``shape`` holding ``[n, H*D]`` logical rows
+        at rotation ``ring.origin_physical``."""
+        out = []
+        for rows in (rows_keys, rows_values):
+            plane = mx.zeros(shape, PLANE_DTYPE)
+            if layout == HEAD_MAJOR:
+                h, _, d = shape
+                rows = rows.reshape(rows.shape[0], h, d).transpose(1, 0, 2)
+            place(plane, rows, ring.live_runs(), layout)
+            out.append(plane)
+        return out[0], out[1]
+
+
+# -- the kernel path -----------------------------------------------------------
+
+_KERNELS = {
+    # name: (input names, output names)
+    "batch_store": (["key", "value", "params"], ["key_rows", "value_rows", "dest"]),
+    "stage": (["ring_key", "ring_value", "key", "value", "params"], ["shadow_key", "shadow_value"]),
+    "gather": (["plane_key", "plane_value", "params"], ["out_key", "out_value"]),
+    "install": (["rows_key", "rows_value", "params"], ["plane_key", "plane_value"]),
+}
+
+
+def kernel_source(name: str) -> str:
+    """The prelude followed by one kernel body, exactly as every backend compiles it."""
+    src = resources.files("muser_kv.kernel_sources")
+    return src.joinpath("prelude.h").read_text() + "\n" + src.joinpath(f"{name}.inc").read_text()
+
+
+def _params(*values: int) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+def _grid(threads: int) -> Tuple[int, int, int]:
+    # A multiple of the threadgroup: Metal and CUDA then launch the same threads.
+    return (max(1, -(-threads // THREADGROUP)) * THREADGROUP, 1, 1)
+
+
+class KernelBackend(ReferenceBackend):
+    """The kernel bodies through ``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel``.
+    Each kernel is built once; template values are types and head geometry,
+    never positions (positions travel in ``params``, so nothing recompiles)."""
+
+    def __init__(self, name: str):
+        if name not in ("metal", "cuda"):
+            raise ValueError(f"no kernel backend {name!r}")
+        self.name = name
+        self._built: Dict[str, Callable] = {}
+
+    def kernel(self, name: str) -> Callable:
+        if name not in self._built:
+            inputs, outputs = _KERNELS[name]
+            factory = mx.fast.metal_kernel if self.name == "metal" else mx.fast.cuda_kernel
+            self._built[name] = factory(
+                name=f"muser_kv_{name}", input_names=inputs, output_names=outputs,
+                source=kernel_source(name), ensure_row_contiguous=False,
+            )
+        return self._built[name]
+
+    def store(self, keys, values, layout, first, count, ring=None, start=0):
+        return self.store_with_dest(keys, values, layout, first, count, ring, start)[:2]
+
+    def store_with_dest(self, keys, values, layout, first, count, ring=None, start=0):
+        """``store`` plus each row's physical destination, translated on the device
+        from the ring's explicit origins (the seeds' batch-store arithmetic)."""
+        _, h, _, d = keys.shape
+        shape = _rows_shape(layout, count, h, d)
+        ring = ring or Ring(max(count, 1))
+        return self.kernel("batch_store")(
+            inputs=[keys, values, _params(first, count, start, ring.capacity,
+                                          ring.origin_logical, ring.origin_physical)],
+            template=[("T", keys.dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
+                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(count * h * d), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[shape, shape, (count,)],
+            output_dtypes=[PLANE_DTYPE, PLANE_DTYPE, mx.int32],
+        )
+
+    def stage(self, ring_keys, ring_values, ring, keys, values):
+        _, h, n, d = keys.shape
+        rows = ring.len + n
+        return tuple(self.kernel("stage")(
+            inputs=[ring_keys, ring_values, keys, values,
+                    _params(ring.len, ring.origin_physical, ring.capacity, n)],
+            template=[("T", keys.dtype), ("KV_HEADS", h), ("HEAD_DIM", d)],
+            grid=_grid(rows * h * d), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(rows, h * d)] * 2, output_dtypes=[PLANE_DTYPE] * 2,
+        ))
+
+    def gather(self, plane_keys, plane_values, layout, ring):
+        kv_dim = plane_keys.size // ring.capacity
+        head_dim = plane_keys.shape[-1]
+        if ring.len == 0:
+            return super().gather(plane_keys, plane_values, layout, ring)
+        return tuple(self.kernel("gather")(
+            inputs=[plane_keys, plane_values, _params(ring.len, ring.origin_physical, ring.capacity)],
+            template=[("T", PLANE_DTYPE), ("KV_HEADS", kv_dim // head_dim), ("HEAD_DIM", head_dim),
+                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(ring.len * kv_dim), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(ring.len, kv_dim)] * 2, output_dtypes=[PLANE_DTYPE] * 2,
+        ))
+
+    def install(self, rows_keys, rows_values, layout, ring, shape):
+        head_dim = shape[-1]
+        kv_dim = rows_keys.shape[1]
+        return tuple(self.kernel("install")(
+            inputs=[rows_keys, rows_values, _params(ring.len, ring.origin_physical, ring.capacity)],
+            template=[("T", PLANE_DTYPE), ("KV_HEADS", kv_dim // head_dim), ("HEAD_DIM", head_dim),
+                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(ring.capacity * kv_dim), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[shape] * 2, output_dtypes=[PLANE_DTYPE] * 2,
+        ))
+
+
+# -- selection -------------------------------------------------------------------
+
+
+def detect() -> str:
+    """The best backend this MLX can run: Metal, then CUDA, else the reference."""
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "reference"
+
+
+@lru_cache(maxsize=None)
+def _make(name: str):
+    return ReferenceBackend() if name == "reference" else KernelBackend(name)
+
+
+def get_backend(name: Optional[str] = None):
+    """The backend named, else ``$MUSER_KV_BACKEND``, else the detected one.
+    Each is built once and shared."""
+    name = name or os.environ.get(BACKEND_ENV) or detect()
+    if name not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
+    return _make(name)

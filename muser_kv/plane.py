@@ -73,6 +73,7 @@ class KvPlane:
             self.layout = kernels.HEAD_MAJOR
             shape = (kv_heads, capacity, head_dim)
         self.ring = Ring(capacity, layer=layer)
+        self.backend = kernels.get_backend()
         self.keys = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
         self.values = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
         mx.eval(self.keys, self.values)
@@ -124,9 +125,10 @@ class KvPlane:
                 raise ValueError(f"{where}: expected head_dim {self.head_dim}, got {d}")
             if n < 1:
                 raise ValueError(f"{where}: expected at least one token, got {n}")
-        if tuple(keys.shape) != tuple(values.shape):
+        if tuple(keys.shape) != tuple(values.shape) or keys.dtype != values.dtype:
             raise ValueError(
-                f"{where}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ"
+                f"{where}: keys {keys.dtype} {tuple(keys.shape)} and values "
+                f"{values.dtype} {tuple(values.shape)} differ"
             )
         return keys.shape[2]
 
@@ -143,10 +145,14 @@ class KvPlane:
         self.check_write(position, n)
         ring = self.ring.copy()
         first, count = ring.append_batch(position, n)
-        runs = ring.runs(position + first, count)
-        kernels.place(self.keys, kernels.to_layout(keys, self.layout, first), runs, self.layout)
-        kernels.place(self.values, kernels.to_layout(values, self.layout, first), runs, self.layout)
+        k_rows, v_rows = self.backend.store(keys, values, self.layout, first, count, ring, position)
+        self._place(k_rows, v_rows, ring.runs(position + first, count))
         self.ring = ring
+
+    def _place(self, k_rows: mx.array, v_rows: mx.array, runs) -> None:
+        """The one placement mechanism (see ``kernels.place``)."""
+        kernels.place(self.keys, k_rows, runs, self.layout)
+        kernels.place(self.values, v_rows, runs, self.layout)
 
     # -- the read path -------------------------------------------------------
 
@@ -169,38 +175,26 @@ class KvPlane:
             )
         return self._rows_view(self.keys), self._rows_view(self.values)
 
-    def logical_rows(self) -> Tuple[mx.array, mx.array]:
-        """The live rows in logical order, in the plane's layout (a gather)."""
-        runs = self.ring.live_runs()
-        return (
-            kernels.gather(self.keys, runs, self.layout),
-            kernels.gather(self.values, runs, self.layout),
-        )
-
     def shadow(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """The staging shadow for a chunk: old rows in logical order + the chunk's
         rows, ``[1, H, len + N, D]``. Attention reads this before the chunk is
         committed, so a chunk that wraps never overwrites rows its own queries need."""
         self.check_input(keys, values)
-        old_k, old_v = self.logical_rows()
-        out = []
-        for old, new in ((old_k, keys), (old_v, values)):
-            rows = kernels.stage(old, kernels.to_layout(new, self.layout), self.layout)
-            out.append(kernels.attention_view(rows, self.layout, self.kv_heads, self.head_dim))
-        return out[0], out[1]
+        if self.layout != kernels.TOKEN_MAJOR:
+            raise RuntimeError(f"layer {self.layer}: only sliding rings are staged")
+        k, v = self.backend.stage(self.keys, self.values, self.ring, keys, values)
+        view = kernels.attention_view
+        return view(k, self.layout, self.kv_heads, self.head_dim), view(
+            v, self.layout, self.kv_heads, self.head_dim)
 
     # -- snapshots -----------------------------------------------------------
 
     def snapshot(self) -> Tuple[int, mx.array, mx.array]:
         """``(start, keys, values)``: the live rows as ``[len, H, D]`` f16 in
         logical order from logical position ``start``; never rotated."""
-        k, v = self.logical_rows()
-        to = kernels.to_logical
-        return (
-            self.ring.origin_logical,
-            to(k, self.layout, self.kv_heads, self.head_dim),
-            to(v, self.layout, self.kv_heads, self.head_dim),
-        )
+        k, v = self.backend.gather(self.keys, self.values, self.layout, self.ring)
+        shape = (self.ring.len, self.kv_heads, self.head_dim)
+        return self.ring.origin_logical, k.reshape(shape), v.reshape(shape)
 
     def install(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Replace the contents with logical rows ``[n, H, D]`` (f16) starting at
@@ -224,9 +218,7 @@ class KvPlane:
                 f"{where}: a ring that is not full must start at position 0, got {start}"
             )
         ring = Ring(self.capacity, n, start, start % self.capacity, self.layer)
-        runs = ring.live_runs()
-        keys_plane = mx.zeros_like(self.keys)
-        values_plane = mx.zeros_like(self.values)
-        kernels.place(keys_plane, kernels.from_logical(keys, self.layout), runs, self.layout)
-        kernels.place(values_plane, kernels.from_logical(values, self.layout), runs, self.layout)
-        self.keys, self.values, self.ring = keys_plane, values_plane, ring
+        flat = (n, self.kv_dim)
+        k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring,
+                                    tuple(self.keys.shape))
+        self.keys, self.values, self.ring = k, v, ring

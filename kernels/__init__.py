@@ -1,0 +1,1 @@
+"""Kernel sources (prelude.h + one *.inc body per kernel), shipped as package data."""

@@ -1,0 +1,35 @@
+// muser-kv kernel prelude: one kernel body, three ways to run it.
+//
+// It is prepended to every body's *source* (not a header): on Metal,
+// mx.fast.metal_kernel adds `thread_position_in_grid` to the generated
+// signature only when that token appears in the source.
+//
+//   __METAL_VERSION__  mx.fast.metal_kernel (Apple GPU)
+//   __CUDACC__ / NVRTC mx.fast.cuda_kernel (NVIDIA GPU); the body sits inside
+//                      namespace mlx::core::cu
+//   MUSER_KV_HOST      g++ on the CPU, in CI: the harness loops the grid and
+//                      defines the thread index (see muser_kv/hostkernels.py)
+//
+// Bodies follow four rules so that all three agree bit for bit:
+//   * thread ids only through KIDX_GLOBAL_X; bounds-checked; no `return`
+//     (on the host the body is the inside of a loop);
+//   * runtime scalars arrive in an int32 `params` array, read as params[i];
+//   * element types: input `T` (template), planes KHALF; conversion only via
+//     TO_F32 / KHALF_FROM_F32 (f32 -> f16 rounds to nearest even everywhere);
+//   * fixed-width integers (uint32_t, int64_t), no `uint`.
+#if defined(__METAL_VERSION__)
+#define KIDX_GLOBAL_X ((uint32_t)thread_position_in_grid.x)
+#define KHALF half
+#define TO_F32(x) static_cast<float>(x)
+#define KHALF_FROM_F32(x) static_cast<half>(x)
+#elif defined(MUSER_KV_HOST)
+#define KIDX_GLOBAL_X (muser_kv_tid)
+#define KHALF _Float16
+#define TO_F32(x) static_cast<float>(x)
+#define KHALF_FROM_F32(x) static_cast<_Float16>(x)
+#else
+#define KIDX_GLOBAL_X ((uint32_t)(blockIdx.x * blockDim.x + threadIdx.x))
+#define KHALF __half
+#define TO_F32(x) static_cast<float>(x)
+#define KHALF_FROM_F32(x) __float2half_rn(x)
+#endif

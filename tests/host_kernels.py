@@ -1,0 +1,124 @@
+"""Run the real kernel bodies on the CPU: g++ compiles each body's source text
+(the same text MLX hands to Metal and NVRTC) behind the host prelude, inside a
+loop that walks the grid one thread at a time; ctypes calls it on numpy data.
+
+_Float16 is IEEE binary16 with round-to-nearest-even conversions, which is what
+Metal's `half` and CUDA's `__float2half_rn` do, so the host run must agree with
+the MLX reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from muser_kv.kernels import THREADGROUP, kernel_source
+
+# bf16 has no host type: a 16-bit pattern whose float value is the top half of an f32.
+HOST_HEADER = r"""
+#include <cstdint>
+#include <cstring>
+#define MUSER_KV_HOST 1
+struct bf16_t {
+  uint16_t bits;
+  explicit operator float() const {
+    uint32_t u = (uint32_t)bits << 16; float f; std::memcpy(&f, &u, 4); return f;
+  }
+};
+"""
+
+TYPES = {"float32": "float", "float16": "_Float16", "bfloat16": "bf16_t"}
+
+# name -> list of (c type, parameter name); "T*" is the templated input type,
+# "strides:x" an int64 stride array for input x, "H*" a plane of _Float16.
+SIGNATURES: Dict[str, List[Tuple[str, str]]] = {
+    "batch_store": [("T*", "key"), ("strides", "key"), ("T*", "value"), ("strides", "value"),
+                    ("int32*", "params"), ("H*out", "key_rows"), ("H*out", "value_rows"),
+                    ("int32*out", "dest")],
+    "stage": [("H*", "ring_key"), ("H*", "ring_value"), ("T*", "key"), ("strides", "key"),
+              ("T*", "value"), ("strides", "value"), ("int32*", "params"),
+              ("H*out", "shadow_key"), ("H*out", "shadow_value")],
+    "gather": [("H*", "plane_key"), ("H*", "plane_value"), ("int32*", "params"),
+               ("H*out", "out_key"), ("H*out", "out_value")],
+    "install": [("H*", "rows_key"), ("H*", "rows_value"), ("int32*", "params"),
+                ("H*out", "plane_key"), ("H*out", "plane_value")],
+}
+
+
+def _function(name: str, dtype: str, kv_heads: int, head_dim: int, head_major: bool) -> Tuple[str, str]:
+    fn = f"host_{name}_{dtype}_{kv_heads}_{head_dim}_{int(head_major)}"
+    params, casts = [], []
+    for kind, pname in SIGNATURES[name]:
+        if kind == "strides":
+            params.append(f"const int64_t* {pname}_strides")
+        elif kind == "T*":
+            params.append(f"const void* {pname}_")
+            casts.append(f"const T* {pname} = (const T*){pname}_;")
+        elif kind == "H*":
+            params.append(f"const void* {pname}_")
+            casts.append(f"const _Float16* {pname} = (const _Float16*){pname}_;")
+        elif kind == "H*out":
+            params.append(f"void* {pname}_")
+            casts.append(f"_Float16* {pname} = (_Float16*){pname}_;")
+        elif kind == "int32*":
+            params.append(f"const int32_t* {pname}")
+        elif kind == "int32*out":
+            params.append(f"int32_t* {pname}")
+    params.append("uint32_t grid")
+    body = kernel_source(name)
+    text = f"""
+extern "C" void {fn}({", ".join(params)}) {{
+  using T = {TYPES[dtype]};
+  constexpr int KV_HEADS = {kv_heads};
+  constexpr int HEAD_DIM = {head_dim};
+  constexpr bool HEAD_MAJOR = {str(head_major).lower()};
+  {" ".join(casts)}
+  for (uint32_t muser_kv_tid = 0; muser_kv_tid < grid; ++muser_kv_tid) {{
+{body}
+  }}
+}}
+"""
+    return fn, text
+
+
+class HostKernels:
+    """Compiles every (kernel, dtype, layout) instantiation once, into one library."""
+
+    def __init__(self, kv_heads: int = 2, head_dim: int = 128):
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        funcs, texts = {}, [HOST_HEADER]
+        for name in SIGNATURES:
+            for dtype in TYPES:
+                for hm in (False, True):
+                    fn, text = _function(name, dtype, kv_heads, head_dim, hm)
+                    funcs[(name, dtype, hm)] = fn
+                    texts.append(text)
+        source = "\n".join(texts)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        build = Path(tempfile.gettempdir()) / "muser_kv_host"
+        build.mkdir(exist_ok=True)
+        lib = build / f"kernels_{digest}.so"
+        if not lib.exists():
+            src = build / f"kernels_{digest}.cpp"
+            src.write_text(source)
+            tmp = build / f"kernels_{digest}.{id(self)}.so"
+            subprocess.run([shutil.which("g++") or "g++", "-std=c++17", "-O2", "-shared", "-fPIC",
+                            "-o", str(tmp), str(src)], check=True, capture_output=True, text=True)
+            tmp.replace(lib)
+        self.lib = ctypes.CDLL(str(lib))
+        self.funcs = funcs
+
+    def call(self, name: str, dtype: str, head_major: bool, args: Sequence, threads: int) -> None:
+        grid = max(1, -(-threads // THREADGROUP)) * THREADGROUP  # as the GPUs launch it
+        ptrs = []
+        for a in args:
+            a = np.asarray(a)
+            ptrs.append(ctypes.c_void_p(a.ctypes.data))
+        getattr(self.lib, self.funcs[(name, dtype, head_major)])(*ptrs, ctypes.c_uint32(grid))
