@@ -94,13 +94,17 @@ class ReferenceBackend:
 
     @staticmethod
     def _rows(x: mx.array, layout: str, first: int, count: int) -> mx.array:
+        # Views only (slice, squeeze, transpose, reshape) around one conversion:
+        # an f16 input reaches the slice update with no kernel of its own.
         if first or count != x.shape[2]:
             x = x[:, :, first:first + count, :]
-        x = x.astype(PLANE_DTYPE)
-        if layout == TOKEN_MAJOR:
-            _, h, n, d = x.shape
-            return x[0].transpose(1, 0, 2).reshape(n, h * d)
-        return x[0]
+        x = x.astype(PLANE_DTYPE).squeeze(0)
+        if layout == HEAD_MAJOR:
+            return x
+        h, n, d = x.shape
+        if n == 1:
+            return x.reshape(1, h * d)  # one token: head-major order is token order
+        return x.transpose(1, 0, 2).reshape(n, h * d)
 
     def stage(self, ring_keys: mx.array, ring_values: mx.array, ring: Ring,
               keys: mx.array, values: mx.array) -> Pair:
@@ -194,6 +198,10 @@ class KernelBackend(ReferenceBackend):
         return self._built[name]
 
     def store(self, keys, values, layout, first, count, ring=None, start=0):
+        if keys.dtype == PLANE_DTYPE:
+            # Nothing to convert: MLX's slice update copies the (strided) rows
+            # straight into the plane, one dispatch per plane; a kernel would add one.
+            return super().store(keys, values, layout, first, count)
         return self.store_with_dest(keys, values, layout, first, count, ring, start)[:2]
 
     def store_with_dest(self, keys, values, layout, first, count, ring=None, start=0):

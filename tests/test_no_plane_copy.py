@@ -1,0 +1,86 @@
+"""A store never copies a plane: decode through mlx-lm's real (pipelined)
+generate_step holds peak memory at what the planes already hold, and in a
+synchronous loop every plane keeps its buffer. A negative control (a view of a
+plane kept alive, which blocks MLX's donation) shows the measurement catches a
+copy."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import muser_kv
+from conftest import tiny_model
+
+CONTEXT = 65536  # NoPE planes of 2 x 65,536 x 128 f16 = 32 MiB each: a copy cannot hide
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(mx.float16, max_position_embeddings=CONTEXT)
+
+
+def decode_peak_extra(model, cache, tokens=24):
+    """Peak memory above the memory held before decode, over a pipelined decode."""
+    prompt = mx.array(np.random.default_rng(0).integers(0, 256, 40), mx.uint32)
+    base = None
+    for i, _ in enumerate(generate_step(prompt, model, prompt_cache=cache, max_tokens=tokens,
+                                        prefill_step_size=16)):
+        if i == 2:
+            mx.synchronize()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+def test_pipelined_decode_peak_is_the_planes(model):
+    cache = muser_kv.make_prompt_cache(model)
+    extra = decode_peak_extra(model, cache)
+    plane = cache[3].plane.keys.nbytes
+    assert plane == 32 * 2**20
+    assert extra < plane / 16, f"decode allocated {extra} B beyond the planes (a plane is {plane} B)"
+
+
+class Holder:
+    """Keeps every K/V view a layer returned alive, as a careless caller might:
+    each view shares its plane's buffer, so MLX cannot donate that buffer to the
+    next store and must copy the plane."""
+
+    def __init__(self, cache):
+        self._cache, self.held = cache, []
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def update_and_fetch(self, keys, values):
+        self.held.append(self._cache.update_and_fetch(keys, values))
+        return self.held[-1]
+
+
+def test_negative_control_a_held_view_forces_copies(model):
+    cache = muser_kv.make_prompt_cache(model)
+    cache[3] = Holder(cache[3])
+    extra = decode_peak_extra(model, cache, tokens=6)
+    assert extra >= cache[3].plane.keys.nbytes
+
+
+def _address(x: mx.array) -> int:
+    a = np.array(x, copy=False)
+    try:
+        return a.__array_interface__["data"][0]
+    finally:
+        del a
+
+
+def test_synchronous_stores_keep_every_buffer(model):
+    cache = muser_kv.make_prompt_cache(model, max_context=4096)
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    before = [(_address(c.plane.keys), _address(c.plane.values)) for c in cache]
+    for t in range(40):  # wraps the 16-row rings twice
+        out = model(mx.array([[t % 256]]), cache=cache)
+        mx.eval(out, [c.state for c in cache])
+        del out
+        after = [(_address(c.plane.keys), _address(c.plane.values)) for c in cache]
+        assert after == before, f"step {t}: a plane moved to a new buffer"
