@@ -9,11 +9,16 @@ from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
 from .geometry import Footprint, LayerKind, MuseGeometry, footprint
 from .plane import ContextOverflow, KvPlane
 from .ring import CacheDiscontinuity, Ring, Run
+from .speculative import DEFAULT_RETAIN, MAX_BLOCK, SpeculativeCheckpoint, checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CacheDiscontinuity",
+    "DEFAULT_RETAIN",
+    "MAX_BLOCK",
+    "SpeculativeCheckpoint",
+    "checkpoint",
     "ContextOverflow",
     "Footprint",
     "KvPlane",

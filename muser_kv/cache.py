@@ -25,6 +25,7 @@ import mlx.core as mx
 from .geometry import LayerKind, MuseGeometry
 from .plane import KvPlane
 from .ring import Ring
+from .speculative import DEFAULT_RETAIN, RetainedRows
 
 Mask = Union[None, str, mx.array]
 
@@ -45,10 +46,18 @@ class MuseKVCache:
 
     Batch size 1 only. ``offset`` is the logical position of the next token and
     is read-only: only ``update_and_fetch``, ``trim`` and a snapshot install move it.
+
+    A sliding cache retains the newest ``retain`` rows its ring overwrote, so
+    ``trim(n)`` (mlx-lm's speculative rewind) is exact for ``n <= retain`` even
+    after the window wrapped, and refused beyond that.
     """
 
-    def __init__(self, plane: KvPlane):
+    def __init__(self, plane: KvPlane, retain: int = DEFAULT_RETAIN):
         self.plane = plane
+        self.retain = retain if plane.kind is LayerKind.SLIDING else 0
+        self._retained = RetainedRows(self.retain)
+        self._victim: Optional[Tuple[int, mx.array, mx.array]] = None
+        self._ring_seen = plane.ring
 
     # -- identity ------------------------------------------------------------
 
@@ -95,12 +104,59 @@ class MuseKVCache:
         plane = self.plane
         n = plane.check_input(keys, values)
         plane.check_write(self.offset, n)
+        self._check_ring_owner()
+        ring = plane.ring
+        # positions [origin_logical, origin_logical + lost) leave the window
+        lost = max(0, ring.len + n - ring.capacity) if self.retain else 0
         if self._reads_in_place(n):
-            plane.write(self.offset, keys, values)
-            return plane.view()
-        shadow = plane.shadow(keys, values)
-        plane.write(self.offset, keys, values)
-        return shadow
+            if lost:  # one token on a full ring overwrites its oldest row
+                self._retained.push(ring.origin_logical, *self._victim_rows(ring.origin_logical))
+            plane.write(ring.end, keys, values)
+            out = plane.view()
+        else:
+            k_rows, v_rows = plane.shadow_rows(keys, values)
+            plane.write(ring.end, keys, values)
+            if lost:  # the shadow starts at origin_logical: its first rows are the lost ones
+                keep = mx.arange(lost - min(lost, self.retain), lost)
+                self._retained.push(ring.origin_logical + lost - keep.size,
+                                    mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0))
+            out = plane.attention_view(k_rows), plane.attention_view(v_rows)
+        self._after_change()
+        return out
+
+    # -- retained rows (see speculative.py) ------------------------------------
+
+    def _check_ring_owner(self) -> None:
+        """Retained rows describe this cache's own history: if the plane's ring was
+        replaced behind its back (a snapshot install), they are dropped."""
+        if self.plane.ring is not self._ring_seen:
+            self._retained.clear()
+            self._victim = None
+            self._ring_seen = self.plane.ring
+
+    def _victim_rows(self, position: int) -> Tuple[mx.array, mx.array]:
+        if self._victim is not None and self._victim[0] == position:
+            return self._victim[1], self._victim[2]
+        return self.plane.rows(position, 1)
+
+    def _after_change(self) -> None:
+        """Copy the row the next one-token store will overwrite *now*, while this
+        step reads the plane anyway: read later, in the same graph as that store,
+        it would keep MLX from donating the plane to the store."""
+        ring = self.plane.ring
+        self._ring_seen = ring
+        self._victim = None
+        if self.retain and ring.len == ring.capacity:
+            self._victim = (ring.origin_logical, *self.plane.rows(ring.origin_logical, 1))
+
+    @property
+    def retain_depth(self) -> int:
+        """The deepest speculative block this cache can always undo."""
+        return self.retain if self.kind is LayerKind.SLIDING else self.plane.max_context
+
+    @property
+    def retained_nbytes(self) -> int:
+        return self._retained.nbytes
 
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
@@ -174,15 +230,23 @@ class MuseKVCache:
 
     def trimmable_depth(self) -> int:
         """How many newest tokens ``trim`` can remove exactly."""
-        if self.kind is LayerKind.GLOBAL or not self.ring.wrapped:
-            return self.ring.len
-        return 0
+        self._check_ring_owner()
+        ring = self.ring
+        if self.kind is LayerKind.GLOBAL:
+            return ring.len
+        first = self._retained.first(ring.origin_logical)
+        if first == 0:  # every row ever overwritten is still here
+            return ring.len
+        return max(0, ring.end - ring.capacity - first)
 
     def is_trimmable(self) -> bool:
-        return self.kind is LayerKind.GLOBAL or not self.ring.wrapped
+        return self.kind is LayerKind.GLOBAL or self.retain > 0 or not self.ring.wrapped
 
     def trim(self, n: int) -> int:
-        """Forget the newest ``n`` tokens, exactly, or refuse (never silently wrong)."""
+        """Forget the newest ``n`` tokens, exactly, or refuse (never silently wrong).
+
+        A growing plane rewinds its length. A ring also puts back the rows those
+        tokens overwrote, from its retained rows, and moves both origins back."""
         if n < 0:
             raise ValueError(f"layer {self.layer}: cannot trim a negative count {n}")
         depth = self.trimmable_depth()
@@ -190,7 +254,28 @@ class MuseKVCache:
             raise ValueError(
                 f"layer {self.layer}: can trim at most {depth} tokens exactly, asked for {n}"
             )
-        self.plane.ring.rewind(n)
+        if n == 0:
+            return 0
+        ring = self.ring
+        if self.kind is LayerKind.GLOBAL:
+            ring = ring.copy()
+            ring.rewind(n)
+            self.plane.restore(ring, 0, mx.zeros((0, 0)), mx.zeros((0, 0)))
+        else:
+            end = ring.end - n
+            origin = max(0, end - ring.capacity)
+            back = ring.origin_logical - origin
+            keys, values = self._retained.pop(back)
+            # positions [origin, origin_logical) come back; those at or past the new
+            # end were trimmed too (a chunk wider than the ring never stored them)
+            live = min(ring.origin_logical, end) - origin
+            earlier = Ring(ring.capacity, end - origin, origin,
+                           (ring.origin_physical - back) % ring.capacity, self.layer)
+            self.plane.restore(earlier, origin, keys[:live], values[:live])
+        self._after_change()
+        if self.kind is LayerKind.SLIDING:
+            # Settle the restore now: the next store can then reuse the plane's buffer.
+            mx.eval(self.plane.keys, self.plane.values, *(self._victim[1:] if self._victim else ()))
         return n
 
     # -- sizes ---------------------------------------------------------------
@@ -206,20 +291,25 @@ class MuseKVCache:
         return self.plane.nbytes
 
 
-def make_prompt_cache(model: Any, max_context: Optional[int] = None) -> List[MuseKVCache]:
+def make_prompt_cache(
+    model: Any, max_context: Optional[int] = None, retain: int = DEFAULT_RETAIN
+) -> List[MuseKVCache]:
     """One ``MuseKVCache`` per layer of an mlx-lm Muse model, sized from its args.
 
     ``max_context`` defaults to the model's ``max_position_embeddings``; the
     planes are allocated (zero-filled) now, at exactly the footprint formula.
+    ``retain`` is how many overwritten rows each sliding ring keeps, i.e. how
+    deep ``trim`` and speculative rollback are exact past the wrap (0 turns the
+    retention and its one extra copy per token off).
     """
     args = getattr(model, "args", None)
     if args is None:
         raise TypeError(f"make_prompt_cache needs an mlx-lm model with .args, got {type(model).__name__}")
     geometry = MuseGeometry.from_model_args(args, max_context)
-    return make_cache_for(geometry)
+    return make_cache_for(geometry, retain)
 
 
-def make_cache_for(geometry: MuseGeometry) -> List[MuseKVCache]:
+def make_cache_for(geometry: MuseGeometry, retain: int = DEFAULT_RETAIN) -> List[MuseKVCache]:
     """One cache per layer of ``geometry``."""
     return [
         MuseKVCache(
@@ -230,7 +320,8 @@ def make_cache_for(geometry: MuseGeometry) -> List[MuseKVCache]:
                 window=geometry.window,
                 max_context=geometry.max_context,
                 layer=i,
-            )
+            ),
+            retain,
         )
         for i in range(geometry.num_layers)
     ]

@@ -119,20 +119,18 @@ class ReferenceBackend:
         return out[0], out[1]
 
     def gather(self, plane_keys: mx.array, plane_values: mx.array, layout: str, ring: Ring) -> Pair:
-        """The live rows in logical order as ``[len, H*D]`` (token order)."""
-        runs = ring.live_runs()
+        """The live rows in logical order as ``[len, H*D]`` (token order), in fresh
+        buffers: a snapshot must never alias a plane, or it would block MLX from
+        donating the plane to the next store."""
+        index = mx.array([r.physical + i for r in ring.live_runs() for i in range(r.length)],
+                         dtype=mx.int32)
         out = []
         for plane in (plane_keys, plane_values):
             if layout == TOKEN_MAJOR:
-                parts = [plane[r.physical:r.physical + r.length] for r in runs]
+                out.append(mx.take(plane, index, axis=0))
             else:
                 h, _, d = plane.shape
-                parts = [plane[:, r.physical:r.physical + r.length, :].transpose(1, 0, 2)
-                         .reshape(r.length, h * d) for r in runs]
-            if not parts:
-                out.append(mx.zeros((0, plane.size // ring.capacity), PLANE_DTYPE))
-            else:
-                out.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else mx.contiguous(parts[0]))
+                out.append(mx.take(plane, index, axis=1).transpose(1, 0, 2).reshape(-1, h * d))
         return out[0], out[1]
 
     def install(self, rows_keys: mx.array, rows_values: mx.array, layout: str, ring: Ring,

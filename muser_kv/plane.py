@@ -175,17 +175,42 @@ class KvPlane:
             )
         return self._rows_view(self.keys), self._rows_view(self.values)
 
-    def shadow(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        """The staging shadow for a chunk: old rows in logical order + the chunk's
-        rows, ``[1, H, len + N, D]``. Attention reads this before the chunk is
-        committed, so a chunk that wraps never overwrites rows its own queries need."""
+    def shadow_rows(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """The staging shadow for a chunk, as token-major rows ``[len + N, H*D]``:
+        the live rows in logical order, then the chunk's rows. Attention reads it
+        before the chunk is committed, so a chunk that wraps never overwrites rows
+        its own queries need."""
         self.check_input(keys, values)
         if self.layout != kernels.TOKEN_MAJOR:
             raise RuntimeError(f"layer {self.layer}: only sliding rings are staged")
-        k, v = self.backend.stage(self.keys, self.values, self.ring, keys, values)
-        view = kernels.attention_view
-        return view(k, self.layout, self.kv_heads, self.head_dim), view(
-            v, self.layout, self.kv_heads, self.head_dim)
+        return self.backend.stage(self.keys, self.values, self.ring, keys, values)
+
+    def attention_view(self, rows: mx.array) -> mx.array:
+        """Rows in this plane's layout as the ``[1, H, L, D]`` attention reads."""
+        return kernels.attention_view(rows, self.layout, self.kv_heads, self.head_dim)
+
+    def shadow(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """``shadow_rows`` as attention's ``[1, H, len + N, D]`` views."""
+        k, v = self.shadow_rows(keys, values)
+        return self.attention_view(k), self.attention_view(v)
+
+    def rows(self, logical: int, count: int) -> Tuple[mx.array, mx.array]:
+        """Fresh copies ``[count, H*D]`` of live rows ``logical .. logical+count``."""
+        ring = Ring(self.capacity, count, logical, self.ring.physical(logical), self.layer)
+        return self.backend.gather(self.keys, self.values, self.layout, ring)
+
+    def restore(self, ring: Ring, logical: int, keys: mx.array, values: mx.array) -> None:
+        """Adopt ``ring`` (an earlier state of this plane's ring), putting back the
+        token-major rows ``[m, H*D]`` it holds for positions ``logical .. logical+m``
+        at the rows its translation gives them (speculative rollback)."""
+        if ring.capacity != self.capacity:
+            raise ValueError(f"layer {self.layer}: ring capacity {ring.capacity} != {self.capacity}")
+        m = keys.shape[0]
+        if m:
+            if self.layout != kernels.TOKEN_MAJOR:
+                raise RuntimeError(f"layer {self.layer}: a growing plane restores no rows")
+            self._place(keys, values, ring.runs(logical, m))
+        self.ring = ring
 
     # -- snapshots -----------------------------------------------------------
 

@@ -15,9 +15,9 @@ from test_plane import kv
 H, D = 2, 128
 
 
-def caches(window=8, max_context=64, layers=4):
+def caches(window=8, max_context=64, layers=4, retain=16):
     return make_cache_for(MuseGeometry(num_layers=layers, window=window, max_context=max_context,
-                                       num_heads=4, kv_heads=H, head_dim=D))
+                                       num_heads=4, kv_heads=H, head_dim=D), retain)
 
 
 def mask_as_array(mask, n, rows):
@@ -110,8 +110,8 @@ def test_state_round_trip_is_exact():
         MuseKVCache.from_state(bad, cs[0].meta_state)
 
 
-def test_trim_exact_or_refused():
-    c, g = caches()[0], caches()[3]
+def test_trim_exact_or_refused_without_retention():
+    c, g = caches(retain=0)[0], caches(retain=0)[3]
     for x in (c, g):
         x.update_and_fetch(*kv(6, seed=1))
         assert x.is_trimmable()
@@ -156,3 +156,62 @@ def test_make_prompt_cache_from_model(model_f32):
     assert sum(c.nbytes for c in cache) == fp.slot_bytes
     with pytest.raises(TypeError):
         muser_kv.make_prompt_cache(object())
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.one_of(st.tuples(st.just("write"), st.integers(1, 11)),
+                              st.tuples(st.just("trim"), st.integers(0, 20))),
+                    min_size=1, max_size=25),
+       retain=st.sampled_from([0, 1, 4, 16]), layer=st.sampled_from([0, 3]))
+def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(ops, retain, layer):
+    """Random writes and trims: every trim is exact (contents, origins and the
+    physical placement equal a fresh cache fed the surviving history) or refused
+    with nothing changed."""
+    cache = caches(retain=retain)[layer]
+    history = []  # (k, v) one token each, as written
+    seed = 0
+    for op, n in ops:
+        if op == "write":
+            if cache.offset + n > 64:
+                continue
+            k, v = kv(n, mx.float16, seed=seed)
+            seed += 1
+            cache.update_and_fetch(k, v)
+            history.extend((k[:, :, i:i + 1], v[:, :, i:i + 1]) for i in range(n))
+            continue
+        depth = cache.trimmable_depth()
+        before = (bits(cache.plane.keys).copy(), cache.meta_state)
+        if n > depth:
+            with pytest.raises(ValueError, match="at most"):
+                cache.trim(n)
+            np.testing.assert_array_equal(bits(cache.plane.keys), before[0])
+            assert cache.meta_state == before[1]
+            continue
+        assert cache.trim(n) == n
+        del history[len(history) - n:]
+        fresh = caches(retain=retain)[layer]
+        for k, v in history:
+            fresh.update_and_fetch(k, v)
+        assert cache.meta_state == fresh.meta_state
+        for a, b in zip(cache.plane.snapshot(), fresh.plane.snapshot()):
+            if isinstance(a, int):
+                assert a == b
+            else:
+                np.testing.assert_array_equal(bits(a), bits(b))
+        if cache.ring.len == cache.ring.capacity:  # every row live; rotation is data
+            np.testing.assert_array_equal(bits(cache.plane.keys), bits(fresh.plane.keys))
+            np.testing.assert_array_equal(bits(cache.plane.values), bits(fresh.plane.values))
+    if retain >= 1 and cache.kind is LayerKind.SLIDING and cache.ring.wrapped:
+        assert cache.is_trimmable() and cache.trimmable_depth() >= 1
+
+
+def test_trim_depth_is_the_retained_rows():
+    c = caches(retain=4)[0]
+    c.update_and_fetch(*kv(20, seed=1))  # wide chunk: 12 rows lost, last 4 retained
+    assert c.trimmable_depth() == 4
+    for i in range(3):
+        c.update_and_fetch(*kv(1, seed=10 + i))
+    assert c.trimmable_depth() == 4  # still the newest 4 overwritten rows
+    assert c.retained_nbytes >= 4 * 256 * 2 * 2
+    c.trim(4)
+    assert c.offset == 19 and c.trimmable_depth() == 0

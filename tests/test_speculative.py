@@ -1,0 +1,136 @@
+"""Speculative rollback past the wrap: mlx-lm's own speculative_generate_step
+with our cache yields exactly the tokens of plain greedy generation, and the
+checkpoint API undoes a block bit for bit without copying a plane."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import trim_prompt_cache
+
+import muser_kv
+from conftest import tiny_model
+from oracle import bits
+
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(mx.float32)
+
+
+def noisy_copy(model, scale, seed):
+    """The target with its weights perturbed: a draft that agrees some of the time."""
+    draft = tiny_model(mx.float32)
+    rng = np.random.default_rng(seed)
+    from mlx.utils import tree_flatten, tree_unflatten
+    params = [(k, v + mx.array(rng.standard_normal(v.shape).astype(np.float32)) * scale)
+              for k, v in tree_flatten(model.parameters())]
+    draft.update(tree_unflatten(params))
+    mx.eval(draft.parameters())
+    return draft
+
+
+@pytest.mark.parametrize("draft_kind,num_draft",
+                         [("independent", 3), ("same", 4), ("noisy", 2), ("noisy", 5)])
+def test_speculative_generate_equals_greedy_past_the_wrap(target, draft_kind, num_draft):
+    window = target.args.sliding_window
+    draft = {"independent": lambda: tiny_model(mx.float32, seed=7, num_hidden_layers=4),
+             "same": lambda: target,
+             "noisy": lambda: noisy_copy(target, 0.02, 3)}[draft_kind]()
+    prompt = mx.array(np.random.default_rng(5).integers(0, 256, 20), mx.uint32)
+    n = 4 * window  # the rings wrap more than three times during generation
+    greedy = [t for t, _ in generate_step(prompt, target, max_tokens=n,
+                                          prompt_cache=muser_kv.make_prompt_cache(target, CONTEXT))]
+    cache = muser_kv.make_prompt_cache(target, CONTEXT) + muser_kv.make_prompt_cache(draft, CONTEXT)
+    out = list(speculative_generate_step(prompt, target, draft, prompt_cache=cache, max_tokens=n,
+                                         num_draft_tokens=num_draft, prefill_step_size=7))
+    assert [t for t, _, _ in out] == greedy
+    accepted = sum(a for _, _, a in out)
+    if draft_kind == "same":
+        assert accepted >= n // 2
+    if draft_kind == "independent":
+        assert accepted < n // 4  # nearly every block was rolled back
+    assert cache[0].ring.wrapped and cache[0].offset >= len(prompt) + n - 1
+
+
+def state_bits(cache):
+    """Ring planes whole (every row is live and the rotation is data); growing
+    planes by their live rows (rollback rewinds their metadata only, so rows past
+    the end keep whatever the undone block wrote, never read)."""
+    out = []
+    for c in cache:
+        if c.ring.len == c.ring.capacity:
+            k, v = c.plane.keys, c.plane.values
+        else:
+            _, k, v = c.plane.snapshot()
+        out.append((c.meta_state, bits(k).copy(), bits(v).copy()))
+    return out
+
+
+def assert_same_state(a, b):
+    for (m1, k1, v1), (m2, k2, v2) in zip(a, b):
+        assert m1 == m2
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(v1, v2)
+
+
+def test_checkpoint_rollback_restores_every_bit(target):
+    cache = muser_kv.make_prompt_cache(target, CONTEXT)
+    prompt = mx.array(np.random.default_rng(1).integers(0, 256, 40), mx.uint32)
+    target(prompt[None], cache=cache)  # wrapped: 40 > window 16
+    target(prompt[None, :1], cache=cache)  # one decode token: the ring is rotated
+    mx.eval([c.state for c in cache])
+    before = state_bits(cache)
+    for block in (1, 3, 16):
+        cp = muser_kv.checkpoint(cache, block)
+        target(prompt[None, :block], cache=cache)
+        assert cp.nbytes <= sum(c.retain for c in cache) * 256 * 2 * 2
+        assert cp.rollback() == block
+        assert_same_state(state_bits(cache), before)
+    # the block can also be written token by token (the draft model's way)
+    cp = muser_kv.checkpoint(cache, 4)
+    for t in range(4):
+        target(prompt[None, t:t + 1], cache=cache)
+    cp.rollback()
+    assert_same_state(state_bits(cache), before)
+    # and mlx-lm's own trim gets the same exactness
+    target(prompt[None, :5], cache=cache)
+    assert trim_prompt_cache(cache, 5) == 5
+    assert_same_state(state_bits(cache), before)
+
+
+def test_checkpoint_commit_keeps_the_block(target):
+    cache = muser_kv.make_prompt_cache(target, CONTEXT)
+    target(mx.array([[1, 2, 3] * 7]), cache=cache)
+    cp = muser_kv.checkpoint(cache, 4)
+    target(mx.array([[4, 5]]), cache=cache)
+    cp.commit()
+    assert cache[0].offset == 23
+    with pytest.raises(RuntimeError, match="already"):
+        cp.rollback()
+
+
+def test_checkpoint_refusals_change_nothing(target):
+    cache = muser_kv.make_prompt_cache(target, CONTEXT)
+    target(mx.array([list(range(30))]), cache=cache)
+    with pytest.raises(ValueError, match=r"block_len must be in \[1, 16\]"):
+        muser_kv.checkpoint(cache, 17)
+    short = muser_kv.make_prompt_cache(target, CONTEXT, retain=2)
+    with pytest.raises(ValueError, match="retains 2 rows"):
+        muser_kv.checkpoint(short, 3)
+    cp = muser_kv.checkpoint(cache, 2)
+    target(mx.array([[1, 2, 3]]), cache=cache)  # wrote more than the block
+    before = state_bits(cache)
+    with pytest.raises(RuntimeError, match="more than its block of 2"):
+        cp.rollback()
+    assert_same_state(state_bits(cache), before)
+
+
+def test_trim_beyond_retained_depth_is_refused(target):
+    cache = muser_kv.make_prompt_cache(target, CONTEXT, retain=3)
+    target(mx.array([list(range(40))]), cache=cache)
+    assert cache[0].trimmable_depth() == 3 and cache[3].trimmable_depth() == 40
+    with pytest.raises(ValueError, match="at most 3"):
+        cache[0].trim(4)
