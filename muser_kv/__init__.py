@@ -32,3 +32,29 @@ __all__ = [
     "make_cache_for",
     "make_prompt_cache",
 ]
+
+from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact restore)
+    LayerCut,
+    ProductionF16Required,
+    SessionFileError,
+    SessionSnapshot,
+    SnapshotError,
+    SnapshotMismatch,
+    load_session,
+    read_session,
+    restore_into,
+    save_session,
+)
+
+__all__ += [
+    "LayerCut",
+    "ProductionF16Required",
+    "SessionFileError",
+    "SessionSnapshot",
+    "SnapshotError",
+    "SnapshotMismatch",
+    "load_session",
+    "read_session",
+    "restore_into",
+    "save_session",
+]

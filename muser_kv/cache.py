@@ -112,16 +112,18 @@ class MuseKVCache:
             if lost:  # one token on a full ring overwrites its oldest row
                 self._retained.push(ring.origin_logical, *self._victim_rows(ring.origin_logical))
             plane.write(ring.end, keys, values)
-            out = plane.view()
+            self._after_change()
+            out = self._with_victim(plane.view())
         else:
             k_rows, v_rows = plane.shadow_rows(keys, values)
             plane.write(ring.end, keys, values)
+            kept: Tuple[mx.array, ...] = ()
             if lost:  # the shadow starts at origin_logical: its first rows are the lost ones
                 keep = mx.arange(lost - min(lost, self.retain), lost)
-                self._retained.push(ring.origin_logical + lost - keep.size,
-                                    mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0))
-            out = plane.attention_view(k_rows), plane.attention_view(v_rows)
-        self._after_change()
+                kept = (mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0))
+                self._retained.push(ring.origin_logical + lost - keep.size, *kept)
+            self._after_change()
+            out = self._with_victim((plane.attention_view(k_rows), plane.attention_view(v_rows)), kept)
         return out
 
     # -- retained rows (see speculative.py) ------------------------------------
@@ -148,6 +150,17 @@ class MuseKVCache:
         self._victim = None
         if self.retain and ring.len == ring.capacity:
             self._victim = (ring.origin_logical, *self.plane.rows(ring.origin_logical, 1))
+
+    def _with_victim(self, kv: Tuple[mx.array, mx.array],
+                     kept: Tuple[mx.array, ...] = ()) -> Tuple[mx.array, mx.array]:
+        """Make the victim copy (and rows just retained) part of what attention
+        evaluates (``mx.depends`` adds an edge, no kernel): left pending, a copy
+        would still hold the plane when the next store runs, and MLX would copy
+        the plane instead of donating it."""
+        extra = list(kept) + (list(self._victim[1:]) if self._victim is not None else [])
+        if not extra:
+            return kv
+        return tuple(mx.depends(list(kv), extra))
 
     @property
     def retain_depth(self) -> int:

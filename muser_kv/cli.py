@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import List, Optional
 
@@ -77,6 +78,54 @@ def _plot(g: MuseGeometry, context: int, path: str) -> None:
     plt.close(fig)
 
 
+def cmd_inspect(ns: argparse.Namespace) -> int:
+    """Print a session file's header and layers and verify every checksum.
+    Exit 0 when everything verifies, 1 on any mismatch, 2 when unreadable."""
+    from .snapshot import SnapshotError, open_session, tensor_names
+
+    try:
+        session = open_session(ns.file)
+    except (OSError, SnapshotError) as e:
+        print(f"muser-kv inspect: {e}", file=sys.stderr)
+        return 2
+    h, g = session.header, session.header.geometry
+    print(f"file: {session.path}")
+    print(f"format: {h.format}  version: {h.version}")
+    print(
+        f"geometry: {g.num_layers} layers ({g.sliding_layers} sliding RoPE, {g.global_layers} "
+        f"global NoPE), window {g.window}, max_context {g.max_context}, "
+        f"{g.kv_heads} KV heads x {g.head_dim}"
+    )
+    print(f"position: {h.position}  encoding: {h.encoding}")
+    print(f"user: {json.dumps(h.user, sort_keys=True)}")
+    checks = {c.name: c for c in session.verify()}
+    bad = sum(not c.ok for c in checks.values())
+    print(f"{'layer':>5}  {'kind':17}  {'start':>7}  {'rows':>7}  {'tensor':18}  "
+          f"{'shape':15}  {'dtype':7}  checksum")
+    for i in range(g.num_layers):
+        for name in tensor_names(i):
+            a = session.arrays.get(name)
+            rows = str(a.shape[0]) if a is not None and a.ndim else "-"
+            shape = "-" if a is None else str(list(a.shape))
+            dtype = "-" if a is None else a.dtype.name
+            check = checks.pop(name)
+            print(f"{i:>5}  {g.layer_kind(i).value:17}  {h.starts[i]:>7}  {rows:>7}  {name:18}  "
+                  f"{shape:15}  {dtype:7}  {check.status}"
+                  + (f" ({check.detail})" if check.detail else ""))
+    for check in checks.values():  # tensors the geometry does not name
+        print(f"{'-':>5}  {'-':17}  {'-':>7}  {'-':>7}  {check.name:18}  {'-':15}  {'-':7}  "
+              f"{check.status} ({check.detail})")
+    if not bad:
+        try:
+            session.snapshot()
+            print("gate: OK")
+        except SnapshotError as e:
+            bad += 1
+            print(f"gate: FAILED: {e}")
+    print("result: OK" if not bad else f"result: {bad} problem(s)")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="muser-kv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     fp.add_argument("--head-dim", type=int, default=d.head_dim)
     fp.add_argument("--plot", metavar="FILE.png", help="draw the two curves (needs matplotlib)")
     fp.set_defaults(func=cmd_footprint)
+    ins = sub.add_parser("inspect", help="print a session file's header and verify its checksums")
+    ins.add_argument("file", help="a session file written by muser_kv.save_session")
+    ins.set_defaults(func=cmd_inspect)
     return parser
 
 

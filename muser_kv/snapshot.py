@@ -1,0 +1,641 @@
+"""Session snapshots: the logical cut, one safetensors file per session, and a
+fail-closed, rotation-preserving restore (seeds Ch 23.4).
+
+Invariants, each with a test (``tests/test_snapshot.py``):
+
+* **Logical order out, never rotation.** A snapshot carries, per layer, the rows
+  a restore needs in ascending logical order: a sliding layer exactly the last
+  ``min(position, capacity)`` rows from ``position - count`` (``capacity =
+  min(max_context, window)``), a global layer exactly ``[0, position)``. The
+  physical rotation of a ring is not data: it is a function of the logical
+  origin, so bytes on disk are layout-stable across backends and builds.
+* **Rotation rebuilt on install.** ``KvPlane.install`` puts a ring's rows back at
+  ``origin_logical % capacity``, where sequential appends would have left them.
+  Attention sums rows in physical order and float addition is not associative,
+  so this is what makes a restored session replay the live one bit for bit.
+* **Fail closed, all or nothing.** Every layer is checked (rows, start, bytes,
+  dtype vs encoding, head geometry, layer kind) and converted *before* the first
+  plane changes; a refusal names the layer, the field, the expected and the got
+  value. ``load_session`` only ever returns a fully restored cache.
+* **Production planes are f16.** An ``f32le`` snapshot (an interchange file, e.g.
+  from a CPU oracle) is refused by an f16 cache with ``ProductionF16Required``
+  unless the caller asks for the conversion (``convert=True``: round to nearest
+  even), so two backends never silently share state only one of them defined.
+* **Atomic save.** A session file is written to a temporary file in the target's
+  directory, fsynced, then ``os.replace``-d onto the target and the directory
+  fsynced: a reader sees the old file or the new one, never a torn one, and a
+  failed save leaves the old file untouched and no temporary behind.
+* **Verified load.** Every tensor carries a sha256 of its little-endian bytes in
+  the header; format, version, encoding, geometry, tensor set and dtypes are all
+  checked before a single row is trusted.
+
+The file records the *KV geometry*: every ``MuseGeometry`` field that shapes the
+stored state (layer count and kinds, window, max_context, KV heads, head_dim).
+The query head count never enters the KV state and a cache does not know it, so
+a snapshot normalizes ``num_heads`` to ``kv_heads`` and comparisons ignore it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import make_prompt_cache
+from .geometry import LayerKind, MuseGeometry
+from .plane import KvPlane
+
+FORMAT = "muser-kv-session"
+VERSION = "1"
+F16LE = "f16le"
+F32LE = "f32le"
+#: encoding -> (MLX dtype in memory, numpy little-endian dtype on disk)
+ENCODINGS: Dict[str, Tuple[Any, np.dtype]] = {
+    F16LE: (mx.float16, np.dtype("<f2")),
+    F32LE: (mx.float32, np.dtype("<f4")),
+}
+#: The geometry fields that shape the stored KV state (``num_heads`` does not).
+KV_FIELDS = ("num_layers", "layer_kinds", "window", "max_context", "kv_heads", "head_dim")
+#: Header keys every session file carries (``__metadata__``, str -> str).
+HEADER_KEYS = ("format", "version", "geometry", "position", "encoding", "starts", "checksums",
+               "user")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+# -- errors -------------------------------------------------------------------
+
+
+class SnapshotError(ValueError):
+    """Base of every snapshot refusal."""
+
+
+class SnapshotMismatch(SnapshotError):
+    """A snapshot does not fit its target: names the layer, field, expected, got."""
+
+    def __init__(self, field: str, expected: Any, got: Any, layer: Optional[int] = None,
+                 kind: Optional[LayerKind] = None):
+        self.field = field
+        self.expected = expected
+        self.got = got
+        self.layer = layer
+        self.kind = kind
+        where = "session snapshot"
+        if layer is not None:
+            where += f" layer {layer}" + (f" ({LayerKind(kind).value})" if kind is not None else "")
+        super().__init__(f"{where}: {field} expected {expected!r}, got {got!r}")
+
+    def __reduce__(self):  # picklable despite the keyword-rich constructor
+        return type(self), (self.field, self.expected, self.got, self.layer, self.kind)
+
+
+class ProductionF16Required(SnapshotError):
+    """An f32 (interchange) snapshot offered to the f16 production planes."""
+
+    def __init__(self, encoding: str):
+        self.encoding = encoding
+        super().__init__(
+            f"session snapshot is {encoding}, but live planes are f16 and install only "
+            f"{F16LE}: pass convert=True to round it to f16 (nearest even)"
+        )
+
+    def __reduce__(self):
+        return type(self), (self.encoding,)
+
+
+class SessionFileError(SnapshotError):
+    """A session file that cannot be trusted (unreadable, truncated, unknown format
+    or version, wrong encoding, missing or corrupted tensor)."""
+
+    def __init__(self, path: PathLike, problem: str):
+        self.path = os.fspath(path)
+        self.problem = problem
+        super().__init__(f"session file {self.path}: {problem}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.problem)
+
+
+# -- the logical cut ----------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCut:
+    """One layer's rows, ``[rows, kv_heads, head_dim]`` in logical order from ``start``."""
+
+    start: int
+    keys: mx.array
+    values: mx.array
+
+    @property
+    def rows(self) -> int:
+        shape = getattr(self.keys, "shape", ())
+        return int(shape[0]) if len(shape) else 0
+
+
+def kv_geometry(geometry: MuseGeometry) -> MuseGeometry:
+    """``geometry`` with ``num_heads`` normalized to ``kv_heads`` (see module doc)."""
+    return dataclasses.replace(geometry, num_heads=geometry.kv_heads)
+
+
+def expected_cut(geometry: MuseGeometry, layer: int, position: int) -> Tuple[int, int]:
+    """``(start, rows)`` a complete restorable cut holds for ``layer`` at ``position``."""
+    if geometry.layer_kind(layer) is LayerKind.SLIDING:
+        count = min(position, geometry.capacity(layer))
+        return position - count, count
+    return 0, position
+
+
+def _check_geometry(have: MuseGeometry, want: MuseGeometry) -> None:
+    for name in KV_FIELDS:
+        got, expected = getattr(have, name), getattr(want, name)
+        if got != expected:
+            if name == "layer_kinds":
+                expected = [k.value for k in expected]
+                got = [k.value for k in got]
+            raise SnapshotMismatch(f"geometry.{name}", expected, got)
+
+
+def _check_tensor(name: str, x: Any, rows: int, geometry: MuseGeometry, encoding: str,
+                  layer: int, kind: LayerKind) -> None:
+    def fail(field: str, expected: Any, got: Any) -> None:
+        raise SnapshotMismatch(f"{name} {field}", expected, got, layer, kind)
+
+    dtype, np_dtype = ENCODINGS[encoding]
+    if not isinstance(x, mx.array):
+        fail("type", "mlx.core.array", type(x).__name__)
+    if x.dtype != dtype:
+        fail(f"dtype (encoding {encoding})", str(dtype), str(x.dtype))
+    if x.ndim != 3:
+        fail("shape", (rows, geometry.kv_heads, geometry.head_dim), tuple(x.shape))
+    if x.shape[0] != rows:
+        fail("rows", rows, int(x.shape[0]))
+    if x.shape[1] != geometry.kv_heads:
+        fail("kv_heads", geometry.kv_heads, int(x.shape[1]))
+    if x.shape[2] != geometry.head_dim:
+        fail("head_dim", geometry.head_dim, int(x.shape[2]))
+    nbytes = rows * geometry.kv_dim * np_dtype.itemsize
+    if x.nbytes != nbytes:
+        fail("bytes", nbytes, int(x.nbytes))
+
+
+def _plane_of(cache_entry: Any, index: int) -> KvPlane:
+    plane = getattr(cache_entry, "plane", None)
+    if not isinstance(plane, KvPlane):
+        raise TypeError(
+            f"session snapshot: cache entry {index} is a {type(cache_entry).__name__}, "
+            "not a muser_kv cache (make_prompt_cache / make_cache_for)"
+        )
+    return plane
+
+
+def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
+    """The KV geometry a live cache list was built for (fails on a mixed list)."""
+    if not cache:
+        raise SnapshotMismatch("cache layers", "at least one", 0)
+    planes = [_plane_of(c, i) for i, c in enumerate(cache)]
+    first = planes[0]
+    for i, p in enumerate(planes):
+        for name in ("window", "max_context", "kv_heads", "head_dim"):
+            if getattr(p, name) != getattr(first, name):
+                raise SnapshotMismatch(f"cache {name}", getattr(first, name), getattr(p, name),
+                                       i, p.kind)
+    geometry = MuseGeometry(
+        num_layers=len(planes), window=first.window, max_context=first.max_context,
+        num_heads=first.kv_heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
+        layer_kinds=tuple(p.kind for p in planes),
+    )
+    for i, p in enumerate(planes):
+        if p.capacity != geometry.capacity(i):
+            raise SnapshotMismatch("plane capacity", geometry.capacity(i), p.capacity, i, p.kind)
+    return geometry
+
+
+@dataclass(frozen=True, eq=False)
+class SessionSnapshot:
+    """A complete restorable cut of one session (seeds 23.4's SessionCacheSnapshot).
+
+    ``position`` is the logical position of the next token (every layer's
+    ``offset``); ``layers[i]`` holds layer ``i``'s rows in logical order, f16 for
+    ``f16le`` or f32 for ``f32le``."""
+
+    geometry: MuseGeometry
+    position: int
+    encoding: str
+    layers: Tuple[LayerCut, ...]
+
+    # -- building -------------------------------------------------------------
+
+    @classmethod
+    def capture(cls, cache: Sequence[Any]) -> "SessionSnapshot":
+        """Cut a live cache list. Every layer must be at the same position and hold
+        exactly its contract rows; the rows are evaluated now (a point-in-time copy)."""
+        geometry = cache_geometry(cache)
+        offsets = [c.offset for c in cache]
+        if len(set(offsets)) != 1:
+            odd = next(i for i, o in enumerate(offsets) if o != offsets[0])
+            raise SnapshotMismatch("position (cache offset)", offsets[0], offsets[odd], odd,
+                                   geometry.layer_kind(odd))
+        cuts = []
+        for c in cache:
+            start, keys, values = c.plane.snapshot()
+            cuts.append(LayerCut(int(start), keys, values))
+        mx.eval([a for cut in cuts for a in (cut.keys, cut.values)])
+        snapshot = cls(geometry, offsets[0], F16LE, tuple(cuts))
+        snapshot.check(geometry)
+        return snapshot
+
+    # -- the gate ---------------------------------------------------------------
+
+    def check(self, geometry: MuseGeometry) -> None:
+        """Fail-closed shape gate against ``geometry``: raises ``SnapshotMismatch``
+        naming the layer, field, expected and got, or returns having changed nothing."""
+        if self.encoding not in ENCODINGS:
+            raise SnapshotMismatch("encoding", sorted(ENCODINGS), self.encoding)
+        _check_geometry(self.geometry, geometry)
+        if len(self.layers) != geometry.num_layers:
+            raise SnapshotMismatch("layers", geometry.num_layers, len(self.layers))
+        if isinstance(self.position, bool) or not isinstance(self.position, int) or not (
+                0 <= self.position <= geometry.max_context):
+            raise SnapshotMismatch("position", f"an int in [0, {geometry.max_context}]",
+                                   self.position)
+        for i, cut in enumerate(self.layers):
+            kind = geometry.layer_kind(i)
+            if not isinstance(cut, LayerCut):
+                raise SnapshotMismatch("type", "LayerCut", type(cut).__name__, i, kind)
+            start, rows = expected_cut(geometry, i, self.position)
+            if cut.start != start:
+                raise SnapshotMismatch("start", start, cut.start, i, kind)
+            for name in ("keys", "values"):
+                _check_tensor(name, getattr(cut, name), rows, geometry, self.encoding, i, kind)
+
+    # -- encodings --------------------------------------------------------------
+
+    def encoded(self, encoding: str, *, convert: bool = False) -> "SessionSnapshot":
+        """This snapshot in ``encoding``. f16 -> f32 is exact; f32 -> f16 rounds
+        (nearest even) and so needs ``convert=True``, else ``ProductionF16Required``."""
+        for have in (encoding, self.encoding):
+            if have not in ENCODINGS:
+                raise SnapshotMismatch("encoding", sorted(ENCODINGS), have)
+        if encoding == self.encoding:
+            return self
+        if encoding == F16LE and not convert:
+            raise ProductionF16Required(self.encoding)
+        dtype = ENCODINGS[encoding][0]
+        cuts = tuple(LayerCut(c.start, c.keys.astype(dtype), c.values.astype(dtype))
+                     for c in self.layers)
+        mx.eval([a for c in cuts for a in (c.keys, c.values)])
+        return dataclasses.replace(self, encoding=encoding, layers=cuts)
+
+    # -- restore ------------------------------------------------------------------
+
+    def install(self, cache: Sequence[Any], *, convert: bool = False) -> None:
+        """Restore into a live cache list, all layers or none.
+
+        Gate and convert every layer first; then install each at rotation
+        ``start % capacity``. Should a plane still refuse mid-way (nothing the gate
+        knows about), the layers already installed get their previous planes and
+        rings back, so the cache is as it was. That costs holding the replaced
+        planes until the last layer is in (peak: two copies of the cache)."""
+        target = cache_geometry(cache)
+        ready = self._installable(target, convert)
+        _install(cache, ready, rollback=True)
+
+    def _installable(self, target: MuseGeometry, convert: bool) -> "SessionSnapshot":
+        self.check(target)
+        ready = self.encoded(F16LE, convert=convert)
+        ready.check(target)
+        return ready
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.keys.nbytes + c.values.nbytes for c in self.layers)
+
+
+def restore_into(cache: Sequence[Any], snapshot: SessionSnapshot, *, convert: bool = False) -> None:
+    """``snapshot.install(cache, convert=convert)``."""
+    snapshot.install(cache, convert=convert)
+
+
+def _install(cache: Sequence[Any], ready: SessionSnapshot, *, rollback: bool) -> None:
+    planes = [c.plane for c in cache]
+    previous = [(p.keys, p.values, p.ring) for p in planes] if rollback else []
+    done = 0
+    try:
+        for plane, cut in zip(planes, ready.layers):
+            done += 1  # counted first: a plane that fails half-way is rolled back too
+            plane.install(cut.start, cut.keys, cut.values)
+            mx.eval(plane.keys, plane.values)  # a lazy failure surfaces here, inside the try
+    except BaseException:
+        for plane, (keys, values, ring) in zip(planes[:done], previous[:done]):
+            plane.keys, plane.values, plane.ring = keys, values, ring
+        raise
+
+
+# -- the file -----------------------------------------------------------------
+
+
+def tensor_names(layer: int) -> Tuple[str, str]:
+    return f"layers.{layer}.keys", f"layers.{layer}.values"
+
+
+def tensor_digest(array: np.ndarray) -> str:
+    """sha256 (hex) of an array's raw little-endian bytes."""
+    a = np.ascontiguousarray(array)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return hashlib.sha256(a.view(np.uint8).reshape(-1)).hexdigest()
+
+
+def geometry_to_json(geometry: MuseGeometry) -> str:
+    g = {name: getattr(geometry, name) for name in KV_FIELDS}
+    g["layer_kinds"] = [k.value for k in geometry.layer_kinds]
+    return json.dumps(g, sort_keys=True, separators=(",", ":"))
+
+
+def _geometry_from_json(text: str, path: PathLike) -> MuseGeometry:
+    try:
+        g = json.loads(text)
+        if not isinstance(g, dict) or set(g) != set(KV_FIELDS):
+            raise ValueError(f"fields expected {sorted(KV_FIELDS)}, got "
+                             f"{sorted(g) if isinstance(g, dict) else type(g).__name__}")
+        g = dict(g, num_heads=g["kv_heads"], layer_kinds=tuple(g["layer_kinds"]))
+        return MuseGeometry(**g)
+    except (ValueError, TypeError, KeyError) as e:
+        raise SessionFileError(path, f"bad geometry in header: {e}") from None
+
+
+@dataclass(frozen=True)
+class SessionHeader:
+    """The parsed ``__metadata__`` of a session file."""
+
+    format: str
+    version: str
+    geometry: MuseGeometry
+    position: int
+    encoding: str
+    starts: Tuple[int, ...]
+    checksums: Dict[str, str]
+    user: Dict[str, Any]
+
+    @property
+    def tensor_names(self) -> List[str]:
+        return [n for i in range(self.geometry.num_layers) for n in tensor_names(i)]
+
+
+def _json(metadata: Mapping[str, str], key: str, path: PathLike) -> Any:
+    try:
+        return json.loads(metadata[key])
+    except ValueError as e:
+        raise SessionFileError(path, f"header field {key!r} is not JSON: {e}") from None
+
+
+def parse_header(metadata: Optional[Mapping[str, str]], path: PathLike) -> SessionHeader:
+    """Check and parse a session file's header; ``SessionFileError`` names what is wrong."""
+    metadata = metadata or {}
+    fmt = metadata.get("format")
+    if fmt != FORMAT:
+        raise SessionFileError(path, f"format expected {FORMAT!r}, got {fmt!r}")
+    version = metadata.get("version")
+    if version != VERSION:
+        raise SessionFileError(path, f"unsupported version: expected {VERSION!r}, got {version!r}")
+    missing = [k for k in HEADER_KEYS if k not in metadata]
+    if missing:
+        raise SessionFileError(path, f"header fields missing: {missing}")
+    encoding = metadata["encoding"]
+    if encoding not in ENCODINGS:
+        raise SessionFileError(path, f"unknown encoding: expected one of {sorted(ENCODINGS)}, "
+                                     f"got {encoding!r}")
+    geometry = _geometry_from_json(metadata["geometry"], path)
+    position = _json(metadata, "position", path)
+    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+        raise SessionFileError(path, f"position expected a non-negative int, got {position!r}")
+    starts = _json(metadata, "starts", path)
+    if (not isinstance(starts, list) or len(starts) != geometry.num_layers
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts)):
+        raise SessionFileError(path, f"starts expected {geometry.num_layers} ints, got {starts!r}")
+    checksums = _json(metadata, "checksums", path)
+    if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
+        raise SessionFileError(path, "checksums expected a JSON object of hex strings")
+    user = _json(metadata, "user", path)
+    return SessionHeader(fmt, version, geometry, position, encoding, tuple(starts),
+                         checksums, user)
+
+
+def _read_raw(path: PathLike) -> Tuple[Dict[str, str], Dict[str, np.ndarray]]:
+    """Header metadata and every tensor; unreadable or truncated -> ``SessionFileError``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            metadata = dict(f.metadata() or {})
+            arrays = {name: f.get_tensor(name) for name in f.keys()}
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError) as e:
+        problem = f"unreadable: truncated, or not a safetensors file ({e})"
+        raise SessionFileError(path, problem) from None
+    return metadata, arrays
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One tensor's verification: ``status`` is OK, MISSING, UNEXPECTED, DTYPE or MISMATCH."""
+
+    name: str
+    status: str
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+
+@dataclass(frozen=True, eq=False)
+class SessionFile:
+    """A session file as read: raw metadata, parsed header, tensors (numpy)."""
+
+    path: Path
+    metadata: Dict[str, str]
+    header: SessionHeader
+    arrays: Dict[str, np.ndarray]
+
+    def verify(self) -> List[TensorCheck]:
+        """Every expected tensor present, of the header's encoding, with its checksum;
+        no tensor the header does not name."""
+        h = self.header
+        np_dtype = ENCODINGS[h.encoding][1]
+        out = []
+        for name in h.tensor_names:
+            a = self.arrays.get(name)
+            if a is None:
+                out.append(TensorCheck(name, "MISSING", "tensor missing from the file"))
+            elif a.dtype != np_dtype:
+                out.append(TensorCheck(name, "DTYPE", f"encoding {h.encoding} expects dtype "
+                                                      f"{np_dtype.name}, got {a.dtype.name}"))
+            elif name not in h.checksums:
+                out.append(TensorCheck(name, "MISMATCH", "no checksum in the header"))
+            else:
+                digest = tensor_digest(a)
+                if digest != h.checksums[name]:
+                    out.append(TensorCheck(name, "MISMATCH", f"sha256 expected "
+                                           f"{h.checksums[name]}, got {digest}"))
+                else:
+                    out.append(TensorCheck(name, "OK"))
+        expected = set(h.tensor_names)
+        out += [TensorCheck(n, "UNEXPECTED", "tensor not named by the header")
+                for n in sorted(set(self.arrays) - expected)]
+        out += [TensorCheck(n, "UNEXPECTED", "checksum for a tensor the geometry does not have")
+                for n in sorted(set(h.checksums) - expected)]
+        return out
+
+    def snapshot(self) -> SessionSnapshot:
+        """The verified snapshot; refuses on the first failing tensor or shape."""
+        for check in self.verify():
+            if not check.ok:
+                what = {"MISSING": "missing tensor", "UNEXPECTED": "unexpected tensor",
+                        "DTYPE": "wrong encoding for tensor",
+                        "MISMATCH": "corrupted tensor (checksum mismatch)"}[check.status]
+                raise SessionFileError(self.path, f"{what} {check.name!r}: {check.detail}")
+        h = self.header
+        cuts = []
+        for i, start in enumerate(h.starts):
+            k_name, v_name = tensor_names(i)
+            cuts.append(LayerCut(start, mx.array(self.arrays[k_name]),
+                                 mx.array(self.arrays[v_name])))
+        mx.eval([a for c in cuts for a in (c.keys, c.values)])
+        snapshot = SessionSnapshot(h.geometry, h.position, h.encoding, tuple(cuts))
+        snapshot.check(h.geometry)
+        return snapshot
+
+
+def open_session(path: PathLike) -> SessionFile:
+    """Read a session file and parse its header (tensors are not yet verified)."""
+    metadata, arrays = _read_raw(path)
+    return SessionFile(Path(path), metadata, parse_header(metadata, path), arrays)
+
+
+def read_session(path: PathLike) -> SessionSnapshot:
+    """The snapshot in a session file, with every checksum and shape verified."""
+    return open_session(path).snapshot()
+
+
+def _header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
+            user: Mapping[str, Any]) -> Dict[str, str]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "geometry": geometry_to_json(snapshot.geometry),
+        "position": json.dumps(snapshot.position),
+        "encoding": snapshot.encoding,
+        "starts": json.dumps([c.start for c in snapshot.layers]),
+        "checksums": json.dumps({n: tensor_digest(a) for n, a in arrays.items()}, sort_keys=True),
+        "user": json.dumps(dict(user), sort_keys=True),
+    }
+
+
+def _arrays(snapshot: SessionSnapshot) -> Dict[str, np.ndarray]:
+    np_dtype = ENCODINGS[snapshot.encoding][1]
+    out = {}
+    for i, cut in enumerate(snapshot.layers):
+        for name, x in zip(tensor_names(i), (cut.keys, cut.values)):
+            out[name] = np.ascontiguousarray(np.array(x), dtype=np_dtype)
+    return out
+
+
+def _write_tensors(path: PathLike, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
+    """The one writer (tests replace it to fail mid-save)."""
+    from safetensors.numpy import save_file
+
+    save_file(arrays, os.fspath(path), metadata=header)
+
+
+def _fsync_path(path: PathLike, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(os.fspath(path), flags)
+    except OSError:
+        if directory:  # platforms that cannot open a directory (Windows)
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
+    """Temp file beside ``path`` -> written and closed by safetensors -> fsync (its
+    bytes are on disk) -> ``os.replace`` (atomic rename) -> fsync the directory (the
+    rename is on disk). Any failure before the rename removes the temp file and
+    leaves ``path`` as it was."""
+    directory = path.parent
+    tmp = directory / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
+    try:
+        _write_tensors(tmp, arrays, header)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_path(directory, directory=True)
+
+
+def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
+                 metadata: Optional[Mapping[str, Any]] = None, *,
+                 encoding: str = F16LE) -> SessionSnapshot:
+    """Write a session (a live cache list, or a snapshot) to ``path``, atomically.
+
+    ``encoding="f32le"`` writes an f32 interchange file (exact widening of the
+    f16 rows); installing it later needs ``convert=True``. ``metadata`` is any
+    JSON-serializable mapping, stored under ``user``. Returns what was written."""
+    user = dict(metadata or {})
+    json.dumps(user)  # refuse unserializable metadata before touching the disk
+    snapshot = cache if isinstance(cache, SessionSnapshot) else SessionSnapshot.capture(cache)
+    snapshot = snapshot.encoded(encoding)
+    snapshot.check(snapshot.geometry)
+    arrays = _arrays(snapshot)
+    _atomic_write(Path(path), arrays, _header(snapshot, arrays, user))
+    return snapshot
+
+
+def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, *,
+                 convert: bool = False) -> List[Any]:
+    """A new cache list for ``model`` holding the session in ``path``, restored
+    bit for bit, or an exception (never a partially restored cache).
+
+    ``max_context`` defaults to the file's; any other value is another geometry
+    and is refused, as is a model whose layers, window or heads differ."""
+    snapshot = read_session(path)
+    file_geometry = snapshot.geometry
+    context = file_geometry.max_context if max_context is None else max_context
+    args = getattr(model, "args", None)
+    if args is None:
+        raise TypeError(
+            f"load_session needs an mlx-lm model with .args, got {type(model).__name__}")
+    limit = int(getattr(args, "max_position_embeddings"))
+    if context > limit:
+        raise SnapshotMismatch(
+            f"geometry.max_context (expected: within the model's max_position_embeddings; "
+            f"got: file {os.fspath(path)})", f"<= {limit}", context)
+    target = MuseGeometry.from_model_args(args, context)
+    try:
+        _check_geometry(file_geometry, kv_geometry(target))
+    except SnapshotMismatch as e:
+        raise SnapshotMismatch(f"{e.field} (expected: the model's; got: file {os.fspath(path)})",
+                               e.expected, e.got) from None
+    ready = snapshot._installable(kv_geometry(target), convert)
+    cache = make_prompt_cache(model, context)
+    _install(cache, ready, rollback=False)
+    return cache
