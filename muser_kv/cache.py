@@ -123,7 +123,7 @@ class MuseKVCache:
                 kept = (mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0))
                 self._retained.push(ring.origin_logical + lost - keep.size, *kept)
             self._after_change()
-            out = self._with_victim((plane.attention_view(k_rows), plane.attention_view(v_rows)), kept)
+            out = self._with_victim((plane.shadow_view(k_rows), plane.shadow_view(v_rows)), kept)
         return out
 
     # -- retained rows (see speculative.py) ------------------------------------
@@ -210,8 +210,8 @@ class MuseKVCache:
         return tuple(
             str(x)
             for x in (
-                p.kind.value, p.layer, p.kv_heads, p.head_dim, p.window, p.max_context,
-                r.capacity, r.len, r.origin_logical, r.origin_physical,
+                p.kind.value, p.layout, p.layer, p.kv_heads, p.head_dim, p.window,
+                p.max_context, r.capacity, r.len, r.origin_logical, r.origin_physical,
             )
         )
 
@@ -219,18 +219,17 @@ class MuseKVCache:
     def from_state(cls, state: Tuple[mx.array, mx.array], meta_state: Tuple[str, ...]) -> "MuseKVCache":
         """Rebuild a cache from ``state`` and ``meta_state`` (both are required:
         the planes are meaningless without their ring origins)."""
-        if meta_state is None or len(meta_state) != 10:
-            raise ValueError(f"MuseKVCache.from_state needs the 10-field meta_state, got {meta_state!r}")
-        kind = LayerKind(meta_state[0])
-        layer, heads, dim, window, max_context, capacity, length, ol, op = map(int, meta_state[1:])
-        plane = KvPlane(
-            kind, kv_heads=heads, head_dim=dim, window=window, max_context=max_context, layer=layer
-        )
+        if meta_state is None or len(meta_state) != 11:
+            raise ValueError(f"MuseKVCache.from_state needs the 11-field meta_state, got {meta_state!r}")
+        kind, layout = LayerKind(meta_state[0]), meta_state[1]
+        layer, heads, dim, window, max_context, capacity, length, ol, op = map(int, meta_state[2:])
+        plane = KvPlane(kind, kv_heads=heads, head_dim=dim, window=window, max_context=max_context,
+                        layer=layer, sliding_layout=layout, allocate=False)
         keys, values = state
-        for name, x, ref in (("keys", keys, plane.keys), ("values", values, plane.values)):
-            if x.dtype != ref.dtype or tuple(x.shape) != tuple(ref.shape):
+        for name, x in (("keys", keys), ("values", values)):
+            if x.dtype != mx.float16 or tuple(x.shape) != plane.shape:
                 raise ValueError(
-                    f"layer {layer}: state {name} must be {ref.dtype} {tuple(ref.shape)}, "
+                    f"layer {layer}: state {name} must be float16 {plane.shape}, "
                     f"got {x.dtype} {tuple(x.shape)}"
                 )
         if capacity != plane.capacity:
@@ -305,7 +304,10 @@ class MuseKVCache:
 
 
 def make_prompt_cache(
-    model: Any, max_context: Optional[int] = None, retain: int = DEFAULT_RETAIN
+    model: Any,
+    max_context: Optional[int] = None,
+    retain: int = DEFAULT_RETAIN,
+    sliding_layout: str = "token_major",
 ) -> List[MuseKVCache]:
     """One ``MuseKVCache`` per layer of an mlx-lm Muse model, sized from its args.
 
@@ -313,16 +315,19 @@ def make_prompt_cache(
     planes are allocated (zero-filled) now, at exactly the footprint formula.
     ``retain`` is how many overwritten rows each sliding ring keeps, i.e. how
     deep ``trim`` and speculative rollback are exact past the wrap (0 turns the
-    retention and its one extra copy per token off).
+    retention and its one extra copy per token off). ``sliding_layout`` picks the
+    rings' layout (``token_major``, the seeds' default, or ``head_major``).
     """
     args = getattr(model, "args", None)
     if args is None:
         raise TypeError(f"make_prompt_cache needs an mlx-lm model with .args, got {type(model).__name__}")
     geometry = MuseGeometry.from_model_args(args, max_context)
-    return make_cache_for(geometry, retain)
+    return make_cache_for(geometry, retain, sliding_layout)
 
 
-def make_cache_for(geometry: MuseGeometry, retain: int = DEFAULT_RETAIN) -> List[MuseKVCache]:
+def make_cache_for(
+    geometry: MuseGeometry, retain: int = DEFAULT_RETAIN, sliding_layout: str = "token_major"
+) -> List[MuseKVCache]:
     """One cache per layer of ``geometry``."""
     return [
         MuseKVCache(
@@ -333,6 +338,7 @@ def make_cache_for(geometry: MuseGeometry, retain: int = DEFAULT_RETAIN) -> List
                 window=geometry.window,
                 max_context=geometry.max_context,
                 layer=i,
+                sliding_layout=sliding_layout,
             ),
             retain,
         )

@@ -107,16 +107,13 @@ class ReferenceBackend:
         return x.transpose(1, 0, 2).reshape(n, h * d)
 
     def stage(self, ring_keys: mx.array, ring_values: mx.array, ring: Ring,
-              keys: mx.array, values: mx.array) -> Pair:
-        """The staging shadow ``[len + N, H*D]``: live ring rows in logical order,
-        then the chunk's rows (token-major planes only)."""
-        runs = ring.live_runs()
-        out = []
-        for plane, x in ((ring_keys, keys), (ring_values, values)):
-            parts = [plane[r.physical:r.physical + r.length] for r in runs]
-            parts.append(self._rows(x, TOKEN_MAJOR, 0, x.shape[2]))
-            out.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
-        return out[0], out[1]
+              keys: mx.array, values: mx.array, layout: str = TOKEN_MAJOR) -> Pair:
+        """The staging shadow ``[len + N, H*D]`` (token-major whatever the ring's
+        layout): live ring rows in logical order, then the chunk's rows."""
+        old_k, old_v = self.gather(ring_keys, ring_values, layout, ring)
+        n = keys.shape[2]
+        return (mx.concatenate([old_k, self._rows(keys, TOKEN_MAJOR, 0, n)], axis=0),
+                mx.concatenate([old_v, self._rows(values, TOKEN_MAJOR, 0, n)], axis=0))
 
     def gather(self, plane_keys: mx.array, plane_values: mx.array, layout: str, ring: Ring) -> Pair:
         """The live rows in logical order as ``[len, H*D]`` (token order), in fresh
@@ -218,13 +215,14 @@ class KernelBackend(ReferenceBackend):
             output_dtypes=[PLANE_DTYPE, PLANE_DTYPE, mx.int32],
         )
 
-    def stage(self, ring_keys, ring_values, ring, keys, values):
+    def stage(self, ring_keys, ring_values, ring, keys, values, layout=TOKEN_MAJOR):
         _, h, n, d = keys.shape
         rows = ring.len + n
         return tuple(self.kernel("stage")(
             inputs=[ring_keys, ring_values, keys, values,
                     _params(ring.len, ring.origin_physical, ring.capacity, n)],
-            template=[("T", keys.dtype), ("KV_HEADS", h), ("HEAD_DIM", d)],
+            template=[("T", keys.dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
+                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
             grid=_grid(rows * h * d), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[(rows, h * d)] * 2, output_dtypes=[PLANE_DTYPE] * 2,
         ))

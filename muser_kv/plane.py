@@ -44,8 +44,11 @@ class KvPlane:
     """Two f16 planes plus a ``Ring``.
 
     Sliding layers are token-major ``[capacity, kv_heads * head_dim]`` with
-    ``capacity = min(max_context, window)``; global layers are head-major
-    ``[kv_heads, capacity, head_dim]`` with ``capacity = max_context``.
+    ``capacity = min(max_context, window)`` (a rotation moves whole tokens);
+    global layers are head-major ``[kv_heads, capacity, head_dim]`` with
+    ``capacity = max_context`` (each head's history is one span). A sliding ring
+    may be built head-major instead (``sliding_layout``), for attention kernels
+    that read head-major spans faster; the ring arithmetic does not change.
     """
 
     def __init__(
@@ -57,6 +60,8 @@ class KvPlane:
         window: int,
         max_context: int,
         layer: int = 0,
+        sliding_layout: str = kernels.TOKEN_MAJOR,
+        allocate: bool = True,
     ):
         self.kind = LayerKind(kind)
         self.kv_heads = kv_heads
@@ -64,19 +69,25 @@ class KvPlane:
         self.window = window
         self.max_context = max_context
         self.layer = layer
+        if sliding_layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):
+            raise ValueError(f"sliding_layout must be token_major or head_major, got {sliding_layout!r}")
         if self.kind is LayerKind.SLIDING:
             capacity = min(max_context, window)
-            self.layout = kernels.TOKEN_MAJOR
-            shape: Tuple[int, ...] = (capacity, kv_heads * head_dim)
+            self.layout = sliding_layout
         else:
             capacity = max_context
             self.layout = kernels.HEAD_MAJOR
+        if self.layout == kernels.TOKEN_MAJOR:
+            shape: Tuple[int, ...] = (capacity, kv_heads * head_dim)
+        else:
             shape = (kv_heads, capacity, head_dim)
+        self.shape = shape
         self.ring = Ring(capacity, layer=layer)
         self.backend = kernels.get_backend()
-        self.keys = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
-        self.values = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
-        mx.eval(self.keys, self.values)
+        if allocate:  # (False only for a caller that sets keys/values itself)
+            self.keys = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
+            self.values = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
+            mx.eval(self.keys, self.values)
 
     # -- facts ---------------------------------------------------------------
 
@@ -181,18 +192,18 @@ class KvPlane:
         before the chunk is committed, so a chunk that wraps never overwrites rows
         its own queries need."""
         self.check_input(keys, values)
-        if self.layout != kernels.TOKEN_MAJOR:
+        if self.kind is not LayerKind.SLIDING:
             raise RuntimeError(f"layer {self.layer}: only sliding rings are staged")
-        return self.backend.stage(self.keys, self.values, self.ring, keys, values)
+        return self.backend.stage(self.keys, self.values, self.ring, keys, values, self.layout)
 
-    def attention_view(self, rows: mx.array) -> mx.array:
-        """Rows in this plane's layout as the ``[1, H, L, D]`` attention reads."""
-        return kernels.attention_view(rows, self.layout, self.kv_heads, self.head_dim)
+    def shadow_view(self, rows: mx.array) -> mx.array:
+        """Token-major shadow rows as the ``[1, H, L, D]`` view attention reads."""
+        return kernels.attention_view(rows, kernels.TOKEN_MAJOR, self.kv_heads, self.head_dim)
 
     def shadow(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """``shadow_rows`` as attention's ``[1, H, len + N, D]`` views."""
         k, v = self.shadow_rows(keys, values)
-        return self.attention_view(k), self.attention_view(v)
+        return self.shadow_view(k), self.shadow_view(v)
 
     def rows(self, logical: int, count: int) -> Tuple[mx.array, mx.array]:
         """Fresh copies ``[count, H*D]`` of live rows ``logical .. logical+count``."""
@@ -207,8 +218,12 @@ class KvPlane:
             raise ValueError(f"layer {self.layer}: ring capacity {ring.capacity} != {self.capacity}")
         m = keys.shape[0]
         if m:
-            if self.layout != kernels.TOKEN_MAJOR:
+            if self.kind is not LayerKind.SLIDING:
                 raise RuntimeError(f"layer {self.layer}: a growing plane restores no rows")
+            if self.layout == kernels.HEAD_MAJOR:
+                shape = (m, self.kv_heads, self.head_dim)
+                keys = keys.reshape(shape).transpose(1, 0, 2)
+                values = values.reshape(shape).transpose(1, 0, 2)
             self._place(keys, values, ring.runs(logical, m))
         self.ring = ring
 

@@ -15,9 +15,12 @@ from test_plane import kv
 H, D = 2, 128
 
 
-def caches(window=8, max_context=64, layers=4, retain=16):
+LAYOUTS = ["token_major", "head_major"]
+
+
+def caches(window=8, max_context=64, layers=4, retain=16, layout="token_major"):
     return make_cache_for(MuseGeometry(num_layers=layers, window=window, max_context=max_context,
-                                       num_heads=4, kv_heads=H, head_dim=D), retain)
+                                       num_heads=4, kv_heads=H, head_dim=D), retain, layout)
 
 
 def mask_as_array(mask, n, rows):
@@ -56,10 +59,11 @@ def check_step(cache: MuseKVCache, oracle: FullHistory, n: int, seed: int):
         assert seen_v == expect_v
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=60, deadline=None)
 @given(chunks=st.lists(st.integers(1, 21), min_size=1, max_size=10), layer=st.sampled_from([0, 3]))
-def test_mask_and_rows_agree(chunks, layer):
-    cache = caches()[layer]
+def test_mask_and_rows_agree(layout, chunks, layer):
+    cache = caches(layout=layout)[layer]
     oracle = FullHistory(cache.window)
     for i, n in enumerate(chunks):
         if cache.offset + n > 64:
@@ -163,11 +167,12 @@ def test_make_prompt_cache_from_model(model_f32):
                               st.tuples(st.just("trim"), st.integers(0, 20))),
                     min_size=1, max_size=25),
        retain=st.sampled_from([0, 1, 4, 16]), layer=st.sampled_from([0, 3]))
-def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(ops, retain, layer):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(layout, ops, retain, layer):
     """Random writes and trims: every trim is exact (contents, origins and the
     physical placement equal a fresh cache fed the surviving history) or refused
     with nothing changed."""
-    cache = caches(retain=retain)[layer]
+    cache = caches(retain=retain, layout=layout)[layer]
     history = []  # (k, v) one token each, as written
     seed = 0
     for op, n in ops:
@@ -189,7 +194,7 @@ def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(ops, retain, 
             continue
         assert cache.trim(n) == n
         del history[len(history) - n:]
-        fresh = caches(retain=retain)[layer]
+        fresh = caches(retain=retain, layout=layout)[layer]
         for k, v in history:
             fresh.update_and_fetch(k, v)
         assert cache.meta_state == fresh.meta_state

@@ -92,20 +92,22 @@ def test_batch_store(host, dtype, layout, case, transposed):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
 @pytest.mark.parametrize("case", CASES)
-def test_stage(host, dtype, case):
+def test_stage(host, dtype, layout, case):
     capacity, length, origin, n = case
     rng = np.random.default_rng(length)
     ring = Ring(capacity, length, origin, origin % capacity)
-    plane_k = mx.array(rng.standard_normal((capacity, KV)).astype(np.float16))
-    plane_v = mx.array(rng.standard_normal((capacity, KV)).astype(np.float16))
+    shape = (capacity, KV) if layout == TOKEN_MAJOR else (H, capacity, D)
+    plane_k = mx.array(rng.standard_normal(shape).astype(np.float16))
+    plane_v = mx.array(rng.standard_normal(shape).astype(np.float16))
     (k, hk, ks), (v, hv, vs) = model_kv(n, dtype, seed=3, transposed=True)
-    ref_k, ref_v = REF.stage(plane_k, plane_v, ring, k, v)
+    ref_k, ref_v = REF.stage(plane_k, plane_v, ring, k, v, layout)
     mx.eval(ref_k, ref_v)
     out_k = np.zeros(ref_k.shape, np.float16)
     out_v = np.zeros(ref_v.shape, np.float16)
     params = np.array([ring.len, ring.origin_physical, ring.capacity, n], np.int32)
-    host.call("stage", dtype, False,
+    host.call("stage", dtype, layout == HEAD_MAJOR,
               [np.array(plane_k), np.array(plane_v), hk, ks, hv, vs, params, out_k, out_v],
               (ring.len + n) * KV)
     np.testing.assert_array_equal(bits16(out_k), bits16(np.array(ref_k)))

@@ -27,11 +27,11 @@ CAPACITY, CHUNK = 8, 4
 CI_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
 DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
-# (kernel, T, HEAD_MAJOR) -- every instantiation the backend can ask for;
-# stage has no HEAD_MAJOR (staging shadows are token-major only).
+# (kernel, T, HEAD_MAJOR) -- every instantiation the backend can ask for
+# (stage's HEAD_MAJOR is the ring's layout; its shadow is always token-major).
 EXPECTED = (
     [("batch_store", t, hm) for t in ("float32", "float16", "bfloat16") for hm in (False, True)]
-    + [("stage", t, None) for t in ("float32", "float16", "bfloat16")]
+    + [("stage", t, hm) for t in ("float32", "float16", "bfloat16") for hm in (False, True)]
     + [(k, "float16", hm) for k in ("gather", "install") for hm in (False, True)]
 )
 
@@ -69,8 +69,9 @@ def calls():
             kv = mx.zeros((1, H, CHUNK, D), dtype)
             for layout in (TOKEN_MAJOR, HEAD_MAJOR):
                 backend.store_with_dest(kv, kv, layout, 0, CHUNK, Ring(CAPACITY), 0)
-            ring_plane = mx.zeros((CAPACITY, H * D), PLANE_DTYPE)
-            backend.stage(ring_plane, ring_plane, live, kv, kv)
+            for layout, shape in ((TOKEN_MAJOR, (CAPACITY, H * D)), (HEAD_MAJOR, (H, CAPACITY, D))):
+                ring_plane = mx.zeros(shape, PLANE_DTYPE)
+                backend.stage(ring_plane, ring_plane, live, kv, kv, layout)
         for layout, shape in ((TOKEN_MAJOR, (CAPACITY, H * D)), (HEAD_MAJOR, (H, CAPACITY, D))):
             plane = mx.zeros(shape, PLANE_DTYPE)
             backend.gather(plane, plane, layout, live)

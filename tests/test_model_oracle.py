@@ -136,3 +136,19 @@ def test_real_window_1900_plus_512_chunk():
             r = ours[0].ring
             assert (r.len, r.origin_logical, r.origin_physical) == (2048, 364, 364)
     assert len(checks) == 4 * 4
+
+
+def test_head_major_rings_hold_the_same_contents(model_f16):
+    """The optional head-major ring layout: same contents bitwise (checked after
+    every update) and the same tokens as the default token-major rings."""
+    prompt = mx.array(np.random.default_rng(8).integers(0, 256, 50), mx.uint32)
+    runs = []
+    for layout in ("token_major", "head_major"):
+        checks: list = []
+        cache = [Tap(c, checks) for c in
+                 muser_kv.make_prompt_cache(model_f16, max_context=128, sliding_layout=layout)]
+        runs.append(generate(model_f16, cache, prompt, 9, 24))
+        assert cache[0].plane.layout == layout and checks
+    (t1, l1), (t2, l2) = runs
+    assert t1 == t2
+    np.testing.assert_allclose(np.stack(l1), np.stack(l2), atol=TOLERANCE[mx.float16], rtol=0)

@@ -1,0 +1,171 @@
+"""Helpers shared by the benchmarks: flags, memory probes, tables, JSON.
+
+Every benchmark compares muser-kv against mlx-lm's own caches on the same work
+in the same process and reports ratios; absolute times are printed for context
+only and are never a pass/fail criterion. Everything runs on
+``mx.default_device()`` (the CPU backend here, CUDA or Metal elsewhere).
+
+Only the public muser-kv API is used (``MuseGeometry``, ``make_cache_for``,
+``update_and_fetch``, ``make_mask``, ``offset``, ``nbytes``, ``footprint``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+MB = 1 << 20
+
+
+def on_gpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def int_list(text: str) -> List[int]:
+    """``"2048,8192"`` -> ``[2048, 8192]`` (``k`` suffix allowed: ``128k``)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        out.append(int(part.rstrip("k")) * scale)
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}")
+    return out
+
+
+def str_list(text: str) -> List[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
+                   help="dtype of the K/V (and queries) handed to the caches (default float16)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats per cell; the table shows the median (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
+
+
+def settle() -> None:
+    """Finish outstanding work and drop cached buffers before a measurement."""
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+
+
+class PeakProbe:
+    """Peak memory during a block, minus what was active when it started.
+
+    A transient copy of a plane (a slice update that could not reuse its buffer)
+    shows up here as extra bytes of about the plane's size."""
+
+    def __enter__(self) -> "PeakProbe":
+        settle()
+        self.before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mx.synchronize()
+        self.peak = mx.get_peak_memory()
+        self.after = mx.get_active_memory()
+        self.extra = max(0, self.peak - self.before)
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def environment() -> Dict[str, Any]:
+    try:
+        import mlx_lm
+
+        mlx_lm_version = mlx_lm.__version__
+    except Exception:  # pragma: no cover
+        mlx_lm_version = None
+    try:
+        info = mx.device_info()
+        info = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                for k, v in info.items()}
+    except Exception:  # pragma: no cover
+        info = {}
+    return {
+        "device": str(mx.default_device()),
+        "device_info": info,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm_version,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "argv": sys.argv,
+    }
+
+
+def print_header(title: str, args: argparse.Namespace, extra: Optional[str] = None) -> None:
+    env = environment()
+    print(f"# {title}")
+    print(f"device {env['device']} {env['device_info'].get('device_name', '')} | "
+          f"mlx {env['mlx']} | mlx-lm {env['mlx_lm']} | {env['cpus']} CPUs")
+    flags = " ".join(f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in vars(args).items()
+                     if v is not None and k != "json")
+    print(f"flags: {flags}")
+    if extra:
+        print(extra)
+    print()
+
+
+def _flag_value(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def fmt(v: Any, digits: int = 2) -> str:
+    if isinstance(v, float):
+        if v != v:  # nan
+            return "-"
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 2) -> None:
+    """A GitHub-flavoured Markdown table (readable in a terminal, pasteable in docs)."""
+    cells = [[fmt(c, digits) for c in row] for row in rows]
+    widths = [max(len(col), *(len(r[i]) for r in cells)) if cells else len(col)
+              for i, col in enumerate(columns)]
+    def line(items):
+        return "| " + " | ".join(s.rjust(w) for s, w in zip(items, widths)) + " |"
+    print(line(columns))
+    print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    for r in cells:
+        print(line(r))
+    print()
+
+
+def write_json(path: Optional[str], payload: Dict[str, Any]) -> None:
+    if not path:
+        return
+    payload = {"environment": environment(), **payload}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    print(f"wrote {path}")
+
+
+def ratio(theirs: float, ours: float) -> float:
+    return theirs / ours if ours > 0 else float("nan")

@@ -1,0 +1,605 @@
+"""Sessions and speculative rollback: muser-kv against the naive way, same run.
+
+Three measurements on a Muse-shaped cache (layer i global NoPE iff i % 4 == 3,
+2 KV heads x 128, window 2048), each beside its naive alternative in the same
+process, with the ratio:
+
+1. **Session save / load, GB/s.** A cache at full depth (default 131,072
+   positions x 52 layers: 1,826,619,392 B of planes, every row live) is saved with
+   ``muser_kv.save_session`` (capture in logical order, sha256 per tensor,
+   safetensors, fsync, atomic rename, directory fsync) and loaded with
+   ``muser_kv.load_session`` (read, verify every checksum, allocate a cache for a
+   tiny ``mlx_lm.models.muse_glimmer.Model`` with ``max_position_embeddings =
+   depth``, install at the live rotation). The raw floor moves the same bytes:
+   every plane as it lies in memory, one plain unbuffered write per plane, one
+   fsync; read back with ``np.fromfile`` into ``mx.array``s. Loads are timed
+   twice: with the file's pages evicted (``posix_fadvise(DONTNEED)`` on that file
+   only, after its fsync: a read from the device) and straight after (page cache).
+   Everything is evaluated (``mx.eval``) inside the timed region. GB = 1e9 B; both
+   sides divide the same payload (the planes' bytes) by their time. A second table
+   splits ours into its parts (``SessionSnapshot.capture``, sha256 of every
+   tensor, ``read_session``, ``restore_into`` a cache from ``make_cache_for``).
+   Every load is checked bit for bit against the source planes and rings.
+
+2. **Speculative rollback, ms.** A second cache (``max_context = depth +
+   max(blocks)``) is filled to ``depth`` (rings wrapped, retained rows at their
+   steady state). Per block of B tokens: ``cp = muser_kv.checkpoint(cache, B)``,
+   B tokens written (``--write chunk``: one ``update_and_fetch`` of B rows per
+   layer, as a verify pass writes them; ``steps``: B one-token steps), then
+   ``cp.rollback()`` (+ ``mx.eval`` of every plane) is timed against the naive
+   alternative: an ``mx.array`` copy of every plane, evaluated. The first round
+   per B is untimed and checks that the rollback is exact (rings, sliding planes
+   and the global planes' live rows equal the copy taken before the block).
+
+3. **What a checkpoint holds.** ``cp.nbytes`` when opened and with the block
+   written, ``sum(c.retained_nbytes)``, against the planes' bytes; and the
+   measured ``mx.get_active_memory()`` deltas while the checkpoint is open,
+   beside the delta the naive copy costs.
+
+Absolute numbers are for context only (a disk, a page cache and a CPU are
+shared resources); the ratios are measured within the run.
+
+    python benchmarks/sessions.py                                  # GPU, full: 131,072 x 52 layers
+    python benchmarks/sessions.py --depth 8192 --layers 8          # CPU, well under a minute
+
+Files go to a fresh temporary directory (under ``--dir`` if given, else the
+system's) that is removed afterwards; the run refuses to start unless ~2.5x the
+session's bytes are free there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Dict, List, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import muser_kv  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES, MB, PeakProbe, add_common_flags, int_list, median, now, print_header,
+    print_table, settle, write_json,
+)
+
+GB = 1e9
+KIB = 1 << 10
+DISK_FACTOR = 2.5  # free space required, in multiples of the session's bytes
+PLANE_NP = np.dtype("<f2")
+
+
+# -- flags ----------------------------------------------------------------------
+
+
+def one_int(text: str) -> int:
+    """``"131072"`` or ``"128k"``."""
+    values = int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one int, got {text!r}")
+    return values[0]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depth", type=one_int, default=131072, metavar="N",
+                   help="session depth in positions, = max_context of the saved cache "
+                        "(default 131072; 'k' suffix allowed)")
+    p.add_argument("--layers", type=int, default=52, help="layers (default 52, Muse Glimmer)")
+    p.add_argument("--window", type=int, default=2048, help="sliding window (default 2048)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--blocks", type=int_list, default=[1, 4, 16],
+                   help=f"speculative block lengths B (default 1,4,16; at most "
+                        f"{muser_kv.MAX_BLOCK})")
+    p.add_argument("--write", choices=("chunk", "steps"), default="chunk",
+                   help="how a block is written: one update_and_fetch of B rows per layer "
+                        "(chunk, default) or B one-token steps")
+    p.add_argument("--rollback-repeats", type=int, default=10,
+                   help="timed rollbacks (and plane copies) per block length (default 10)")
+    p.add_argument("--dir", default=None,
+                   help="where the session files go (a fresh subdirectory, removed afterwards; "
+                        "default: the system's temporary directory)")
+    p.add_argument("--skip", type=int_list, default=None, metavar="SECTIONS",
+                   help="sections to skip, e.g. --skip 1 (1: sessions, 2+3: rollback)")
+    add_common_flags(p)
+    args = p.parse_args(argv)
+    if args.layers < 1 or args.depth < 1 or args.repeats < 1 or args.rollback_repeats < 1:
+        p.error("--depth, --layers, --repeats and --rollback-repeats must be positive")
+    for b in args.blocks:
+        if not 1 <= b <= muser_kv.MAX_BLOCK:
+            p.error(f"--blocks: each B must be in [1, {muser_kv.MAX_BLOCK}], got {b}")
+    if args.depth < muser_kv.DEFAULT_RETAIN:
+        p.error(f"--depth must be at least {muser_kv.DEFAULT_RETAIN}")
+    return args
+
+
+def geometry(args, max_context: int) -> muser_kv.MuseGeometry:
+    # num_heads = kv_heads: the query heads never enter the KV state.
+    return muser_kv.MuseGeometry(
+        num_layers=args.layers, window=args.window, max_context=max_context,
+        num_heads=args.kv_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+    )
+
+
+# -- filling a cache cheaply -------------------------------------------------------
+
+
+def planes(cache: Sequence[Any]) -> List[mx.array]:
+    return [p for c in cache for p in (c.plane.keys, c.plane.values)]
+
+
+def fill_installed(cache: Sequence[Any], position: int) -> None:
+    """Every layer at ``position`` with random f16 rows, via ``plane.install``
+    (the rows a sequential fill would leave, at the rotation it would leave them)."""
+    for c in cache:
+        if c.kind is muser_kv.LayerKind.SLIDING:
+            rows = min(position, c.plane.capacity)
+        else:
+            rows = position
+        start = position - rows
+        shape = (rows, c.plane.kv_heads, c.plane.head_dim)
+        k = mx.random.normal(shape).astype(mx.float16)
+        v = mx.random.normal(shape).astype(mx.float16)
+        c.plane.install(start, k, v)
+        mx.eval(c.plane.keys, c.plane.values)
+        del k, v
+    assert all(c.offset == position for c in cache), [c.offset for c in cache]
+
+
+def one_token_steps(cache: Sequence[Any], n: int, dtype) -> None:
+    """``n`` decode-like single-token writes to every layer, each evaluated."""
+    c0 = cache[0].plane
+    for _ in range(n):
+        x = mx.random.normal((1, c0.kv_heads, 1, c0.head_dim)).astype(dtype)
+        outs = [c.update_and_fetch(x, x) for c in cache]
+        mx.eval(outs, planes(cache))
+        del outs
+
+
+def same_planes(a: Sequence[mx.array], b: Sequence[mx.array]) -> bool:
+    return all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+# -- the disk -----------------------------------------------------------------------
+
+
+def filesystem(path: str) -> str:
+    """``"ext4 on /dev/vda (/)"``: the mount holding ``path`` (tmpfs would be memory)."""
+    path = os.path.realpath(path)
+    best = ("?", "?", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                    best = (dev, mnt, fstype)
+    except OSError:
+        return "unknown filesystem"
+    return f"{best[2]} on {best[0]} ({best[1]})"
+
+
+def can_evict() -> bool:
+    return hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
+
+
+def evict(path: str) -> None:
+    """Drop this (fsynced, so clean) file's pages from the page cache; nothing else."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def check_disk(directory: str, payload: int) -> None:
+    free = shutil.disk_usage(directory).free
+    need = int(DISK_FACTOR * payload)
+    if free < need:
+        raise SystemExit(
+            f"sessions.py: refusing to run: {directory} has {free / GB:,.2f} GB free, the "
+            f"benchmark needs ~{DISK_FACTOR}x the session's {payload:,} B = {need / GB:,.2f} GB. "
+            f"Pass --dir on a larger filesystem, or a smaller --depth / --layers."
+        )
+
+
+# -- section 1: sessions ------------------------------------------------------------
+
+
+def tiny_model(args, depth: int):
+    """A Muse Glimmer model of this KV geometry with a tiny hidden size: what
+    ``load_session`` reads the geometry from and sizes the cache with."""
+    from mlx_lm.models import muse_glimmer
+
+    kinds = geometry(args, depth).layer_kinds
+    margs = muse_glimmer.ModelArgs(
+        hidden_size=64, num_hidden_layers=args.layers, intermediate_size=64,
+        num_attention_heads=args.kv_heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, vocab_size=64, sliding_window=args.window,
+        max_position_embeddings=depth, layer_types=[k.value for k in kinds],
+    )
+    return muse_glimmer.Model(margs)
+
+
+def save_ours(path: str, cache) -> float:
+    mx.eval(planes(cache))
+    t0 = now()
+    snap = muser_kv.save_session(path, cache)
+    dt = now() - t0
+    del snap
+    return dt
+
+
+def load_ours(path: str, model) -> Tuple[float, List[Any]]:
+    t0 = now()
+    loaded = muser_kv.load_session(path, model)
+    mx.eval(planes(loaded))
+    return now() - t0, loaded
+
+
+def save_raw(path: str, cache) -> float:
+    """The same bytes, as they lie in the planes: one plain write each, one fsync."""
+    src = planes(cache)
+    mx.eval(src)
+    t0 = now()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        for p in src:
+            buf = memoryview(np.ascontiguousarray(np.asarray(p))).cast("B")
+            while buf:
+                buf = buf[os.write(fd, buf):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return now() - t0
+
+
+def load_raw(path: str, like: Sequence[mx.array]) -> Tuple[float, List[mx.array]]:
+    t0 = now()
+    out = []
+    with open(path, "rb", buffering=0) as f:
+        for p in like:
+            a = np.fromfile(f, dtype=PLANE_NP, count=p.size)
+            out.append(mx.array(a.reshape(p.shape)))
+    mx.eval(out)
+    return now() - t0, out
+
+
+def ours_parts(path: str, cache) -> Dict[str, float]:
+    """Ours, split: capture, sha256 (the save's checksums), read_session (read and
+    verify), restore_into a ``make_cache_for`` cache (allocate and install)."""
+    from muser_kv.snapshot import tensor_digest
+
+    parts = {}
+    t0 = now()
+    snap = muser_kv.SessionSnapshot.capture(cache)
+    parts["capture"] = now() - t0
+    arrays = [np.asarray(a) for c in snap.layers for a in (c.keys, c.values)]
+    t0 = now()
+    for a in arrays:
+        tensor_digest(a)
+    parts["sha256"] = now() - t0
+    del arrays, snap
+    if can_evict():
+        evict(path)
+    t0 = now()
+    snap = muser_kv.read_session(path)
+    parts["read_session"] = now() - t0
+    geo = snap.geometry
+    t0 = now()
+    target = muser_kv.make_cache_for(geo)
+    muser_kv.restore_into(target, snap)
+    mx.eval(planes(target))
+    parts["restore_into"] = now() - t0
+    del target, snap
+    return parts
+
+
+def bench_sessions(args, workdir: str) -> Dict[str, Any]:
+    depth = args.depth
+    geo = geometry(args, depth)
+    cache = muser_kv.make_cache_for(geo)
+    fill_installed(cache, depth)
+    payload = sum(p.nbytes for p in planes(cache))
+    assert payload == muser_kv.footprint(geo, depth).slot_bytes, payload
+    model = tiny_model(args, depth)
+    src, metas = planes(cache), [c.meta_state for c in cache]
+    ours_path = os.path.join(workdir, "session.safetensors")
+    raw_path = os.path.join(workdir, "session.raw")
+    cold = can_evict()
+
+    t: Dict[str, Dict[str, List[float]]] = {
+        s: {"save": [], "load_cold": [], "load_warm": []} for s in ("ours", "raw")}
+    parts: Dict[str, List[float]] = {}
+    sizes: Dict[str, int] = {}
+    exact = {"ours": True, "raw": True}
+
+    def run_ours():
+        t["ours"]["save"].append(save_ours(ours_path, cache))
+        sizes["ours"] = os.path.getsize(ours_path)
+        for mode in (("load_cold", "load_warm") if cold else ("load_warm",)):
+            if mode == "load_cold":
+                evict(ours_path)
+            dt, loaded = load_ours(ours_path, model)
+            t["ours"][mode].append(dt)
+            exact["ours"] &= (same_planes(planes(loaded), src)
+                              and [c.meta_state for c in loaded] == metas)
+            del loaded
+            settle()
+        for k, v in ours_parts(ours_path, cache).items():
+            parts.setdefault(k, []).append(v)
+        os.unlink(ours_path)
+        settle()
+
+    def run_raw():
+        t["raw"]["save"].append(save_raw(raw_path, cache))
+        sizes["raw"] = os.path.getsize(raw_path)
+        for mode in (("load_cold", "load_warm") if cold else ("load_warm",)):
+            if mode == "load_cold":
+                evict(raw_path)
+            dt, arrays = load_raw(raw_path, src)
+            t["raw"][mode].append(dt)
+            exact["raw"] &= same_planes(arrays, src)
+            del arrays
+            settle()
+        os.unlink(raw_path)
+        settle()
+
+    settle()
+    for r in range(args.repeats):
+        for run in ((run_ours, run_raw) if r % 2 == 0 else (run_raw, run_ours)):
+            run()
+
+    rows, results = [], []
+    labels = {"save": "save (fsync)", "load_cold": "load, evicted (device)",
+              "load_warm": "load, page cache"}
+    for op in ("save", "load_cold", "load_warm"):
+        if not t["ours"][op]:
+            continue
+        ours_s, raw_s = median(t["ours"][op]), median(t["raw"][op])
+        ours_gbs, raw_gbs = payload / ours_s / GB, payload / raw_s / GB
+        rows.append([labels[op], ours_s, ours_gbs, raw_s, raw_gbs, ours_gbs / raw_gbs])
+        results.append({"op": op, "ours_s": t["ours"][op], "raw_s": t["raw"][op],
+                        "ours_GBps": ours_gbs, "raw_GBps": raw_gbs,
+                        "ratio_ours_over_raw": ours_gbs / raw_gbs})
+    del cache, src, model
+    settle()
+    return {"payload_bytes": payload, "file_bytes": sizes, "rows": rows, "results": results,
+            "parts_s": parts, "exact": exact, "evicted_loads": cold}
+
+
+# -- sections 2 and 3: speculative rollback -----------------------------------------------
+
+
+def write_block(cache, block: mx.array, mode: str) -> None:
+    if mode == "chunk":
+        outs = [c.update_and_fetch(block, block) for c in cache]
+        mx.eval(outs, planes(cache))
+        del outs
+        return
+    for j in range(block.shape[2]):
+        x = block[:, :, j:j + 1]
+        outs = [c.update_and_fetch(x, x) for c in cache]
+        mx.eval(outs, planes(cache))
+        del outs
+
+
+def copy_planes(cache) -> Tuple[float, List[mx.array]]:
+    """The naive checkpoint: a copy of every plane, evaluated."""
+    src = planes(cache)
+    t0 = now()
+    copies = [mx.array(p) for p in src]
+    mx.eval(copies)
+    return now() - t0, copies
+
+
+def state_equals(cache, ref: Sequence[mx.array], metas) -> bool:
+    """Rings equal; sliding planes equal; global planes equal on their live rows
+    (a rolled-back global plane rewinds metadata only: rows past its end are dead)."""
+    if [c.meta_state for c in cache] != metas:
+        return False
+    for i, c in enumerate(cache):
+        k, v = ref[2 * i], ref[2 * i + 1]
+        if c.kind is muser_kv.LayerKind.GLOBAL:
+            n = c.ring.len
+            pairs = ((c.plane.keys[:, :n], k[:, :n]), (c.plane.values[:, :n], v[:, :n]))
+        else:
+            pairs = ((c.plane.keys, k), (c.plane.values, v))
+        if not all(mx.array_equal(a, b).item() for a, b in pairs):
+            return False
+    return True
+
+
+def bench_rollback(args) -> Dict[str, Any]:
+    depth, dtype = args.depth, DTYPES[args.dtype]
+    geo = geometry(args, depth + max(args.blocks))
+    cache = muser_kv.make_cache_for(geo)
+    steady = muser_kv.DEFAULT_RETAIN  # one-token steps that end the fill: retained rows full
+    fill_installed(cache, depth - steady)
+    one_token_steps(cache, steady, dtype)
+    plane_bytes = sum(p.nbytes for p in planes(cache))
+    wrapped = all(c.ring.wrapped for c in cache if c.kind is muser_kv.LayerKind.SLIDING)
+    kv_heads, head_dim = args.kv_heads, args.head_dim
+
+    rows, mem_rows, results = [], [], []
+    for B in args.blocks:
+        block = mx.random.normal((1, kv_heads, B, head_dim)).astype(dtype)
+        mx.eval(block)
+        cell: Dict[str, List[float]] = {k: [] for k in (
+            "open_ms", "write_ms", "rollback_ms", "copy_ms", "rollback_peak_extra",
+            "write_peak_extra", "cp_nbytes_open", "cp_nbytes_block", "retained_nbytes_block",
+            "active_open", "active_block", "active_after", "copy_active")}
+        exact = None
+        for r in range(args.rollback_repeats + 1):
+            check = r == 0  # untimed round: exactness against a copy taken before the block
+            # the naive alternative, timed in the same loop
+            settle()
+            m0 = mx.get_active_memory()
+            dt, copies = copy_planes(cache)
+            copy_active = mx.get_active_memory() - m0
+            metas = [c.meta_state for c in cache]
+            if not check:
+                cell["copy_ms"].append(dt * 1e3)
+                cell["copy_active"].append(copy_active)
+                del copies
+            # ours
+            settle()
+            m0 = mx.get_active_memory()
+            t0 = now()
+            cp = muser_kv.checkpoint(cache, B)
+            open_ms = (now() - t0) * 1e3
+            settle()
+            active_open = mx.get_active_memory() - m0
+            nb_open = cp.nbytes
+            with PeakProbe() as wprobe:
+                t0 = now()
+                write_block(cache, block, args.write)
+                write_ms = (now() - t0) * 1e3
+            assert all(c.offset == depth + B for c in cache)
+            settle()
+            active_block = mx.get_active_memory() - m0
+            nb_block = cp.nbytes
+            retained = sum(c.retained_nbytes for c in cache)
+            with PeakProbe() as rprobe:
+                t0 = now()
+                undone = cp.rollback()
+                mx.eval(planes(cache))
+                rollback_ms = (now() - t0) * 1e3
+            assert undone == B and all(c.offset == depth for c in cache)
+            del cp
+            settle()
+            active_after = mx.get_active_memory() - m0
+            if check:
+                exact = state_equals(cache, copies, metas)
+                del copies
+                continue
+            for k, v in (("open_ms", open_ms), ("write_ms", write_ms),
+                         ("rollback_ms", rollback_ms), ("rollback_peak_extra", rprobe.extra),
+                         ("write_peak_extra", wprobe.extra), ("cp_nbytes_open", nb_open),
+                         ("cp_nbytes_block", nb_block), ("retained_nbytes_block", retained),
+                         ("active_open", active_open), ("active_block", active_block),
+                         ("active_after", active_after)):
+                cell[k].append(v)
+        rb, cp_ms = median(cell["rollback_ms"]), median(cell["copy_ms"])
+        rows.append([B, median(cell["open_ms"]), median(cell["write_ms"]), rb, cp_ms,
+                     cp_ms / rb if rb > 0 else float("nan"),
+                     max(cell["rollback_peak_extra"]) / MB, "yes" if exact else "NO"])
+        held = max(cell["cp_nbytes_block"])
+        mem_rows.append([B, max(cell["cp_nbytes_open"]) / KIB, held / KIB,
+                         max(cell["retained_nbytes_block"]) / KIB, plane_bytes / MB,
+                         plane_bytes / held if held else float("nan"),
+                         median(cell["active_open"]) / KIB, median(cell["active_block"]) / KIB,
+                         median(cell["copy_active"]) / MB])
+        results.append({"block": B, "exact": exact, **cell,
+                        "ratio_copy_over_rollback": cp_ms / rb if rb > 0 else None})
+    del cache
+    settle()
+    return {"plane_bytes": plane_bytes, "max_context": geo.max_context, "wrapped": wrapped,
+            "rows": rows, "mem_rows": mem_rows, "results": results}
+
+
+# -- main -------------------------------------------------------------------------------
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    mx.random.seed(args.seed)
+    geo = geometry(args, args.depth)
+    fp = muser_kv.footprint(geo, args.depth)
+    base = args.dir or tempfile.gettempdir()
+    if not os.path.isdir(base):
+        raise SystemExit(f"sessions.py: --dir {base} is not a directory")
+    skip = args.skip or []
+    do_sessions, do_rollback = 1 not in skip, not {2, 3} & set(skip)
+    if do_sessions:
+        check_disk(base, fp.slot_bytes)
+    print_header(
+        "sessions: save/load GB/s vs raw I/O, speculative rollback vs copying the planes",
+        args,
+        f"geometry: {args.layers} layers ({geo.sliding_layers} sliding, {geo.global_layers} "
+        f"global), {args.kv_heads} KV heads x {args.head_dim}, window {args.window}; "
+        f"planes at depth {args.depth:,}: {fp.slot_bytes:,} B ({fp.slot_bytes / GB:,.3f} GB)\n"
+        f"files in {base}: {filesystem(base)}",
+    )
+    payload: Dict[str, Any] = {"benchmark": "sessions", "args": vars(args),
+                               "footprint_slot_bytes": fp.slot_bytes}
+
+    if do_sessions:
+        workdir = tempfile.mkdtemp(prefix="muser-kv-sessions-", dir=base)
+        try:
+            s = bench_sessions(args, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        payload["sessions"] = {k: v for k, v in s.items() if k != "rows"}
+        print(f"1. Session save / load at depth {args.depth:,}: {s['payload_bytes']:,} B of planes "
+              f"(file: ours {s['file_bytes'].get('ours', 0):,} B with header, raw "
+              f"{s['file_bytes'].get('raw', 0):,} B); median of {args.repeats}; GB = 1e9 B")
+        print_table(["operation", "muser-kv s", "muser-kv GB/s", "raw s", "raw GB/s",
+                     "muser-kv / raw (GB/s)"], s["rows"], digits=3)
+        print("muser-kv: save_session (capture, sha256, safetensors, fsync, rename, dir fsync) / "
+              "load_session (read, verify, new cache for a tiny Model, install); raw: the planes "
+              "as they lie, os.write + fsync / np.fromfile -> mx.array. "
+              + ("'evicted': posix_fadvise(DONTNEED) on that file before the read."
+                 if s["evicted_loads"] else "posix_fadvise unavailable: page-cache loads only."))
+        print(f"bit-exact against the source planes and rings: muser-kv "
+              f"{'yes' if s['exact']['ours'] else 'NO'}, raw {'yes' if s['exact']['raw'] else 'NO'}")
+        print()
+        parts = s["parts_s"]
+        save_s = median(s["results"][0]["ours_s"])
+        print("   where muser-kv's time goes (separate timed calls, median; share of the "
+              "matching save / load above)")
+        load_key = "load_cold" if s["evicted_loads"] else "load_warm"
+        load_s = median(next(r["ours_s"] for r in s["results"] if r["op"] == load_key))
+        part_rows = []
+        for name, ref in (("capture", save_s), ("sha256", save_s),
+                          ("read_session", load_s), ("restore_into", load_s)):
+            v = median(parts[name])
+            part_rows.append([name, v, s["payload_bytes"] / v / GB, 100 * v / ref])
+        rest = save_s - median(parts["capture"]) - median(parts["sha256"])
+        part_rows.insert(2, ["rest of save (derived)", rest,
+                             s["payload_bytes"] / rest / GB if rest > 0 else float("nan"),
+                             100 * rest / save_s])
+        print_table(["part", "s", "GB/s", "% of save/load"], part_rows, digits=3)
+        print("capture = SessionSnapshot.capture (gather in logical order, evaluated); sha256 = "
+              "tensor_digest of every tensor; rest of save = save - capture - sha256 (to numpy, "
+              "safetensors write, fsync, rename); read_session = read + verify"
+              + (" (file evicted first)" if s["evicted_loads"] else "")
+              + "; restore_into = make_cache_for + install, evaluated")
+        print()
+
+    if do_rollback:
+        r = bench_rollback(args)
+        payload["rollback"] = {k: v for k, v in r.items() if k not in ("rows", "mem_rows")}
+        print(f"2. Speculative rollback at depth {args.depth:,} ({args.layers} layers, rings "
+              f"{'wrapped' if r['wrapped'] else 'NOT wrapped (depth <= window)'}; cache "
+              f"max_context {r['max_context']:,}, planes {r['plane_bytes']:,} B); write = "
+              f"{args.write}; median of {args.rollback_repeats}")
+        print_table(["B", "checkpoint ms", "write B ms", "rollback ms", "copy planes ms",
+                     "copy / rollback", "rollback peak+ MiB", "exact"], r["rows"], digits=3)
+        print("rollback = cp.rollback() + mx.eval(every plane); copy planes = mx.array(p) for "
+              "every K/V plane, evaluated (the naive checkpoint); exact = after the rollback, "
+              "rings, sliding planes and global live rows equal a copy taken before the block; "
+              "peak+ = peak memory during the rollback - memory active before it")
+        print()
+        print("3. What a checkpoint holds (cp.nbytes = sum of c.retained_nbytes: the rows the "
+              "rings keep anyway; active deltas are mx.get_active_memory() against before "
+              "checkpoint(), median)")
+        print_table(["B", "cp.nbytes open KiB", "cp.nbytes block KiB", "sum retained KiB",
+                     "planes MiB", "planes / cp.nbytes", "active open KiB",
+                     "active block KiB", "copy active MiB"], r["mem_rows"], digits=1)
+        print("open: right after checkpoint(); block: with the B tokens written, checkpoint "
+              "still open; copy active: what the naive copy of every plane holds")
+        print()
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
