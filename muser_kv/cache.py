@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Tuple, Union
 import mlx.core as mx
 
 from .geometry import LayerKind, MuseGeometry
+from .kernels import INPUT_DTYPES
 from .plane import KvPlane
 from .ring import Ring
 from .speculative import DEFAULT_RETAIN, RetainedRows
@@ -56,8 +57,9 @@ class MuseKVCache:
         self.plane = plane
         self.retain = retain if plane.kind is LayerKind.SLIDING else 0
         self._retained = RetainedRows(self.retain)
-        self._victim: Optional[Tuple[int, mx.array, mx.array]] = None
+        self._victim: Optional[Tuple[int, mx.array]] = None  # (position, [1, 2, kv_dim])
         self._ring_seen = plane.ring
+        self._one_token = (1, plane.kv_heads, 1, plane.head_dim)
 
     # -- identity ------------------------------------------------------------
 
@@ -102,6 +104,14 @@ class MuseKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         plane = self.plane
+        ring = plane.ring
+        if (
+            keys.shape == self._one_token and values.shape == self._one_token
+            and keys.dtype == values.dtype and keys.dtype in INPUT_DTYPES
+            and ring is self._ring_seen and ring.end < plane.max_context
+            and (ring.len == ring.capacity or ring.origin_physical == 0)
+        ):
+            return self._decode_one(keys, values)
         n = plane.check_input(keys, values)
         plane.check_write(self.offset, n)
         self._check_ring_owner()
@@ -110,7 +120,7 @@ class MuseKVCache:
         lost = max(0, ring.len + n - ring.capacity) if self.retain else 0
         if self._reads_in_place(n):
             if lost:  # one token on a full ring overwrites its oldest row
-                self._retained.push(ring.origin_logical, *self._victim_rows(ring.origin_logical))
+                self._retained.push(ring.origin_logical, self._victim_rows(ring.origin_logical))
             plane.write(ring.end, keys, values)
             self._after_change()
             out = self._with_victim(plane.view())
@@ -120,10 +130,28 @@ class MuseKVCache:
             kept: Tuple[mx.array, ...] = ()
             if lost:  # the shadow starts at origin_logical: its first rows are the lost ones
                 keep = mx.arange(lost - min(lost, self.retain), lost)
-                kept = (mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0))
-                self._retained.push(ring.origin_logical + lost - keep.size, *kept)
+                rows = mx.stack([mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0)], 1)
+                self._retained.push(ring.origin_logical + lost - keep.size, rows)
+                kept = (rows,)
             self._after_change()
             out = self._with_victim((plane.shadow_view(k_rows), plane.shadow_view(v_rows)), kept)
+        return out
+
+    def _decode_one(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """One token read in place: the decode hot path, with the same checks
+        settled by the caller and the least host work per layer (this is where a
+        decode step's time goes: dispatch and Python, not bytes)."""
+        plane, ring = self.plane, self.plane.ring
+        full = ring.len == ring.capacity
+        if self.retain and full:
+            self._retained.push(ring.origin_logical, self._victim_rows(ring.origin_logical))
+        plane.write_one(keys, values)
+        out = plane.view()
+        if self.retain and ring.len == ring.capacity:
+            victim = plane.copy_row(ring.origin_physical)
+            self._victim = (ring.origin_logical, victim)
+            return tuple(mx.depends(list(out), [victim]))
+        self._victim = None
         return out
 
     # -- retained rows (see speculative.py) ------------------------------------
@@ -136,10 +164,10 @@ class MuseKVCache:
             self._victim = None
             self._ring_seen = self.plane.ring
 
-    def _victim_rows(self, position: int) -> Tuple[mx.array, mx.array]:
+    def _victim_rows(self, position: int) -> mx.array:
         if self._victim is not None and self._victim[0] == position:
-            return self._victim[1], self._victim[2]
-        return self.plane.rows(position, 1)
+            return self._victim[1]
+        return self.plane.copy_row(self.plane.ring.physical(position))
 
     def _after_change(self) -> None:
         """Copy the row the next one-token store will overwrite *now*, while this
@@ -149,7 +177,7 @@ class MuseKVCache:
         self._ring_seen = ring
         self._victim = None
         if self.retain and ring.len == ring.capacity:
-            self._victim = (ring.origin_logical, *self.plane.rows(ring.origin_logical, 1))
+            self._victim = (ring.origin_logical, self.plane.copy_row(ring.origin_physical))
 
     def _with_victim(self, kv: Tuple[mx.array, mx.array],
                      kept: Tuple[mx.array, ...] = ()) -> Tuple[mx.array, mx.array]:
@@ -157,7 +185,7 @@ class MuseKVCache:
         evaluates (``mx.depends`` adds an edge, no kernel): left pending, a copy
         would still hold the plane when the next store runs, and MLX would copy
         the plane instead of donating it."""
-        extra = list(kept) + (list(self._victim[1:]) if self._victim is not None else [])
+        extra = list(kept) + ([self._victim[1]] if self._victim is not None else [])
         if not extra:
             return kv
         return tuple(mx.depends(list(kv), extra))
@@ -175,6 +203,10 @@ class MuseKVCache:
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ) -> Mask:
         """The mask for the rows the next ``update_and_fetch(N tokens)`` returns."""
+        if N == 1 and not return_array and (
+            window_size is None or window_size == self.plane.window
+        ):
+            return None  # one token sees every row it is handed (at most the window)
         if N < 1:
             raise ValueError(f"make_mask needs N >= 1, got {N}")
         offset = self.ring.len

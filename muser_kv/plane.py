@@ -160,6 +160,44 @@ class KvPlane:
         self._place(k_rows, v_rows, ring.runs(position + first, count))
         self.ring = ring
 
+    def write_one(self, keys: mx.array, values: mx.array) -> None:
+        """The decode hot path: one token, already validated by the caller
+        (``[1, H, 1, D]``, a float dtype, room below ``max_context``). The same
+        placement as ``write`` -- one slice update per plane at the row the ring
+        reserves -- with the ring advanced in place once the rows are placed."""
+        ring = self.ring
+        full = ring.len == ring.capacity
+        row = ring.origin_physical if full else (ring.origin_physical + ring.len) % ring.capacity
+        if keys.dtype == kernels.PLANE_DTYPE:  # nothing to convert: views only
+            if self.layout == kernels.TOKEN_MAJOR:
+                k, v = keys.reshape(1, self.kv_dim), values.reshape(1, self.kv_dim)
+            else:
+                k, v = keys.squeeze(0), values.squeeze(0)
+        else:
+            k, v = self.backend.store(keys, values, self.layout, 0, 1, ring, ring.end)
+        if self.layout == kernels.TOKEN_MAJOR:
+            self.keys[row:row + 1] = k
+            self.values[row:row + 1] = v
+        else:
+            self.keys[:, row:row + 1, :] = k
+            self.values[:, row:row + 1, :] = v
+        if full:  # the ring's append, settled by the caller's checks
+            ring.origin_logical += 1
+            ring.origin_physical = (ring.origin_physical + 1) % ring.capacity
+        else:
+            ring.len += 1
+
+    def copy_row(self, physical: int) -> mx.array:
+        """A fresh copy ``[1, 2, H*D]`` (K, V) of one physical row: one small copy
+        per plane, because a view would share the plane's buffer and keep MLX
+        from donating it to the next store."""
+        p = slice(physical, physical + 1)
+        if self.layout == kernels.TOKEN_MAJOR:
+            kv = mx.concatenate([self.keys[p], self.values[p]])
+        else:
+            kv = mx.concatenate([self.keys[:, p, :], self.values[:, p, :]])
+        return kv.reshape(1, 2, self.kv_dim)
+
     def _place(self, k_rows: mx.array, v_rows: mx.array, runs) -> None:
         """The one placement mechanism (see ``kernels.place``)."""
         kernels.place(self.keys, k_rows, runs, self.layout)

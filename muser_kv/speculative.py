@@ -14,7 +14,7 @@ exact up to the retained depth, and refused beyond it (never silently wrong).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Deque, List, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -27,13 +27,14 @@ DEFAULT_RETAIN = 16
 
 class RetainedRows:
     """The newest ``limit`` rows a ring overwrote, in logical order, ending at the
-    ring's ``origin_logical`` (the invariant ``trim`` relies on: no gaps)."""
+    ring's ``origin_logical`` (the invariant ``trim`` relies on: no gaps). Each
+    row holds K and V together, ``[2, kv_dim]``, so one copy retains both."""
 
     def __init__(self, limit: int):
         if limit < 0:
             raise ValueError(f"retain must be >= 0, got {limit}")
         self.limit = limit
-        self._blocks: Deque[Tuple[int, mx.array, mx.array]] = deque()
+        self._blocks: Deque[Tuple[int, mx.array]] = deque()
         self.count = 0
 
     def first(self, origin_logical: int) -> int:
@@ -44,51 +45,50 @@ class RetainedRows:
         self._blocks.clear()
         self.count = 0
 
-    def push(self, position: int, keys: mx.array, values: mx.array) -> None:
-        """Append rows ``[m, kv_dim]`` for positions ``position .. position+m``."""
-        m = keys.shape[0]
+    def push(self, position: int, kv: mx.array) -> None:
+        """Append rows ``[m, 2, kv_dim]`` (K, V) for positions ``position .. position+m``."""
+        m = kv.shape[0]
         if self.limit == 0 or m == 0:
             return
         if m > self.limit:
-            keys, values, position, m = keys[-self.limit:], values[-self.limit:], position + m - self.limit, self.limit
-        self._blocks.append((position, keys, values))
+            kv, position, m = kv[m - self.limit:], position + m - self.limit, self.limit
+        self._blocks.append((position, kv))
         self.count += m
         while self.count > self.limit:
-            first, k, v = self._blocks.popleft()
+            first, rows = self._blocks.popleft()
             drop = self.count - self.limit
-            if k.shape[0] > drop:
-                self._blocks.appendleft((first + drop, k[drop:], v[drop:]))
+            if rows.shape[0] > drop:
+                self._blocks.appendleft((first + drop, rows[drop:]))
                 self.count -= drop
             else:
-                self.count -= k.shape[0]
+                self.count -= rows.shape[0]
 
     def pop(self, count: int) -> Tuple[mx.array, mx.array]:
-        """Remove and return the newest ``count`` rows (logical order)."""
+        """Remove and return the newest ``count`` rows as ``(keys, values)``,
+        each ``[count, kv_dim]`` in logical order."""
         if count > self.count:
             raise ValueError(f"only {self.count} retained rows, asked for {count}")
-        ks: List[mx.array] = []
-        vs: List[mx.array] = []
+        parts: List[mx.array] = []
         need = count
         while need:
-            position, k, v = self._blocks.pop()
-            m = k.shape[0]
+            position, rows = self._blocks.pop()
+            m = rows.shape[0]
             take = min(m, need)
-            ks.insert(0, k[m - take:])
-            vs.insert(0, v[m - take:])
+            parts.insert(0, rows[m - take:])
             if take < m:
-                self._blocks.append((position, k[:m - take], v[:m - take]))
+                self._blocks.append((position, rows[:m - take]))
             need -= take
         self.count -= count
-        if not ks:
+        if not parts:
             return mx.zeros((0, 0), mx.float16), mx.zeros((0, 0), mx.float16)
-        join = (lambda xs: xs[0]) if len(ks) == 1 else (lambda xs: mx.concatenate(xs, axis=0))
-        return join(ks), join(vs)
+        rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        return rows[:, 0, :], rows[:, 1, :]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the retained rows (a partly dropped block may still hold its
         few dropped rows: at most ``limit`` rows more)."""
-        return sum(k.nbytes + v.nbytes for _, k, v in self._blocks)
+        return sum(rows.nbytes for _, rows in self._blocks)
 
 
 class SpeculativeCheckpoint:
