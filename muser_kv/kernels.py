@@ -59,13 +59,20 @@ def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str) -> 
     The one placement mechanism of every plane: MLX's slice update, which reuses
     the plane's buffer when MLX can donate it (O(rows)) and copies it otherwise;
     either way MLX tracks the write, so no reader can race it."""
+    capacity = plane.shape[0 if layout == TOKEN_MAJOR else 1]
     for run in runs:
         src = slice(run.source, run.source + run.length)
         dst = slice(run.physical, run.physical + run.length)
+        update = rows[src] if layout == TOKEN_MAJOR else rows[:, src, :]
+        if run.length == capacity:
+            # MLX answers a slice update that covers the whole array with the
+            # update itself, strides and all; planes stay row-contiguous because
+            # the kernels index them as such.
+            update = mx.contiguous(update)
         if layout == TOKEN_MAJOR:
-            plane[dst] = rows[src]
+            plane[dst] = update
         else:
-            plane[:, dst, :] = rows[:, src, :]
+            plane[:, dst, :] = update
 
 
 def _rows_shape(layout: str, count: int, kv_heads: int, head_dim: int) -> Tuple[int, ...]:
@@ -219,7 +226,7 @@ class KernelBackend(ReferenceBackend):
         _, h, n, d = keys.shape
         rows = ring.len + n
         return tuple(self.kernel("stage")(
-            inputs=[ring_keys, ring_values, keys, values,
+            inputs=[mx.contiguous(ring_keys), mx.contiguous(ring_values), keys, values,
                     _params(ring.len, ring.origin_physical, ring.capacity, n)],
             template=[("T", keys.dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
                       ("HEAD_MAJOR", layout == HEAD_MAJOR)],
@@ -233,7 +240,8 @@ class KernelBackend(ReferenceBackend):
         if ring.len == 0:
             return super().gather(plane_keys, plane_values, layout, ring)
         return tuple(self.kernel("gather")(
-            inputs=[plane_keys, plane_values, _params(ring.len, ring.origin_physical, ring.capacity)],
+            inputs=[mx.contiguous(plane_keys), mx.contiguous(plane_values),
+                    _params(ring.len, ring.origin_physical, ring.capacity)],
             template=[("T", PLANE_DTYPE), ("KV_HEADS", kv_dim // head_dim), ("HEAD_DIM", head_dim),
                       ("HEAD_MAJOR", layout == HEAD_MAJOR)],
             grid=_grid(ring.len * kv_dim), threadgroup=(THREADGROUP, 1, 1),
@@ -244,7 +252,8 @@ class KernelBackend(ReferenceBackend):
         head_dim = shape[-1]
         kv_dim = rows_keys.shape[1]
         return tuple(self.kernel("install")(
-            inputs=[rows_keys, rows_values, _params(ring.len, ring.origin_physical, ring.capacity)],
+            inputs=[mx.contiguous(rows_keys), mx.contiguous(rows_values),
+                    _params(ring.len, ring.origin_physical, ring.capacity)],
             template=[("T", PLANE_DTYPE), ("KV_HEADS", kv_dim // head_dim), ("HEAD_DIM", head_dim),
                       ("HEAD_MAJOR", layout == HEAD_MAJOR)],
             grid=_grid(ring.capacity * kv_dim), threadgroup=(THREADGROUP, 1, 1),

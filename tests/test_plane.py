@@ -177,3 +177,20 @@ def test_random_chunks_match_oracle(chunks, window, kind):
         p.write(oracle.position, k, v)
         oracle.append(k, v)
     snapshot_equals(p, oracle)
+
+
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_planes_stay_row_contiguous_when_a_chunk_covers_them(kind, layout):
+    """A write that covers a whole plane (a chunk wider than the ring) must not
+    leave the plane aliasing the chunk's strided view: the kernels index planes
+    as row-contiguous memory (caught on the H200 with head-major rings)."""
+    p = KvPlane(kind, kv_heads=H, head_dim=D, window=8, max_context=16 if kind is LayerKind.SLIDING else 8,
+                sliding_layout=layout)
+    k = mx.array(np.random.default_rng(0).standard_normal((1, 12, H, D)).astype(np.float16))
+    k = k.transpose(0, 2, 1, 3)  # the model's strided [1, H, N, D]
+    p.write(0, k[:, :, :8], k[:, :, :8]) if kind is LayerKind.GLOBAL else p.write(0, k, k)
+    mx.eval(p.keys)
+    flat = np.array(p.keys).reshape(-1)
+    raw = np.frombuffer(memoryview(p.keys), dtype=np.float16)  # the buffer, as a kernel sees it
+    np.testing.assert_array_equal(raw.view(np.uint16), flat.view(np.uint16))
