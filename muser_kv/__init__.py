@@ -58,3 +58,39 @@ __all__ += [
     "restore_into",
     "save_session",
 ]
+
+from .policy import (  # noqa: E402  (context policy: what a request keeps past max_context)
+    ChatShift,
+    ChatTurns,
+    ContextPolicy,
+    ContextPolicyError,
+    ContextTooLong,
+    LineageMismatch,
+    Message,
+    RawCompaction,
+    SystemAfterTurns,
+    compact_raw,
+    complete_chat_turns,
+    shift_chat,
+)
+from .slots import MAX_SLOTS, Prefill, Slot, SlotPool, StaleSession  # noqa: E402
+
+__all__ += [
+    "ChatShift",
+    "ChatTurns",
+    "ContextPolicy",
+    "ContextPolicyError",
+    "ContextTooLong",
+    "LineageMismatch",
+    "MAX_SLOTS",
+    "Message",
+    "Prefill",
+    "RawCompaction",
+    "Slot",
+    "SlotPool",
+    "StaleSession",
+    "SystemAfterTurns",
+    "compact_raw",
+    "complete_chat_turns",
+    "shift_chat",
+]
