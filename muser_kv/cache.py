@@ -316,10 +316,9 @@ class MuseKVCache:
             earlier = Ring(ring.capacity, end - origin, origin,
                            (ring.origin_physical - back) % ring.capacity, self.layer)
             self.plane.restore(earlier, origin, keys[:live], values[:live])
+        # No evaluation here: a sync per layer would cost more than the one small
+        # ring copy MLX makes at the next store while the victim copy is pending.
         self._after_change()
-        if self.kind is LayerKind.SLIDING:
-            # Settle the restore now: the next store can then reuse the plane's buffer.
-            mx.eval(self.plane.keys, self.plane.values, *(self._victim[1:] if self._victim else ()))
         return n
 
     # -- sizes ---------------------------------------------------------------
