@@ -29,10 +29,16 @@ H, D = 2, 128
 
 
 def count(arrays) -> Counter:
+    """Primitive name -> dispatches (a Concatenate launches one copy per input)."""
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
         mx.export_to_dot(f.name, *arrays)
-        labels = re.findall(r'label ="([^"]+)"', Path(f.name).read_text())
-    return Counter(labels)
+        dot = Path(f.name).read_text()
+    nodes = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', dot))
+    indegree = Counter(re.findall(r'-> (\d+)\n', dot))
+    out: Counter = Counter()
+    for node, name in nodes.items():
+        out[name] += indegree[node] if name == "Concatenate" else 1
+    return out
 
 
 def dispatches(c: Counter) -> int:
