@@ -121,12 +121,12 @@ class MuseKVCache:
         if self._reads_in_place(n):
             if lost:  # one token on a full ring overwrites its oldest row
                 self._retained.push(ring.origin_logical, self._victim_rows(ring.origin_logical))
-            plane.write(ring.end, keys, values)
+            plane.write_checked(ring.end, keys, values, n)
             self._after_change()
             out = self._with_victim(plane.view())
         else:
             k_rows, v_rows = plane.shadow_rows(keys, values)
-            plane.write(ring.end, keys, values)
+            plane.write_checked(ring.end, keys, values, n)
             kept: Tuple[mx.array, ...] = ()
             if lost:  # the shadow starts at origin_logical: its first rows are the lost ones
                 keep = mx.arange(lost - min(lost, self.retain), lost)

@@ -23,7 +23,6 @@ from . import kernels
 from .geometry import LayerKind
 from .ring import Ring
 
-_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
 class ContextOverflow(ValueError):
@@ -118,7 +117,7 @@ class KvPlane:
         for name, x in (("keys", keys), ("values", values)):
             if not isinstance(x, mx.array):
                 raise TypeError(f"{where}: {name} must be an mx.array, got {type(x).__name__}")
-            if x.dtype not in _DTYPE_NAMES:
+            if x.dtype not in kernels.INPUT_DTYPES:
                 raise TypeError(
                     f"{where}: {name} dtype must be float32, float16 or bfloat16, got {x.dtype}"
                 )
@@ -154,6 +153,11 @@ class KvPlane:
         """Store a chunk of K/V (any width, across the wrap) at ``position``."""
         n = self.check_input(keys, values)
         self.check_write(position, n)
+        self.write_checked(position, keys, values, n)
+
+    def write_checked(self, position: int, keys: mx.array, values: mx.array, n: int) -> None:
+        """``write`` for input the caller has validated (``check_input``,
+        ``check_write``): rows placed first, the ring committed last."""
         ring = self.ring.copy()
         first, count = ring.append_batch(position, n)
         k_rows, v_rows = self.backend.store(keys, values, self.layout, first, count, ring, position)
@@ -228,8 +232,7 @@ class KvPlane:
         """The staging shadow for a chunk, as token-major rows ``[len + N, H*D]``:
         the live rows in logical order, then the chunk's rows. Attention reads it
         before the chunk is committed, so a chunk that wraps never overwrites rows
-        its own queries need."""
-        self.check_input(keys, values)
+        its own queries need. The caller has validated the input (``check_input``)."""
         if self.kind is not LayerKind.SLIDING:
             raise RuntimeError(f"layer {self.layer}: only sliding rings are staged")
         return self.backend.stage(self.keys, self.values, self.ring, keys, values, self.layout)
@@ -237,16 +240,6 @@ class KvPlane:
     def shadow_view(self, rows: mx.array) -> mx.array:
         """Token-major shadow rows as the ``[1, H, L, D]`` view attention reads."""
         return kernels.attention_view(rows, kernels.TOKEN_MAJOR, self.kv_heads, self.head_dim)
-
-    def shadow(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        """``shadow_rows`` as attention's ``[1, H, len + N, D]`` views."""
-        k, v = self.shadow_rows(keys, values)
-        return self.shadow_view(k), self.shadow_view(v)
-
-    def rows(self, logical: int, count: int) -> Tuple[mx.array, mx.array]:
-        """Fresh copies ``[count, H*D]`` of live rows ``logical .. logical+count``."""
-        ring = Ring(self.capacity, count, logical, self.ring.physical(logical), self.layer)
-        return self.backend.gather(self.keys, self.values, self.layout, ring)
 
     def restore(self, ring: Ring, logical: int, keys: mx.array, values: mx.array) -> None:
         """Adopt ``ring`` (an earlier state of this plane's ring), putting back the
