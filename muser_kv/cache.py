@@ -57,7 +57,6 @@ class MuseKVCache:
         self.plane = plane
         self.retain = retain if plane.kind is LayerKind.SLIDING else 0
         self._retained = RetainedRows(self.retain)
-        self._victim: Optional[Tuple[int, mx.array]] = None  # (position, [1, 2, kv_dim])
         self._ring_seen = plane.ring
         self._one_token = (1, plane.kv_heads, 1, plane.head_dim)
 
@@ -120,39 +119,31 @@ class MuseKVCache:
         lost = max(0, ring.len + n - ring.capacity) if self.retain else 0
         if self._reads_in_place(n):
             if lost:  # one token on a full ring overwrites its oldest row
-                self._retained.push(ring.origin_logical, self._victim_rows(ring.origin_logical))
+                self._retain_now(ring.origin_logical)
             plane.write_checked(ring.end, keys, values, n)
-            self._after_change()
-            out = self._with_victim(plane.view())
+            out = plane.view()
         else:
             k_rows, v_rows = plane.shadow_rows(keys, values)
             plane.write_checked(ring.end, keys, values, n)
-            kept: Tuple[mx.array, ...] = ()
             if lost:  # the shadow starts at origin_logical: its first rows are the lost ones
                 keep = mx.arange(lost - min(lost, self.retain), lost)
                 rows = mx.stack([mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0)], 1)
-                self._retained.push(ring.origin_logical + lost - keep.size, rows)
-                kept = (rows,)
-            self._after_change()
-            out = self._with_victim((plane.shadow_view(k_rows), plane.shadow_view(v_rows)), kept)
-        return out
+                self._retained.add(ring.origin_logical + lost - keep.size, rows,
+                                   plane.ring.origin_logical)
+            out = plane.shadow_view(k_rows), plane.shadow_view(v_rows)
+        self._ring_seen = plane.ring
+        return self._copy_ahead(out)
 
     def _decode_one(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """One token read in place: the decode hot path, with the same checks
         settled by the caller and the least host work per layer (this is where a
-        decode step's time goes: dispatch and Python, not bytes)."""
+        decode step's time goes: dispatch and Python, not bytes). The row it
+        overwrites was copied ahead, so retention costs nothing here."""
         plane, ring = self.plane, self.plane.ring
-        full = ring.len == ring.capacity
-        if self.retain and full:
-            self._retained.push(ring.origin_logical, self._victim_rows(ring.origin_logical))
+        if self.retain and ring.len == ring.capacity and not self._retained.covers(ring.origin_logical):
+            self._retain_now(ring.origin_logical)
         plane.write_one(keys, values)
-        out = plane.view()
-        if self.retain and ring.len == ring.capacity:
-            victim = plane.copy_row(ring.origin_physical)
-            self._victim = (ring.origin_logical, victim)
-            return tuple(mx.depends(list(out), [victim]))
-        self._victim = None
-        return out
+        return self._copy_ahead(plane.view())
 
     # -- retained rows (see speculative.py) ------------------------------------
 
@@ -161,34 +152,25 @@ class MuseKVCache:
         replaced behind its back (a snapshot install), they are dropped."""
         if self.plane.ring is not self._ring_seen:
             self._retained.clear()
-            self._victim = None
             self._ring_seen = self.plane.ring
 
-    def _victim_rows(self, position: int) -> mx.array:
-        if self._victim is not None and self._victim[0] == position:
-            return self._victim[1]
-        return self.plane.copy_row(self.plane.ring.physical(position))
+    def _retain_now(self, position: int) -> None:
+        """Copy the row about to be overwritten in the same graph as the store (only
+        when no copy was taken ahead: MLX then copies this ring once)."""
+        self._retained.add(position, self.plane.copy_rows(position, 1), position)
 
-    def _after_change(self) -> None:
-        """Copy the row the next one-token store will overwrite *now*, while this
-        step reads the plane anyway: read later, in the same graph as that store,
-        it would keep MLX from donating the plane to the store."""
+    def _copy_ahead(self, kv: Tuple[mx.array, mx.array]) -> Tuple[mx.array, mx.array]:
+        """On a full ring whose next victim has no copy yet, copy the next
+        ``retain`` rows to be overwritten now, while this step reads the plane
+        anyway, and make the copy part of what attention evaluates
+        (``mx.depends``: an edge, no kernel). Left pending, it would still hold the
+        plane at the next store, and MLX would copy the plane instead of donating it."""
         ring = self.plane.ring
-        self._ring_seen = ring
-        self._victim = None
-        if self.retain and ring.len == ring.capacity:
-            self._victim = (ring.origin_logical, self.plane.copy_row(ring.origin_physical))
-
-    def _with_victim(self, kv: Tuple[mx.array, mx.array],
-                     kept: Tuple[mx.array, ...] = ()) -> Tuple[mx.array, mx.array]:
-        """Make the victim copy (and rows just retained) part of what attention
-        evaluates (``mx.depends`` adds an edge, no kernel): left pending, a copy
-        would still hold the plane when the next store runs, and MLX would copy
-        the plane instead of donating it."""
-        extra = list(kept) + ([self._victim[1]] if self._victim is not None else [])
-        if not extra:
+        if not self.retain or ring.len < ring.capacity or self._retained.covers(ring.origin_logical):
             return kv
-        return tuple(mx.depends(list(kv), extra))
+        ahead = self.plane.copy_rows(ring.origin_logical, min(self.retain, ring.len))
+        self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
+        return tuple(mx.depends(list(kv), [ahead]))
 
     @property
     def retain_depth(self) -> int:
@@ -279,7 +261,7 @@ class MuseKVCache:
         if self.kind is LayerKind.GLOBAL:
             return ring.len
         first = self._retained.first(ring.origin_logical)
-        if first == 0:  # every row ever overwritten is still here
+        if first == 0:  # every row ever overwritten is held
             return ring.len
         return max(0, ring.end - ring.capacity - first)
 
@@ -309,16 +291,16 @@ class MuseKVCache:
             end = ring.end - n
             origin = max(0, end - ring.capacity)
             back = ring.origin_logical - origin
-            keys, values = self._retained.pop(back)
             # positions [origin, origin_logical) come back; those at or past the new
             # end were trimmed too (a chunk wider than the ring never stored them)
-            live = min(ring.origin_logical, end) - origin
+            keys, values = self._retained.rows(origin, min(ring.origin_logical, end))
             earlier = Ring(ring.capacity, end - origin, origin,
                            (ring.origin_physical - back) % ring.capacity, self.layer)
-            self.plane.restore(earlier, origin, keys[:live], values[:live])
+            self.plane.restore(earlier, origin, keys, values)
+            self._retained.truncate(end)  # trimmed positions may be written again
         # No evaluation here: a sync per layer would cost more than the one small
-        # ring copy MLX makes at the next store while the victim copy is pending.
-        self._after_change()
+        # ring copy MLX may make at the next store.
+        self._ring_seen = self.plane.ring
         return n
 
     # -- sizes ---------------------------------------------------------------

@@ -191,16 +191,13 @@ class KvPlane:
         else:
             ring.len += 1
 
-    def copy_row(self, physical: int) -> mx.array:
-        """A fresh copy ``[1, 2, H*D]`` (K, V) of one physical row: one small copy
-        per plane, because a view would share the plane's buffer and keep MLX
-        from donating it to the next store."""
-        p = slice(physical, physical + 1)
-        if self.layout == kernels.TOKEN_MAJOR:
-            kv = mx.concatenate([self.keys[p], self.values[p]])
-        else:
-            kv = mx.concatenate([self.keys[:, p, :], self.values[:, p, :]])
-        return kv.reshape(1, 2, self.kv_dim)
+    def copy_rows(self, logical: int, count: int) -> mx.array:
+        """Fresh copies ``[count, 2, H*D]`` (K, V) of live rows ``logical ..
+        logical+count`` (never a view: a view would share the plane's buffer and
+        keep MLX from donating it to the next store)."""
+        ring = Ring(self.capacity, count, logical, self.ring.physical(logical), self.layer)
+        k, v = self.backend.gather(self.keys, self.values, self.layout, ring)
+        return mx.stack([k, v], axis=1)
 
     def _place(self, k_rows: mx.array, v_rows: mx.array, runs) -> None:
         """The one placement mechanism (see ``kernels.place``)."""

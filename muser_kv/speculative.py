@@ -7,8 +7,8 @@ overwrites the oldest live row, so the ring keeps the rows it overwrote --
 at most ``retain`` of them, a few KiB per layer -- and a rollback puts them back
 where they were. Nothing ever copies a plane (seeds Ch 23.6).
 
-Rows are retained as they are overwritten, so mlx-lm's own ``trim`` protocol is
-exact up to the retained depth, and refused beyond it (never silently wrong).
+Rows are retained before they are overwritten, so mlx-lm's own ``trim`` protocol
+is exact up to the retained depth, and refused beyond it (never silently wrong).
 """
 
 from __future__ import annotations
@@ -26,68 +26,84 @@ DEFAULT_RETAIN = 16
 
 
 class RetainedRows:
-    """The newest ``limit`` rows a ring overwrote, in logical order, ending at the
-    ring's ``origin_logical`` (the invariant ``trim`` relies on: no gaps). Each
-    row holds K and V together, ``[2, kv_dim]``, so one copy retains both."""
+    """Copies of a ring's rows by logical position: one contiguous run
+    ``[start, end)`` of ``[2, kv_dim]`` (K, V) rows.
+
+    Invariant ``trim`` relies on: every position the ring has overwritten since
+    ``start`` is here (``end >= origin_logical``). Positions at or past
+    ``origin_logical`` are copies taken ahead of time, a block of ``limit`` rows
+    at once, so a one-token store has nothing to copy: the row it overwrites
+    was copied up to ``limit`` tokens earlier, while attention read the ring
+    anyway. A position's row never changes while the position exists, so a copy
+    stays valid until ``truncate`` drops positions that a ``trim`` removed.
+    """
 
     def __init__(self, limit: int):
         if limit < 0:
             raise ValueError(f"retain must be >= 0, got {limit}")
         self.limit = limit
         self._blocks: Deque[Tuple[int, mx.array]] = deque()
-        self.count = 0
-
-    def first(self, origin_logical: int) -> int:
-        """The oldest position held; ``origin_logical`` when nothing is."""
-        return origin_logical - self.count
+        self.start = self.end = 0
 
     def clear(self) -> None:
         self._blocks.clear()
-        self.count = 0
+        self.start = self.end = 0
 
-    def push(self, position: int, kv: mx.array) -> None:
-        """Append rows ``[m, 2, kv_dim]`` (K, V) for positions ``position .. position+m``."""
+    def covers(self, position: int) -> bool:
+        return bool(self._blocks) and self.start <= position < self.end
+
+    def first(self, origin_logical: int) -> int:
+        """The oldest position held; ``origin_logical`` when nothing is."""
+        return self.start if self._blocks else origin_logical
+
+    def add(self, position: int, kv: mx.array, origin_logical: int) -> None:
+        """Hold rows ``[m, 2, kv_dim]`` for positions ``position .. position+m``,
+        replacing what was held from ``position`` on; rows more than ``limit``
+        below ``origin_logical`` are let go."""
         m = kv.shape[0]
         if self.limit == 0 or m == 0:
             return
-        if m > self.limit:
-            kv, position, m = kv[m - self.limit:], position + m - self.limit, self.limit
+        self.truncate(position)
+        if not self._blocks or position != self.end:
+            self.clear()
+            self.start = position
         self._blocks.append((position, kv))
-        self.count += m
-        while self.count > self.limit:
-            first, rows = self._blocks.popleft()
-            drop = self.count - self.limit
-            if rows.shape[0] > drop:
-                self._blocks.appendleft((first + drop, rows[drop:]))
-                self.count -= drop
-            else:
-                self.count -= rows.shape[0]
+        self.end = position + m
+        floor = origin_logical - self.limit
+        while len(self._blocks) > 1 and self._blocks[0][0] + self._blocks[0][1].shape[0] <= floor:
+            self._blocks.popleft()
+            self.start = self._blocks[0][0]
 
-    def pop(self, count: int) -> Tuple[mx.array, mx.array]:
-        """Remove and return the newest ``count`` rows as ``(keys, values)``,
-        each ``[count, kv_dim]`` in logical order."""
-        if count > self.count:
-            raise ValueError(f"only {self.count} retained rows, asked for {count}")
-        parts: List[mx.array] = []
-        need = count
-        while need:
-            position, rows = self._blocks.pop()
-            m = rows.shape[0]
-            take = min(m, need)
-            parts.insert(0, rows[m - take:])
-            if take < m:
-                self._blocks.append((position, rows[:m - take]))
-            need -= take
-        self.count -= count
-        if not parts:
+    def truncate(self, position: int) -> None:
+        """Let go of the rows for positions ``>= position``."""
+        while self._blocks and self._blocks[-1][0] >= position:
+            self._blocks.pop()
+        if not self._blocks:
+            self.clear()
+            return
+        last, rows = self._blocks[-1]
+        if last + rows.shape[0] > position:
+            self._blocks[-1] = (last, rows[:position - last])
+        self.end = min(self.end, position)
+
+    def rows(self, first: int, stop: int) -> Tuple[mx.array, mx.array]:
+        """``(keys, values)`` ``[stop - first, kv_dim]`` for positions ``first .. stop``."""
+        if first == stop:
             return mx.zeros((0, 0), mx.float16), mx.zeros((0, 0), mx.float16)
+        if not (self._blocks and self.start <= first and stop <= self.end):
+            raise ValueError(f"rows [{first}, {stop}) not held (held [{self.start}, {self.end}))")
+        parts: List[mx.array] = []
+        for position, block in self._blocks:
+            lo, hi = max(first, position), min(stop, position + block.shape[0])
+            if lo < hi:
+                parts.append(block[lo - position:hi - position])
         rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return rows[:, 0, :], rows[:, 1, :]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the retained rows (a partly dropped block may still hold its
-        few dropped rows: at most ``limit`` rows more)."""
+        """Bytes of the rows held (a block cut by ``truncate`` may still hold the
+        rows it lost until it is let go)."""
         return sum(rows.nbytes for _, rows in self._blocks)
 
 

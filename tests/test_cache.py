@@ -215,9 +215,14 @@ def test_trim_depth_is_the_retained_rows():
     c = caches(retain=4)[0]
     c.update_and_fetch(*kv(20, seed=1))  # wide chunk: 12 rows lost, last 4 retained
     assert c.trimmable_depth() == 4
-    for i in range(3):
+    for i in range(3):  # the rows these overwrite were copied ahead, 4 at a time
         c.update_and_fetch(*kv(1, seed=10 + i))
-    assert c.trimmable_depth() == 4  # still the newest 4 overwritten rows
-    assert c.retained_nbytes >= 4 * 256 * 2 * 2
-    c.trim(4)
-    assert c.offset == 19 and c.trimmable_depth() == 0
+    assert c.trimmable_depth() == 7
+    # held: 4 lost rows + a block of 4 copied ahead, K and V, [2, 256] f16 each
+    assert c.retained_nbytes == 8 * 2 * 256 * 2
+    before = c.meta_state
+    with pytest.raises(ValueError, match="at most 7"):
+        c.trim(8)
+    assert c.meta_state == before
+    c.trim(7)
+    assert c.offset == 16 and c.trimmable_depth() == 0
