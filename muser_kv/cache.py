@@ -118,8 +118,8 @@ class MuseKVCache:
         # positions [origin_logical, origin_logical + lost) leave the window
         lost = max(0, ring.len + n - ring.capacity) if self.retain else 0
         if self._reads_in_place(n):
-            if lost:  # one token on a full ring overwrites its oldest row
-                self._retain_now(ring.origin_logical)
+            if lost and not self._retained.covers(ring.origin_logical):
+                self._retain_now(ring.origin_logical)  # one token overwrites the oldest row
             plane.write_checked(ring.end, keys, values, n)
             out = plane.view()
         else:
@@ -150,9 +150,16 @@ class MuseKVCache:
     def _check_ring_owner(self) -> None:
         """Retained rows describe this cache's own history: if the plane's ring was
         replaced behind its back (a snapshot install), they are dropped."""
-        if self.plane.ring is not self._ring_seen:
+        ring = self.plane.ring
+        if ring is not self._ring_seen:
             self._retained.clear()
-            self._ring_seen = self.plane.ring
+            self._ring_seen = ring
+            if self.retain and ring.len == ring.capacity:
+                # Copy ahead now and settle it (once per install): taken in the same
+                # graph as the next store, it would make MLX copy the ring.
+                ahead = self.plane.copy_rows(ring.origin_logical, min(self.retain, ring.len))
+                self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
+                mx.eval(ahead)
 
     def _retain_now(self, position: int) -> None:
         """Copy the row about to be overwritten in the same graph as the store (only

@@ -84,3 +84,30 @@ def test_synchronous_stores_keep_every_buffer(model):
         del out
         after = [(_address(c.plane.keys), _address(c.plane.values)) for c in cache]
         assert after == before, f"step {t}: a plane moved to a new buffer"
+
+
+def test_decode_right_after_a_restore_copies_no_ring():
+    """After an install (a restored session) the rings hold no copies of the rows
+    their next tokens overwrite; taking them in the same graph as the first
+    store would make MLX copy every ring once. They are taken and settled at
+    the first update instead. Head-major rings keep CPU attention's temporaries
+    out of the measurement; a ring here is 2,048 x 256 f16 = 1 MiB per plane."""
+    model = tiny_model(mx.float16, sliding_window=2048, max_position_embeddings=4096,
+                       num_hidden_layers=4, num_attention_heads=2)
+    cache = muser_kv.make_prompt_cache(model, sliding_layout="head_major")
+    rng = np.random.default_rng(0)
+    depth = 3000  # wrapped: every ring full and rotated
+    for c in cache:
+        rows = min(depth, c.plane.capacity)
+        k = mx.array(rng.standard_normal((rows, 2, 128)).astype(np.float16))
+        c.plane.install(depth - rows, k, k)
+    mx.eval([c.state for c in cache])
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in generate_step(mx.array([1, 2], mx.uint32), model, prompt_cache=cache, max_tokens=6):
+        pass
+    mx.synchronize()
+    ring = cache[0].plane.keys.nbytes
+    assert ring == 2**20
+    assert mx.get_peak_memory() - base < ring, "a ring was copied at the first stores"
