@@ -42,6 +42,8 @@ import hashlib
 import json
 import os
 import secrets
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,6 +350,17 @@ def tensor_names(layer: int) -> Tuple[str, str]:
     return f"layers.{layer}.keys", f"layers.{layer}.values"
 
 
+def tensor_digests(arrays: Mapping[str, np.ndarray]) -> Dict[str, str]:
+    """``tensor_digest`` of every array, on a few threads (hashlib lets go of the
+    GIL while it hashes, so a full-depth session's 104 tensors hash in parallel)."""
+    names = list(arrays)
+    if not names:
+        return {}
+    workers = min(len(names), os.cpu_count() or 1, 16)
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(names, pool.map(lambda n: tensor_digest(arrays[n]), names)))
+
+
 def tensor_digest(array: np.ndarray) -> str:
     """sha256 (hex) of an array's raw little-endian bytes."""
     a = np.ascontiguousarray(array)
@@ -474,6 +487,8 @@ class SessionFile:
         no tensor the header does not name."""
         h = self.header
         np_dtype = ENCODINGS[h.encoding][1]
+        digests = tensor_digests({n: a for n, a in self.arrays.items()
+                                  if n in h.checksums and a.dtype == np_dtype})
         out = []
         for name in h.tensor_names:
             a = self.arrays.get(name)
@@ -485,7 +500,7 @@ class SessionFile:
             elif name not in h.checksums:
                 out.append(TensorCheck(name, "MISMATCH", "no checksum in the header"))
             else:
-                digest = tensor_digest(a)
+                digest = digests[name]
                 if digest != h.checksums[name]:
                     out.append(TensorCheck(name, "MISMATCH", f"sha256 expected "
                                            f"{h.checksums[name]}, got {digest}"))
@@ -538,7 +553,7 @@ def _header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
         "position": json.dumps(snapshot.position),
         "encoding": snapshot.encoding,
         "starts": json.dumps([c.start for c in snapshot.layers]),
-        "checksums": json.dumps({n: tensor_digest(a) for n, a in arrays.items()}, sort_keys=True),
+        "checksums": json.dumps(tensor_digests(arrays), sort_keys=True),
         "user": json.dumps(dict(user), sort_keys=True),
     }
 
@@ -548,15 +563,34 @@ def _arrays(snapshot: SessionSnapshot) -> Dict[str, np.ndarray]:
     out = {}
     for i, cut in enumerate(snapshot.layers):
         for name, x in zip(tensor_names(i), (cut.keys, cut.values)):
-            out[name] = np.ascontiguousarray(np.array(x), dtype=np_dtype)
+            # a view of MLX's buffer (the snapshot keeps it alive), not a copy
+            out[name] = np.ascontiguousarray(np.asarray(x), dtype=np_dtype)
     return out
 
 
-def _write_tensors(path: PathLike, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
-    """The one writer (tests replace it to fail mid-save)."""
-    from safetensors.numpy import save_file
+_SAFETENSORS_DTYPES = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
 
-    save_file(arrays, os.fspath(path), metadata=header)
+
+def _write_tensors(path: PathLike, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
+    """The one writer (tests replace it to fail mid-save): the safetensors layout
+    -- u64 little-endian header length, the JSON header padded with spaces to 8
+    bytes, then every tensor's bytes back to back in header order -- streamed
+    straight from the arrays, so no second copy of the session is built in
+    memory. ``safe_open`` reads it back (and refuses anything malformed)."""
+    table: Dict[str, Any] = {"__metadata__": header}
+    offset = 0
+    for name, a in arrays.items():
+        table[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
+                       "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    head = json.dumps(table, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for a in arrays.values():
+            if a.size:
+                f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
 
 
 def _fsync_path(path: PathLike, directory: bool = False) -> None:
