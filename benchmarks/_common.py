@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+import muser_kv
+
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 MB = 1 << 20
 
@@ -47,6 +49,55 @@ def int_list(text: str) -> List[int]:
 
 def str_list(text: str) -> List[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
+
+
+SYSTEMS = ("muser-kv", "mlx-lm")
+PATTERNS = ("muse", "sliding", "global")
+
+
+def is_global(i: int, pattern: str = "muse") -> bool:
+    if pattern == "muse":
+        return i % 4 == 3  # Muse Glimmer's partition
+    return pattern == "global"
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The Muse-shaped geometry both systems are built for, and muser-kv's knobs."""
+    p.add_argument("--layers", type=int, default=52, help="layers (default 52, Muse Glimmer)")
+    p.add_argument("--window", type=int, default=2048, help="sliding window (default 2048)")
+    p.add_argument("--pattern", choices=PATTERNS, default="muse",
+                   help="layer kinds: muse (layer i global iff i %% 4 == 3; default), or every "
+                        "layer sliding / global (to attribute a difference to one kind)")
+    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--retain", type=int, default=muser_kv.DEFAULT_RETAIN,
+                   help="rows each sliding ring retains for exact trim (default 16; 0 = off)")
+    p.add_argument("--sliding-layout", choices=["token_major", "head_major"], default="token_major",
+                   help="muser-kv's sliding-ring layout (default token_major, the seeds')")
+
+
+def geometry(args: argparse.Namespace) -> "muser_kv.MuseGeometry":
+    """muser-kv's geometry for the model flags, sized for ``args.max_context``."""
+    kind = muser_kv.LayerKind
+    return muser_kv.MuseGeometry(
+        num_layers=args.layers, window=args.window, max_context=args.max_context,
+        num_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        layer_kinds=tuple(kind.GLOBAL if is_global(i, args.pattern) else kind.SLIDING
+                          for i in range(args.layers)),
+    )
+
+
+def make_caches(system: str, args: argparse.Namespace) -> List[Any]:
+    """One cache per layer: muser-kv's (planes allocated and zero-filled here), or
+    what Muse Glimmer's ``make_cache()`` returns."""
+    if system == "muser-kv":
+        return muser_kv.make_cache_for(geometry(args), args.retain, args.sliding_layout)
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    return [KVCache() if is_global(i, args.pattern)
+            else RotatingKVCache(max_size=args.window, keep=0)
+            for i in range(args.layers)]
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:

@@ -47,29 +47,15 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 import muser_kv  # noqa: E402
 from _common import (  # noqa: E402
-    DTYPES, MB, PeakProbe, add_common_flags, int_list, median, now, on_gpu,
-    print_header, print_table, ratio, settle, str_list, write_json,
+    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, add_model_flags, geometry, int_list,
+    is_global, make_caches, median, now, on_gpu, print_header, print_table, ratio, settle,
+    str_list, write_json,
 )
 
-SYSTEMS = ("muser-kv", "mlx-lm")
 SETTLE_TOKENS = 4  # single-token updates that end the fill (steady ring state)
-PATTERNS = ("muse", "sliding", "global")
-
-
-def is_global(i: int, pattern: str = "muse") -> bool:
-    if pattern == "muse":
-        return i % 4 == 3  # Muse Glimmer's partition
-    return pattern == "global"
-
-
-def layer_kinds(args):
-    kind = muser_kv.LayerKind
-    return tuple(kind.GLOBAL if is_global(i, args.pattern) else kind.SLIDING
-                 for i in range(args.layers))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,14 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depths", type=int_list, default=[2048, 8192, 32768, 131072],
                    help="context depths to decode at (default 2048,8192,32768,131072)")
-    p.add_argument("--layers", type=int, default=52, help="layers (default 52, Muse Glimmer)")
-    p.add_argument("--window", type=int, default=2048, help="sliding window (default 2048)")
-    p.add_argument("--pattern", choices=PATTERNS, default="muse",
-                   help="layer kinds: muse (layer i global iff i %% 4 == 3; default), or every "
-                        "layer sliding / global (to attribute a difference to one kind)")
-    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
-    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed decode steps per repeat (default 64 on GPU, 16 on CPU)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (default 4)")
@@ -93,13 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=None,
                    help="muser-kv capacity (default: max depth + decoded tokens, "
                         "rounded up to 1024)")
-    p.add_argument("--retain", type=int, default=muser_kv.DEFAULT_RETAIN,
-                   help="rows each sliding ring retains for exact trim (default 16; 0 = off, "
-                        "one copy per token per sliding layer less)")
-    p.add_argument("--sliding-layout", choices=["token_major", "head_major"], default="token_major",
-                   help="muser-kv's sliding-ring layout (default token_major, the seeds')")
     p.add_argument("--fill-chunk", type=int, default=4096,
                    help="chunk size used to fill the caches to each depth (default 4096)")
+    add_model_flags(p)
     add_common_flags(p)
     args = p.parse_args(argv)
     if args.steps is None:
@@ -119,23 +93,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- caches -------------------------------------------------------------------
-
-
-def geometry(args) -> muser_kv.MuseGeometry:
-    return muser_kv.MuseGeometry(
-        num_layers=args.layers, window=args.window, max_context=args.max_context,
-        num_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        layer_kinds=layer_kinds(args),
-    )
-
-
-def make_caches(system: str, args, geo) -> List[Any]:
-    if system == "muser-kv":
-        return muser_kv.make_cache_for(geo, args.retain, args.sliding_layout)
-    # What Muse Glimmer's make_cache() returns.
-    return [KVCache() if is_global(i, args.pattern)
-            else RotatingKVCache(max_size=args.window, keep=0)
-            for i in range(args.layers)]
 
 
 def fill(caches: List[Any], depth: int, args, dtype) -> None:
@@ -250,7 +207,7 @@ def main(argv=None) -> Dict[str, Any]:
         caches = {}
         sizes = {}
         for s in SYSTEMS:
-            caches[s] = make_caches(s, args, geo)
+            caches[s] = make_caches(s, args)
             fill(caches[s], depth, args, dtype)
             sizes[s] = cache_bytes(caches[s])
         settle()

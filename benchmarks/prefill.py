@@ -38,49 +38,22 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
-import muser_kv  # noqa: E402
 from _common import (  # noqa: E402
-    DTYPES, MB, PeakProbe, add_common_flags, median, now, print_header,
-    print_table, ratio, settle, write_json,
+    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, add_model_flags, is_global, make_caches,
+    median, now, print_header, print_table, ratio, settle, write_json,
 )
-
-SYSTEMS = ("muser-kv", "mlx-lm")
-PATTERNS = ("muse", "sliding", "global")
-
-
-def is_global(i: int, pattern: str = "muse") -> bool:
-    if pattern == "muse":
-        return i % 4 == 3  # Muse Glimmer's partition
-    return pattern == "global"
-
-
-def layer_kinds(args):
-    kind = muser_kv.LayerKind
-    return tuple(kind.GLOBAL if is_global(i, args.pattern) else kind.SLIDING
-                 for i in range(args.layers))
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=52, help="layers (default 52, Muse Glimmer)")
-    p.add_argument("--window", type=int, default=2048, help="sliding window (default 2048)")
-    p.add_argument("--pattern", choices=PATTERNS, default="muse",
-                   help="layer kinds: muse (layer i global iff i %% 4 == 3; default), or every "
-                        "layer sliding / global (to attribute a difference to one kind)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 3 x window)")
-    p.add_argument("--sliding-layout", choices=["token_major", "head_major"], default="token_major",
-                   help="muser-kv's sliding-ring layout (default token_major, the seeds')")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
-    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
-    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     p.add_argument("--max-context", type=int, default=None,
                    help="muser-kv capacity (default: the prompt length)")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed whole prefills per system first (default 1)")
+    add_model_flags(p)
     add_common_flags(p)
     args = p.parse_args(argv)
     if args.prompt is None:
@@ -90,19 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif args.max_context < args.prompt:
         p.error("--max-context must be >= --prompt")
     return args
-
-
-def make_caches(system: str, args) -> List[Any]:
-    if system == "muser-kv":
-        geo = muser_kv.MuseGeometry(
-            num_layers=args.layers, window=args.window, max_context=args.max_context,
-            num_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-            layer_kinds=layer_kinds(args),
-        )
-        return muser_kv.make_cache_for(geo, muser_kv.DEFAULT_RETAIN, args.sliding_layout)  # planes allocated and zero-filled here
-    return [KVCache() if is_global(i, args.pattern)
-            else RotatingKVCache(max_size=args.window, keep=0)
-            for i in range(args.layers)]
 
 
 def prefill_chunk(caches: List[Any], x: mx.array, args) -> mx.array:

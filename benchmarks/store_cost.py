@@ -42,7 +42,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import muser_kv  # noqa: E402
 from _common import (  # noqa: E402
-    DTYPES, MB, PeakProbe, add_common_flags, int_list, median, now, on_gpu,
+    DTYPES, MB, PeakProbe, add_common_flags, int_list, median, now,
     print_header, print_table, ratio, settle, str_list, write_json,
 )
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muser_kv import CacheDiscontinuity, ContextOverflow, KvPlane, LayerKind
-from oracle import FullHistory, bits, to_f16_rows
+from oracle import FullHistory, bits
 
 H, D = 2, 128
 
