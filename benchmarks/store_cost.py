@@ -4,16 +4,24 @@ The claim under test: storing one token costs the same whatever the plane's
 capacity (``max_context``), within 1.2x, because the plane is updated in place
 (MLX donates its buffer to the slice update) rather than copied.
 
-For each capacity (default 2048, 8192, 32768, 131072) a one-layer global
-muser-kv cache is built, filled to ``--fill`` tokens, warmed up, then
-``--steps`` single-token ``update_and_fetch`` calls are timed in two modes:
+For each capacity (default 2048, 8192, 32768, 131072) ``--layers`` global
+muser-kv caches are built (default 13, the global layers one Muse decode step
+stores into), filled to ``--fill`` tokens, warmed up, then ``--steps`` steps,
+each one single-token ``update_and_fetch`` per layer, are timed in two modes:
 
-* ``sync``: ``k, v = cache.update_and_fetch(x, x); mx.eval(k, v)`` every step;
-* ``pipelined``: mlx-lm's ``generate_step`` pattern: step t+1's store (plus a
-  tiny consumer of the returned k/v, standing in for attention) is built and
+* ``sync``: every layer's ``k, v = cache.update_and_fetch(x, x)``, then
+  ``mx.eval`` of all of them, every step;
+* ``pipelined``: mlx-lm's ``generate_step`` pattern: step t+1's stores (plus a
+  tiny consumer of each returned k/v, standing in for attention) are built and
   ``mx.async_eval``-ed before waiting on step t. The benchmark drops its own
   references to the returned views before waiting, as a model does, so any
   extra reference that blocks the in-place update is not the benchmark's.
+
+With ``--layers 1`` the pipelined loop is degenerate: a store is encoded while
+the previous step's reader of the same plane is still in flight, and MLX keeps
+an in-flight kernel's inputs alive, so it cannot donate the plane and copies
+it. In a decode step the same plane is stored again only after every other
+layer's work, by which time its reader has finished.
 
 mlx-lm's ``KVCache`` (what Muse Glimmer uses for global layers; it grows in
 256-row steps) does the same work as a reference row. Every cell builds fresh
@@ -25,7 +33,7 @@ the timed stores minus memory active before them: a copied plane shows up here
 as about one plane of extra bytes.
 
     python benchmarks/store_cost.py                           # GPU, full
-    python benchmarks/store_cost.py --steps 256 --repeats 3   # CPU
+    python benchmarks/store_cost.py --steps 256 --repeats 3 --layers 4   # CPU
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens in the cache before the stores (default 256)")
     p.add_argument("--modes", type=str_list, default=["sync", "pipelined"],
                    help="sync,pipelined (default both)")
+    p.add_argument("--layers", type=int, default=13,
+                   help="global caches stored into per step (default 13, as in Muse Glimmer)")
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     add_common_flags(p)
@@ -95,30 +105,38 @@ def consume(k: mx.array, v: mx.array) -> mx.array:
     return k[..., -1:, :] + v[..., -1:, :]
 
 
-def store_sync(cache, x: mx.array, n: int) -> float:
+def store_sync(caches, x: mx.array, n: int) -> float:
     """Returns the host seconds spent inside ``update_and_fetch`` (graph building)."""
     host = 0.0
     for _ in range(n):
-        h0 = now()
-        k, v = cache.update_and_fetch(x, x)
-        host += now() - h0
-        mx.eval(k, v)
+        out = []
+        for cache in caches:
+            h0 = now()
+            out.extend(cache.update_and_fetch(x, x))
+            host += now() - h0
+        mx.eval(out)
+        del out
     return host
 
 
-def store_pipelined(cache, x: mx.array, n: int) -> float:
-    h0 = now()
-    k, v = cache.update_and_fetch(x, x)
-    host = now() - h0
-    y = consume(k, v)
-    del k, v
-    mx.async_eval(y)
-    for _ in range(n - 1):
+def step(caches, x: mx.array) -> tuple:
+    """One pipelined step: a store per layer, each read by a tiny consumer."""
+    host, ys = 0.0, []
+    for cache in caches:
         h0 = now()
         k, v = cache.update_and_fetch(x, x)
         host += now() - h0
-        ny = consume(k, v)
+        ys.append(consume(k, v))
         del k, v
+    return host, ys
+
+
+def store_pipelined(caches, x: mx.array, n: int) -> float:
+    host, y = step(caches, x)
+    mx.async_eval(y)
+    for _ in range(n - 1):
+        h, ny = step(caches, x)
+        host += h
         mx.async_eval(ny)
         mx.eval(y)
         y = ny
@@ -134,7 +152,8 @@ def main(argv=None) -> Dict[str, Any]:
     dtype = DTYPES[args.dtype]
     mx.random.seed(args.seed)
     print_header(
-        "store cost: one-token update_and_fetch on a global (NoPE, head-major) cache vs capacity",
+        f"store cost: one-token update_and_fetch into each of {args.layers} global "
+        "(NoPE, head-major) caches per step, vs capacity",
         args,
     )
     block = mx.random.normal((1, args.kv_heads, args.fill, args.head_dim)).astype(dtype)
@@ -154,20 +173,22 @@ def main(argv=None) -> Dict[str, Any]:
             order = cells if r % 2 == 0 else cells[::-1]
             for cell in order:
                 system, capacity = cell
-                cache = make_cache(system, capacity, args)
-                cache.update_and_fetch(block, block)
-                mx.eval(cache.state)
-                run(cache, x, args.warmup)
+                caches = [make_cache(system, capacity, args) for _ in range(args.layers)]
+                for cache in caches:
+                    cache.update_and_fetch(block, block)
+                mx.eval([cache.state for cache in caches])
+                run(caches, x, args.warmup)
+                stores = args.steps * args.layers
                 with PeakProbe() as probe:
                     t0 = now()
-                    host = run(cache, x, args.steps)
+                    host = run(caches, x, args.steps)
                     dt = now() - t0
-                assert cache.offset == args.fill + args.warmup + args.steps
-                meas[cell]["us_per_store"].append(dt / args.steps * 1e6)
-                meas[cell]["host_us_per_store"].append(host / args.steps * 1e6)
+                assert all(c.offset == args.fill + args.warmup + args.steps for c in caches)
+                meas[cell]["us_per_store"].append(dt / stores * 1e6)
+                meas[cell]["host_us_per_store"].append(host / stores * 1e6)
                 meas[cell]["peak_extra_bytes"].append(probe.extra)
-                meas[cell]["cache_bytes"] = cache.nbytes
-                del cache
+                meas[cell]["cache_bytes"] = sum(c.nbytes for c in caches)
+                del caches, cache
                 settle()
         base = median(meas[(OURS, min(args.capacities))]["us_per_store"])
         ref = median(meas[(REFERENCE, None)]["us_per_store"])

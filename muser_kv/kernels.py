@@ -53,26 +53,36 @@ def attention_view(rows: mx.array, layout: str, kv_heads: int, head_dim: int) ->
     return rows[None]
 
 
-def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str) -> None:
-    """Write ``rows`` (in the plane's layout) into ``plane`` along ``runs``.
+def physical_view(plane: mx.array, layout: str) -> mx.array:
+    """An attention-shaped plane ``[1, H, C, D]`` as the rows the kernels index:
+    ``[C, H*D]`` token-major or ``[H, C, D]`` head-major (views of the same buffer)."""
+    if layout == TOKEN_MAJOR:
+        _, h, c, d = plane.shape
+        return plane.transpose(0, 2, 1, 3).reshape(c, h * d)
+    return plane.squeeze(0)
+
+
+def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str) -> mx.array:
+    """``plane`` (attention-shaped, ``[1, H, C, D]``) with ``rows`` (in the
+    plane's layout) written along ``runs``; returns the new plane.
 
     The one placement mechanism of every plane: MLX's slice update, which reuses
     the plane's buffer when MLX can donate it (O(rows)) and copies it otherwise;
-    either way MLX tracks the write, so no reader can race it."""
-    capacity = plane.shape[0 if layout == TOKEN_MAJOR else 1]
+    either way MLX tracks the write, so no reader can race it. A donated buffer
+    keeps its strides, so a token-major plane stays token-major in memory."""
+    _, h, capacity, d = plane.shape
     for run in runs:
         src = slice(run.source, run.source + run.length)
-        dst = slice(run.physical, run.physical + run.length)
         update = rows[src] if layout == TOKEN_MAJOR else rows[:, src, :]
         if run.length == capacity:
             # MLX answers a slice update that covers the whole array with the
-            # update itself, strides and all; planes stay row-contiguous because
-            # the kernels index them as such.
-            update = mx.contiguous(update)
-        if layout == TOKEN_MAJOR:
-            plane[dst] = update
-        else:
-            plane[:, dst, :] = update
+            # update itself, strides and all; the plane must stay in its layout's
+            # memory order because the kernels index it as such.
+            plane = attention_view(mx.contiguous(update), layout, h, d)
+            continue
+        dst = slice(run.physical, run.physical + run.length)
+        plane[:, :, dst, :] = attention_view(update, layout, h, d)
+    return plane
 
 
 def _rows_shape(layout: str, count: int, kv_heads: int, head_dim: int) -> Tuple[int, ...]:
@@ -143,12 +153,12 @@ class ReferenceBackend:
         at rotation ``ring.origin_physical``."""
         out = []
         for rows in (rows_keys, rows_values):
-            plane = mx.zeros(shape, PLANE_DTYPE)
+            # token-major rows are whole tokens: one "head" of H*D is the same memory
+            h, d = (1, shape[1]) if layout == TOKEN_MAJOR else (shape[0], shape[2])
+            plane = attention_view(mx.zeros(shape, PLANE_DTYPE), layout, h, d)
             if layout == HEAD_MAJOR:
-                h, _, d = shape
                 rows = rows.reshape(rows.shape[0], h, d).transpose(1, 0, 2)
-            place(plane, rows, ring.live_runs(), layout)
-            out.append(plane)
+            out.append(physical_view(place(plane, rows, ring.live_runs(), layout), layout))
         return out[0], out[1]
 
 

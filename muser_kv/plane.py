@@ -48,6 +48,13 @@ class KvPlane:
     ``capacity = max_context`` (each head's history is one span). A sliding ring
     may be built head-major instead (``sliding_layout``), for attention kernels
     that read head-major spans faster; the ring arithmetic does not change.
+
+    Each plane is held in the shape attention reads, ``[1, H, capacity, D]``;
+    a token-major plane is that shape over token-major memory (strides
+    ``C*H*D, D, H*D, 1``). MLX keeps a donated buffer's strides through every
+    slice update, so the memory order never changes, and a decode step costs
+    what mlx-lm's caches cost: one slice update per plane, and no op at all to
+    read a full ring. ``keys`` / ``values`` are the rows the kernels index.
     """
 
     def __init__(
@@ -86,7 +93,33 @@ class KvPlane:
         if allocate:  # (False only for a caller that sets keys/values itself)
             self.keys = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
             self.values = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
-            mx.eval(self.keys, self.values)
+            mx.eval(self._k, self._v)
+
+    # -- the planes ------------------------------------------------------------
+
+    @property
+    def keys(self) -> mx.array:
+        """The key plane as rows: ``[capacity, H*D]`` token-major, ``[H, capacity, D]``
+        head-major (a view; holding it keeps MLX from donating the plane)."""
+        return kernels.physical_view(self._k, self.layout)
+
+    @keys.setter
+    def keys(self, plane: mx.array) -> None:
+        self._k = self._attention(plane)
+
+    @property
+    def values(self) -> mx.array:
+        """The value plane, as ``keys``."""
+        return kernels.physical_view(self._v, self.layout)
+
+    @values.setter
+    def values(self, plane: mx.array) -> None:
+        self._v = self._attention(plane)
+
+    def _attention(self, plane: mx.array) -> mx.array:
+        if tuple(plane.shape) != self.shape:
+            raise ValueError(f"layer {self.layer}: plane must be {self.shape}, got {tuple(plane.shape)}")
+        return kernels.attention_view(plane, self.layout, self.kv_heads, self.head_dim)
 
     # -- facts ---------------------------------------------------------------
 
@@ -100,7 +133,7 @@ class KvPlane:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self._k.nbytes + self._v.nbytes
 
     @property
     def contiguous(self) -> bool:
@@ -172,19 +205,13 @@ class KvPlane:
         ring = self.ring
         full = ring.len == ring.capacity
         row = ring.origin_physical if full else (ring.origin_physical + ring.len) % ring.capacity
-        if keys.dtype == kernels.PLANE_DTYPE:  # nothing to convert: views only
-            if self.layout == kernels.TOKEN_MAJOR:
-                k, v = keys.reshape(1, self.kv_dim), values.reshape(1, self.kv_dim)
-            else:
-                k, v = keys.squeeze(0), values.squeeze(0)
-        else:
+        if keys.dtype != kernels.PLANE_DTYPE:
+            shape = keys.shape
             k, v = self.backend.store(keys, values, self.layout, 0, 1, ring, ring.end)
-        if self.layout == kernels.TOKEN_MAJOR:
-            self.keys[row:row + 1] = k
-            self.values[row:row + 1] = v
-        else:
-            self.keys[:, row:row + 1, :] = k
-            self.values[:, row:row + 1, :] = v
+            keys, values = k.reshape(shape), v.reshape(shape)
+        # the model's [1, H, 1, D] is the plane's own shape: nothing to reshape
+        self._k[:, :, row:row + 1, :] = keys
+        self._v[:, :, row:row + 1, :] = values
         if full:  # the ring's append, settled by the caller's checks
             ring.origin_logical += 1
             ring.origin_physical = (ring.origin_physical + 1) % ring.capacity
@@ -201,18 +228,10 @@ class KvPlane:
 
     def _place(self, k_rows: mx.array, v_rows: mx.array, runs) -> None:
         """The one placement mechanism (see ``kernels.place``)."""
-        kernels.place(self.keys, k_rows, runs, self.layout)
-        kernels.place(self.values, v_rows, runs, self.layout)
+        self._k = kernels.place(self._k, k_rows, runs, self.layout)
+        self._v = kernels.place(self._v, v_rows, runs, self.layout)
 
     # -- the read path -------------------------------------------------------
-
-    def _rows_view(self, plane: mx.array) -> mx.array:
-        n = self.ring.len
-        if self.layout == kernels.TOKEN_MAJOR:
-            rows = plane if n == self.capacity else plane[:n]
-        else:
-            rows = plane if n == self.capacity else plane[:, :n, :]
-        return kernels.attention_view(rows, self.layout, self.kv_heads, self.head_dim)
 
     def view(self) -> Tuple[mx.array, mx.array]:
         """K/V ``[1, H, len, D]`` read in place, in physical order (``contiguous``
@@ -223,7 +242,10 @@ class KvPlane:
                 f"(origin_physical {self.ring.origin_physical}, len {self.ring.len}); "
                 "read them through a staging shadow"
             )
-        return self._rows_view(self.keys), self._rows_view(self.values)
+        n = self.ring.len
+        if n == self.capacity:
+            return self._k, self._v  # the planes themselves: a full ring costs no op
+        return self._k[:, :, :n, :], self._v[:, :, :n, :]
 
     def shadow_rows(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """The staging shadow for a chunk, as token-major rows ``[len + N, H*D]``:
@@ -288,5 +310,5 @@ class KvPlane:
         ring = Ring(self.capacity, n, start, start % self.capacity, self.layer)
         flat = (n, self.kv_dim)
         k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring,
-                                    tuple(self.keys.shape))
+                                    self.shape)
         self.keys, self.values, self.ring = k, v, ring

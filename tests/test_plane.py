@@ -194,3 +194,61 @@ def test_planes_stay_row_contiguous_when_a_chunk_covers_them(kind, layout):
     flat = np.array(p.keys).reshape(-1)
     raw = np.frombuffer(memoryview(p.keys), dtype=np.float16)  # the buffer, as a kernel sees it
     np.testing.assert_array_equal(raw.view(np.uint16), flat.view(np.uint16))
+
+
+def _address(x: mx.array) -> int:
+    mx.eval(x)
+    return np.asarray(x).__array_interface__["data"][0]  # strided export: no copy
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+def test_every_write_path_keeps_the_layouts_memory_order(kind, layout):
+    """Planes are held attention-shaped ([1, H, C, D]) over memory in their
+    layout's order. The rows the kernels index (``keys``) must stay a view of
+    the same buffer, never a copy, through decode, wrapping chunks, a chunk that
+    covers the plane, a rollback restore and an install; each step is checked
+    against the oracle too. A plane that lost its order would make ``keys`` a
+    reshaped copy (another address), and the kernels would read stale rows."""
+    window, context = 8, 40
+    p = KvPlane(kind, kv_heads=H, head_dim=D, window=window, max_context=context,
+                sliding_layout=layout)
+    oracle = FullHistory(window if kind is LayerKind.SLIDING else None)
+    pos = 0
+
+    def check():
+        for planes in ((p._k, p.keys), (p._v, p.values)):
+            assert _address(planes[0]) == _address(planes[1])
+            assert np.asarray(planes[1]).flags["C_CONTIGUOUS"]
+        physical_equals(p, oracle)
+
+    # a chunk that covers the ring exactly from row 0 (sliding: 16 = 2 windows),
+    # decode, chunks across the wrap, one wider than the ring at a rotation
+    for n in (16, 1, 1, 5, 1, 9, 1, 1, 3):
+        k, v = kv(n, mx.float16, seed=pos)
+        if n == 1:
+            p.write_one(k, v)
+        else:
+            p.write(pos, k, v)
+        oracle.append(k, v)
+        pos += n
+        check()
+    if kind is LayerKind.SLIDING:  # rollback: the ring and rows of an earlier state put back
+        ring = p.ring.copy()
+        start, rows_k, rows_v = p.snapshot()
+        k, v = kv(2, mx.float16, seed=99)
+        p.write(pos, k, v)
+        p.restore(ring, start, rows_k.reshape(rows_k.shape[0], -1), rows_v.reshape(rows_v.shape[0], -1))
+        check()
+    start, rows_k, rows_v = p.snapshot()
+    p.install(start, rows_k, rows_v)
+    check()
+    # a chunk that fills a whole plane in one run
+    p = KvPlane(kind, kv_heads=H, head_dim=D, window=window, max_context=window,
+                sliding_layout=layout)
+    oracle = FullHistory(window if kind is LayerKind.SLIDING else None)
+    raw = mx.array(np.random.default_rng(7).standard_normal((1, window, H, D)).astype(np.float16))
+    k = raw.transpose(0, 2, 1, 3)  # the model's strided [1, H, N, D]
+    p.write(0, k, k)
+    oracle.append(k, k)
+    check()
