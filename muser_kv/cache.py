@@ -139,11 +139,13 @@ class MuseKVCache:
         settled by the caller and the least host work per layer (this is where a
         decode step's time goes: dispatch and Python, not bytes). The row it
         overwrites was copied ahead, so retention costs nothing here."""
-        plane, ring = self.plane, self.plane.ring
-        if self.retain and ring.len == ring.capacity and not self._retained.covers(ring.origin_logical):
+        ring, retained = self.plane.ring, self._retained
+        if self.retain and ring.len == ring.capacity and not retained.covers(ring.origin_logical):
             self._retain_now(ring.origin_logical)
-        plane.write_one(keys, values)
-        return self._copy_ahead(plane.view())
+        kv = self.plane.write_one(keys, values)
+        if self.retain and ring.len == ring.capacity and not retained.covers(ring.origin_logical):
+            return self._copy_ahead(kv)
+        return kv
 
     # -- retained rows (see speculative.py) ------------------------------------
 

@@ -197,11 +197,12 @@ class KvPlane:
         self._place(k_rows, v_rows, ring.runs(position + first, count))
         self.ring = ring
 
-    def write_one(self, keys: mx.array, values: mx.array) -> None:
+    def write_one(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """The decode hot path: one token, already validated by the caller
-        (``[1, H, 1, D]``, a float dtype, room below ``max_context``). The same
-        placement as ``write`` -- one slice update per plane at the row the ring
-        reserves -- with the ring advanced in place once the rows are placed."""
+        (``[1, H, 1, D]``, a float dtype, room below ``max_context``, the plane
+        full or filled from row 0). The same placement as ``write`` -- one slice
+        update per plane at the row the ring reserves -- with the ring advanced
+        in place once the rows are placed; returns ``view()``."""
         ring = self.ring
         full = ring.len == ring.capacity
         row = ring.origin_physical if full else (ring.origin_physical + ring.len) % ring.capacity
@@ -215,14 +216,22 @@ class KvPlane:
         if full:  # the ring's append, settled by the caller's checks
             ring.origin_logical += 1
             ring.origin_physical = (ring.origin_physical + 1) % ring.capacity
-        else:
-            ring.len += 1
+            return self._k, self._v
+        ring.len += 1
+        if ring.len == ring.capacity:
+            return self._k, self._v
+        return self._k[:, :, :ring.len, :], self._v[:, :, :ring.len, :]
 
     def copy_rows(self, logical: int, count: int) -> mx.array:
         """Fresh copies ``[count, 2, H*D]`` (K, V) of live rows ``logical ..
         logical+count`` (never a view: a view would share the plane's buffer and
         keep MLX from donating it to the next store)."""
-        ring = Ring(self.capacity, count, logical, self.ring.physical(logical), self.layer)
+        first = self.ring.physical(logical)
+        if first + count <= self.capacity:  # one span (the decode case): the stack is the copy
+            k = self._k[:, :, first:first + count, :].transpose(0, 2, 1, 3)
+            v = self._v[:, :, first:first + count, :].transpose(0, 2, 1, 3)
+            return mx.stack([k, v], axis=2).reshape(count, 2, self.kv_dim)
+        ring = Ring(self.capacity, count, logical, first, self.layer)
         k, v = self.backend.gather(self.keys, self.values, self.layout, ring)
         return mx.stack([k, v], axis=1)
 
