@@ -131,6 +131,8 @@ class MuseKVCache:
                 self._retained.add(ring.origin_logical + lost - keep.size, rows,
                                    plane.ring.origin_logical)
             out = plane.shadow_view(k_rows), plane.shadow_view(v_rows)
+            if lost:  # evaluated with attention: left lazy, the copy would hold the shadow
+                out = tuple(mx.depends(list(out), [rows]))
         self._ring_seen = plane.ring
         return self._copy_ahead(out)
 

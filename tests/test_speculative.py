@@ -136,3 +136,36 @@ def test_trim_beyond_retained_depth_is_refused(target):
     assert cache[0].trimmable_depth() == 3 and cache[3].trimmable_depth() == 40
     with pytest.raises(ValueError, match="at most 3"):
         cache[0].trim(4)
+
+
+def test_rows_retained_from_a_chunk_hold_no_shadow():
+    """A draft block written as one chunk into a full ring is attended through
+    the staging shadow; the rows it overwrites are retained as copies taken from
+    that shadow. Those copies are evaluated with attention, so once attention's
+    result exists nothing still holds the shadow (left lazy, each ring's copy
+    kept its whole [window + B, H*D] shadow alive: 2 MiB per ring here)."""
+    geo = muser_kv.MuseGeometry(num_layers=4, window=2048, max_context=4096)
+    cache = muser_kv.make_cache_for(geo)
+    h, d = geo.kv_heads, geo.head_dim
+    fill = mx.random.normal((1, h, 2048, d)).astype(mx.float16)
+    for c in cache:
+        c.update_and_fetch(fill, fill)
+    mx.eval([c.state for c in cache])
+    del fill
+    block = mx.random.normal((1, h, 8, d)).astype(mx.float16)
+    q = mx.random.normal((1, 4, 8, d)).astype(mx.float16)
+    mx.eval(block, q)
+    before = mx.get_active_memory()
+    outs = []
+    for c in cache:
+        mask = c.make_mask(8, window_size=geo.window if c.kind is muser_kv.LayerKind.SLIDING
+                           else None, return_array=True)
+        k, v = c.update_and_fetch(block, block)
+        outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask))
+        del k, v
+    mx.eval(outs)
+    held = mx.get_active_memory() - before
+    retained = sum(c.retained_nbytes for c in cache)
+    shadow = (2048 + 8) * h * d * 2 * 2  # one ring's K and V shadows
+    assert sum(c.ring.len for c in cache) == 3 * 2048 + 2048 + 8
+    assert held < retained + sum(o.nbytes for o in outs) + shadow // 2, (held, retained)
