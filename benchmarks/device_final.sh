@@ -22,9 +22,10 @@ suite)
   python3 -c 'import mlx.core as mx, muser_kv.kernels as k; print("mlx", mx.__version__, "device", mx.default_device(), "backend", k.get_backend().name)' | tee "$out/backend.txt"
   timeout 240 python3 -m pytest -q -p no:cacheprovider --durations=8 tests \
     --deselect tests/test_kernels_nvrtc.py 2>&1 | tee "$out/tests.log" | tail -20
-  MUSER_KV_STRESS_STEPS=3000 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+  MUSER_KV_STRESS_STEPS=3000 timeout 190 python3 -m pytest -q -p no:cacheprovider \
     tests/test_race_stress.py 2>&1 | tee "$out/stress.log" | tail -4
   for dt in float16 float32; do timeout 30 python3 benchmarks/dispatches.py --dtype $dt; done 2>&1 | tee "$out/dispatches.txt"
+  b donation 60 benchmarks/donation.py
   b sessions 90 benchmarks/sessions.py --repeats 1 --rollback-repeats 3
   b prefill 60 benchmarks/prefill.py --repeats 2
   ;;
