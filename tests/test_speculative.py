@@ -164,6 +164,7 @@ def test_rows_retained_from_a_chunk_hold_no_shadow():
         outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask))
         del k, v
     mx.eval(outs)
+    mx.synchronize()  # on the GPU, MLX frees a finished kernel's inputs after eval returns
     held = mx.get_active_memory() - before
     retained = sum(c.retained_nbytes for c in cache)
     shadow = (2048 + 8) * h * d * 2 * 2  # one ring's K and V shadows
