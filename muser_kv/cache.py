@@ -104,13 +104,16 @@ class MuseKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         plane = self.plane
         ring = plane.ring
-        if (
-            keys.shape == self._one_token and values.shape == self._one_token
-            and keys.dtype == values.dtype and keys.dtype in INPUT_DTYPES
-            and ring is self._ring_seen and ring.end < plane.max_context
-            and (ring.len == ring.capacity or ring.origin_physical == 0)
-        ):
-            return self._decode_one(keys, values)
+        if (ring is self._ring_seen and keys.shape == self._one_token
+                and values.shape == self._one_token):
+            dtype = keys.dtype
+            if (dtype == values.dtype and dtype in INPUT_DTYPES
+                    and ring.origin_logical + ring.len < plane.max_context):
+                if ring.len == ring.capacity:
+                    return self._decode_one(keys, values, dtype)
+                if ring.origin_physical == 0:  # filling from row 0
+                    kv = plane.write_one(keys, values, dtype)
+                    return self._copy_ahead(kv) if ring.len == ring.capacity else kv
         n = plane.check_input(keys, values)
         plane.check_write(self.offset, n)
         self._check_ring_owner()
@@ -136,16 +139,18 @@ class MuseKVCache:
         self._ring_seen = plane.ring
         return self._copy_ahead(out)
 
-    def _decode_one(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        """One token read in place: the decode hot path, with the same checks
-        settled by the caller and the least host work per layer (this is where a
-        decode step's time goes: dispatch and Python, not bytes). The row it
-        overwrites was copied ahead, so retention costs nothing here."""
+    def _decode_one(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> Tuple[mx.array, mx.array]:
+        """One token into a full ring, read in place: the decode hot path, with
+        the input checks settled by the caller and the least host work per layer
+        (this is where a decode step's time goes: dispatch and Python, not bytes).
+        The row it overwrites was copied ahead, so retention costs nothing here."""
+        if not self.retain:
+            return self.plane.write_one(keys, values, dtype)
         ring, retained = self.plane.ring, self._retained
-        if self.retain and ring.len == ring.capacity and not retained.covers(ring.origin_logical):
+        if not retained.covers(ring.origin_logical):
             self._retain_now(ring.origin_logical)
-        kv = self.plane.write_one(keys, values)
-        if self.retain and ring.len == ring.capacity and not retained.covers(ring.origin_logical):
+        kv = self.plane.write_one(keys, values, dtype)
+        if not retained.covers(ring.origin_logical):
             return self._copy_ahead(kv)
         return kv
 

@@ -15,7 +15,7 @@ Invariants, each with a test:
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -197,16 +197,18 @@ class KvPlane:
         self._place(k_rows, v_rows, ring.runs(position + first, count))
         self.ring = ring
 
-    def write_one(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+    def write_one(self, keys: mx.array, values: mx.array,
+                  dtype: Optional[mx.Dtype] = None) -> Tuple[mx.array, mx.array]:
         """The decode hot path: one token, already validated by the caller
         (``[1, H, 1, D]``, a float dtype, room below ``max_context``, the plane
         full or filled from row 0). The same placement as ``write`` -- one slice
         update per plane at the row the ring reserves -- with the ring advanced
-        in place once the rows are placed; returns ``view()``."""
+        in place once the rows are placed; returns ``view()``. ``dtype`` is the
+        input's, when the caller has it at hand."""
         ring = self.ring
         full = ring.len == ring.capacity
         row = ring.origin_physical if full else (ring.origin_physical + ring.len) % ring.capacity
-        if keys.dtype != kernels.PLANE_DTYPE:
+        if (dtype or keys.dtype) != kernels.PLANE_DTYPE:
             shape = keys.shape
             k, v = self.backend.store(keys, values, self.layout, 0, 1, ring, ring.end)
             keys, values = k.reshape(shape), v.reshape(shape)

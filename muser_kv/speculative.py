@@ -50,7 +50,7 @@ class RetainedRows:
         self.start = self.end = 0
 
     def covers(self, position: int) -> bool:
-        return bool(self._blocks) and self.start <= position < self.end
+        return self.start <= position < self.end  # empty: start == end
 
     def first(self, origin_logical: int) -> int:
         """The oldest position held; ``origin_logical`` when nothing is."""
