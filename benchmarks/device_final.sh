@@ -4,6 +4,7 @@
 # finished comes back. Output: $OUT/*.md and logs.
 #   bash benchmarks/device_final.sh bench   # decode, real-model memory, store cost
 #   bash benchmarks/device_final.sh suite   # whole suite on CUDA, race stress, dispatches, sessions, prefill
+#   bash benchmarks/device_final.sh final   # race stress in full, host work, decode x8, a 52-layer store step
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -28,5 +29,12 @@ suite)
   b donation 60 benchmarks/donation.py
   b sessions 90 benchmarks/sessions.py --repeats 1 --rollback-repeats 3
   b prefill 60 benchmarks/prefill.py --repeats 2
+  ;;
+final)
+  MUSER_KV_STRESS_STEPS=3000 timeout 230 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_race_stress.py 2>&1 | tee "$out/stress.log" | tail -3
+  for r in 16 0; do timeout 40 python3 benchmarks/host_overhead.py --retain $r; done 2>&1 | tee "$out/host.txt"
+  b decode 200 benchmarks/decode.py --repeats 8 --steps 48 --json "$out/decode8.json"
+  b store 80 benchmarks/store_cost.py --layers 52 --capacities 2048,131072 --steps 256 --repeats 2 --modes pipelined,sync
   ;;
 esac
