@@ -57,7 +57,9 @@ class MuseKVCache:
         self.plane = plane
         self.retain = retain if plane.kind is LayerKind.SLIDING else 0
         self._retained = RetainedRows(self.retain)
-        self._ring_seen = plane.ring
+        # no ring seen yet: the first update settles the rows a full ring
+        # (rebuilt by from_state) will overwrite, as after an install
+        self._ring_seen = None
         self._one_token = (1, plane.kv_heads, 1, plane.head_dim)
 
     # -- identity ------------------------------------------------------------
@@ -121,10 +123,13 @@ class MuseKVCache:
         # positions [origin_logical, origin_logical + lost) leave the window
         lost = max(0, ring.len + n - ring.capacity) if self.retain else 0
         if self._reads_in_place(n):
+            row = None
             if lost and not self._retained.covers(ring.origin_logical):
-                self._retain_now(ring.origin_logical)  # one token overwrites the oldest row
+                row = self._retain_now(ring.origin_logical)  # one token overwrites the oldest row
             plane.write_checked(ring.end, keys, values, n)
             out = plane.view()
+            if row is not None:
+                out = tuple(mx.depends(list(out), [row]))
         else:
             k_rows, v_rows = plane.shadow_rows(keys, values)
             plane.write_checked(ring.end, keys, values, n)
@@ -148,8 +153,10 @@ class MuseKVCache:
             return self.plane.write_one(keys, values, dtype)
         ring, retained = self.plane.ring, self._retained
         if not retained.covers(ring.origin_logical):
-            self._retain_now(ring.origin_logical)
-        kv = self.plane.write_one(keys, values, dtype)
+            row = self._retain_now(ring.origin_logical)
+            kv = tuple(mx.depends(list(self.plane.write_one(keys, values, dtype)), [row]))
+        else:
+            kv = self.plane.write_one(keys, values, dtype)
         if not retained.covers(ring.origin_logical):
             return self._copy_ahead(kv)
         return kv
@@ -170,10 +177,14 @@ class MuseKVCache:
                 self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
                 mx.eval(ahead)
 
-    def _retain_now(self, position: int) -> None:
+    def _retain_now(self, position: int) -> mx.array:
         """Copy the row about to be overwritten in the same graph as the store (only
-        when no copy was taken ahead: MLX then copies this ring once)."""
-        self._retained.add(position, self.plane.copy_rows(position, 1), position)
+        when no copy was taken ahead: MLX then copies this ring once). The caller
+        evaluates the copy with attention (``mx.depends``): left lazy, it would
+        keep the whole pre-store ring alive until it is let go."""
+        row = self.plane.copy_rows(position, 1)
+        self._retained.add(position, row, position)
+        return row
 
     def _copy_ahead(self, kv: Tuple[mx.array, mx.array]) -> Tuple[mx.array, mx.array]:
         """On a full ring whose next victim has no copy yet, copy the next

@@ -119,7 +119,15 @@ class KvPlane:
     def _attention(self, plane: mx.array) -> mx.array:
         if tuple(plane.shape) != self.shape:
             raise ValueError(f"layer {self.layer}: plane must be {self.shape}, got {tuple(plane.shape)}")
-        return kernels.attention_view(plane, self.layout, self.kv_heads, self.head_dim)
+        # contiguous first: a broadcast or strided plane would give the first
+        # store a buffer in some other memory order, kept from then on
+        return kernels.attention_view(mx.contiguous(plane), self.layout, self.kv_heads, self.head_dim)
+
+    def _handles(self) -> Tuple[mx.array, mx.array]:
+        """The whole planes as new array handles (no op: a same-dtype astype
+        returns the same node). The planes' own handles are rebound by the next
+        store, and K/V a caller kept must not change with them."""
+        return self._k.astype(kernels.PLANE_DTYPE), self._v.astype(kernels.PLANE_DTYPE)
 
     # -- facts ---------------------------------------------------------------
 
@@ -218,10 +226,10 @@ class KvPlane:
         if full:  # the ring's append, settled by the caller's checks
             ring.origin_logical += 1
             ring.origin_physical = (ring.origin_physical + 1) % ring.capacity
-            return self._k, self._v
+            return self._handles()
         ring.len += 1
         if ring.len == ring.capacity:
-            return self._k, self._v
+            return self._handles()
         return self._k[:, :, :ring.len, :], self._v[:, :, :ring.len, :]
 
     def copy_rows(self, logical: int, count: int) -> mx.array:
@@ -255,7 +263,7 @@ class KvPlane:
             )
         n = self.ring.len
         if n == self.capacity:
-            return self._k, self._v  # the planes themselves: a full ring costs no op
+            return self._handles()  # a full ring is read as it lies: no op
         return self._k[:, :, :n, :], self._v[:, :, :n, :]
 
     def shadow_rows(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:

@@ -226,3 +226,77 @@ def test_trim_depth_is_the_retained_rows():
     assert c.meta_state == before
     c.trim(7)
     assert c.offset == 16 and c.trimmable_depth() == 0
+
+
+@pytest.mark.parametrize("retain", [0, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kept_outputs_never_change(layout, retain):
+    """K/V returned by update_and_fetch are values: a caller that keeps them
+    sees the rows of that step, whatever later stores do to the plane (a full
+    ring hands out the whole plane, so it must hand out a new handle, not the
+    plane's own, which the next store rebinds)."""
+    c = caches(layers=1, retain=retain, layout=layout)[0]
+    for i in range(10):
+        c.update_and_fetch(*kv(1, mx.float16, seed=i))
+    kept = []
+    for i in range(10, 20):
+        k, v = c.update_and_fetch(*kv(1, mx.float16, seed=i))
+        mx.eval(k, v)
+        kept.append((k, v, bits(k).copy(), bits(v).copy()))
+    for k, v, k_bits, v_bits in kept:
+        np.testing.assert_array_equal(bits(k), k_bits)
+        np.testing.assert_array_equal(bits(v), v_bits)
+
+
+def _address(x: mx.array) -> int:
+    mx.eval(x)
+    return np.asarray(x).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_from_state_of_any_memory_order_keeps_the_layout(layout):
+    """State may arrive broadcast or strided; the planes rebuilt from it are
+    laid out as the layout says, so the kernels' rows stay views of the planes
+    (not per-call copies) through later stores."""
+    c = caches(layers=1, layout=layout)[0]
+    shape = tuple(c.state[0].shape)
+    meta = c.meta_state
+    z = mx.broadcast_to(mx.array(0, mx.float16), shape)
+    t = mx.zeros(shape[::-1], mx.float16).T  # column-major
+    for state in ((z, z), (t, t)):
+        r = MuseKVCache.from_state(state, meta)
+        for i in range(3):
+            r.update_and_fetch(*kv(1, mx.float16, seed=i))
+            assert _address(r.plane._k) == _address(r.plane.keys)
+            assert _address(r.plane._v) == _address(r.plane.values)
+
+
+def test_decode_after_from_state_holds_no_old_ring():
+    """The first decode into a full ring rebuilt by from_state copies the rows
+    it will overwrite; that copy is settled, so no step keeps the pre-store ring
+    alive (it held a whole extra ring for ``retain`` steps before)."""
+    geo = MuseGeometry(num_layers=1, window=1024, max_context=4096, num_heads=8, kv_heads=8,
+                       head_dim=D, layer_kinds=(LayerKind.SLIDING,))
+    c0 = make_cache_for(geo)[0]
+    fill = mx.random.normal((1, 8, 1024, D)).astype(mx.float16)
+    c0.update_and_fetch(fill, fill)
+    state = tuple(mx.array(np.array(x)) for x in c0.state)
+    meta = c0.meta_state
+    del c0, fill
+    c = MuseKVCache.from_state(state, meta)
+    del state
+    mx.eval(c.plane._k, c.plane._v)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    q = mx.ones((1, 8, 1, D), mx.float16)
+    worst = 0
+    for i in range(20):
+        x = mx.random.normal((1, 8, 1, D)).astype(mx.float16)
+        k, v = c.update_and_fetch(x, x)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0)
+        del k, v
+        mx.eval(o)
+        del o
+        mx.synchronize()
+        worst = max(worst, mx.get_active_memory() - before)
+    assert worst < c.plane.nbytes // 4, (worst, c.plane.nbytes)
