@@ -100,6 +100,28 @@ def make_caches(system: str, args: argparse.Namespace) -> List[Any]:
             for i in range(args.layers)]
 
 
+def attend_layers(caches: List[Any], x: mx.array, args: argparse.Namespace) -> mx.array:
+    """One chunk of ``x.shape[2]`` tokens (1 = a decode step) through every
+    layer: store K/V (drawn from the hidden state), attend with SDPA; returns
+    the last layer's output (lazy). Masks are made once per layer kind from
+    its first cache, called exactly as ``create_attention_mask`` calls them
+    (as ``MuseGlimmerModel._masks`` does)."""
+    n = x.shape[2]
+    kvh, scale = args.kv_heads, args.head_dim ** -0.5
+    masks: Dict[bool, Any] = {}
+    for i, c in enumerate(caches):
+        g = is_global(i, args.pattern)
+        if g not in masks:
+            masks[g] = c.make_mask(n, return_array=False, window_size=None if g else args.window)
+    h = x
+    for i, c in enumerate(caches):
+        k, v = c.update_and_fetch(mx.tanh(h[:, :kvh]), mx.tanh(h[:, kvh:2 * kvh]))
+        out = mx.fast.scaled_dot_product_attention(h, k, v, scale=scale,
+                                                   mask=masks[is_global(i, args.pattern)])
+        h = (h + out.astype(h.dtype)) * 0.5
+    return h
+
+
 def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
                    help="dtype of the K/V (and queries) handed to the caches (default float16)")

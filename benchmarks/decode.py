@@ -50,8 +50,8 @@ import mlx.core as mx  # noqa: E402
 
 import muser_kv  # noqa: E402
 from _common import (  # noqa: E402
-    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, add_model_flags, geometry, int_list,
-    is_global, make_caches, median, now, on_gpu, print_header, print_table, ratio, settle,
+    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, attend_layers, add_model_flags, geometry, int_list,
+    make_caches, median, now, on_gpu, print_header, print_table, ratio, settle,
     str_list, write_json,
 )
 
@@ -125,27 +125,6 @@ def cache_bytes(caches: List[Any]) -> int:
 # -- one decode step ----------------------------------------------------------
 
 
-def decode_step(caches: List[Any], h: mx.array, args) -> mx.array:
-    """All layers for one token; returns the last layer's output (lazy)."""
-    kvh, scale = args.kv_heads, args.head_dim ** -0.5
-    # Like MuseGlimmerModel._masks: one mask per layer kind, from its first cache.
-    masks: Dict[bool, Any] = {}
-    for i, c in enumerate(caches):
-        g = is_global(i, args.pattern)
-        if g not in masks:
-            # Called exactly as mlx_lm.models.base.create_attention_mask calls it.
-            masks[g] = c.make_mask(1, return_array=False,
-                                   window_size=None if g else args.window)
-    for i, c in enumerate(caches):
-        k_new = mx.tanh(h[:, :kvh])
-        v_new = mx.tanh(h[:, kvh:2 * kvh])
-        k, v = c.update_and_fetch(k_new, v_new)
-        mask = masks[is_global(i, args.pattern)]
-        out = mx.fast.scaled_dot_product_attention(h, k, v, scale=scale, mask=mask)
-        h = (h + out.astype(h.dtype)) * 0.5
-    return h
-
-
 def next_input(q0: mx.array, h: mx.array) -> mx.array:
     return (q0 + h) * 0.5
 
@@ -155,7 +134,7 @@ def run_sync(caches, q0, h, steps, args):
     t0 = now()
     for _ in range(steps):
         b0 = now()
-        h = decode_step(caches, next_input(q0, h), args)
+        h = attend_layers(caches, next_input(q0, h), args)
         build += now() - b0
         mx.eval(h)
     return h, now() - t0, build
@@ -166,12 +145,12 @@ def run_pipelined(caches, q0, h, steps, args):
     build = 0.0
     t0 = now()
     b0 = now()
-    h = decode_step(caches, next_input(q0, h), args)
+    h = attend_layers(caches, next_input(q0, h), args)
     build += now() - b0
     mx.async_eval(h)
     for _ in range(steps - 1):
         b0 = now()
-        nh = decode_step(caches, next_input(q0, h), args)
+        nh = attend_layers(caches, next_input(q0, h), args)
         build += now() - b0
         mx.async_eval(nh)
         mx.eval(h)

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlx.core as mx  # noqa: E402
 
 from _common import (  # noqa: E402
-    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, add_model_flags, is_global, make_caches,
+    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, attend_layers, add_model_flags, make_caches,
     median, now, print_header, print_table, ratio, settle, write_json,
 )
 
@@ -65,25 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def prefill_chunk(caches: List[Any], x: mx.array, args) -> mx.array:
-    n = x.shape[2]
-    kvh, scale = args.kv_heads, args.head_dim ** -0.5
-    masks: Dict[bool, Any] = {}
-    for i, c in enumerate(caches):
-        g = is_global(i, args.pattern)
-        if g not in masks:
-            masks[g] = c.make_mask(n, return_array=False, window_size=None if g else args.window)
-    h = x
-    for i, c in enumerate(caches):
-        k_new = mx.tanh(h[:, :kvh])
-        v_new = mx.tanh(h[:, kvh:2 * kvh])
-        k, v = c.update_and_fetch(k_new, v_new)
-        mask = masks[is_global(i, args.pattern)]
-        out = mx.fast.scaled_dot_product_attention(h, k, v, scale=scale, mask=mask)
-        h = (h + out.astype(h.dtype)) * 0.5
-    return h
-
-
 def chunks(args):
     start = 0
     while start < args.prompt:
@@ -97,7 +78,7 @@ def prefill(caches: List[Any], x: mx.array, args):
     h = None
     for start, n in chunks(args):
         t0 = now()
-        h = prefill_chunk(caches, x[:, :, :n], args)
+        h = attend_layers(caches, x[:, :, :n], args)
         mx.eval(h, [c.state for c in caches])
         times.append(now() - t0)
     return times, h
