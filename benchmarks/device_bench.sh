@@ -2,12 +2,7 @@
 # On the lent H200 (after ../shared/tools/device-mlx-cuda.sh's install): every
 # benchmark at full Muse geometry, most important first, each under a timeout
 # so that what finished comes back. Output: $OUT/*.md (Markdown tables).
-set -uo pipefail
-out=${OUT:-/tmp/out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-b() { local name=$1 limit=$2; shift 2; echo "== $name: $*" | tee -a "$out/$name.md"
-      timeout "$limit" python3 "$@" 2>&1 | tee -a "$out/$name.md" | tail -25; }
+. "$(dirname "$0")/device_prelude.sh"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_no_plane_copy.py tests/test_replay_gate.py \
   tests/test_model_oracle.py tests/test_speculative.py 2>&1 | tee "$out/tests_focused.log" | tail -8
 b decode 150 benchmarks/decode.py --repeats 2 --steps 32 --json "$out/decode_tm.json"

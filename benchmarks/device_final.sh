@@ -1,16 +1,11 @@
 #!/usr/bin/env bash
-# On the lent H200 (after ../shared/tools/device-mlx-cuda.sh's install), in two
+# On the lent H200 (after ../shared/tools/device-mlx-cuda.sh's install), in three
 # calls of under ten minutes each, every command under its own timeout so what
 # finished comes back. Output: $OUT/*.md and logs.
 #   bash benchmarks/device_final.sh bench   # decode, real-model memory, store cost
 #   bash benchmarks/device_final.sh suite   # whole suite on CUDA, race stress, dispatches, sessions, prefill
 #   bash benchmarks/device_final.sh final   # race stress in full, host work, decode x8, a 52-layer store step
-set -uo pipefail
-out=${OUT:-/tmp/out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-b() { local name=$1 limit=$2; shift 2; echo "== $name: $*" | tee -a "$out/$name.md"
-      timeout "$limit" python3 "$@" 2>&1 | tee -a "$out/$name.md" | tail -22; }
+. "$(dirname "$0")/device_prelude.sh"
 case "${1:-bench}" in
 bench)
   b decode 170 benchmarks/decode.py --repeats 2 --steps 32 --json "$out/decode_tm.json"

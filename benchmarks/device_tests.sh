@@ -2,10 +2,7 @@
 # On the lent H200 (after ../shared/tools/device-mlx-cuda.sh's install): the
 # whole suite on MLX's CUDA backend, the race stress test with thousands of
 # steps, and the dispatch count. Logs go to $OUT.
-set -uo pipefail
-out=${OUT:-/tmp/out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+. "$(dirname "$0")/device_prelude.sh"
 python3 -c 'import mlx.core as mx, muser_kv.kernels as k; print("mlx", mx.__version__, "device", mx.default_device(), "backend", k.get_backend().name)' | tee "$out/backend.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/backend.txt"
 # NVRTC-only checks need the CUDA 13 cccl wheel, absent here; the real CUDA build runs instead
