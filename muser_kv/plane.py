@@ -226,11 +226,9 @@ class KvPlane:
         if full:  # the ring's append, settled by the caller's checks
             ring.origin_logical += 1
             ring.origin_physical = (ring.origin_physical + 1) % ring.capacity
-            return self._handles()
-        ring.len += 1
-        if ring.len == ring.capacity:
-            return self._handles()
-        return self._k[:, :, :ring.len, :], self._v[:, :, :ring.len, :]
+        else:
+            ring.len += 1
+        return self._live()
 
     def copy_rows(self, logical: int, count: int) -> mx.array:
         """Fresh copies ``[count, 2, H*D]`` (K, V) of live rows ``logical ..
@@ -261,10 +259,14 @@ class KvPlane:
                 f"(origin_physical {self.ring.origin_physical}, len {self.ring.len}); "
                 "read them through a staging shadow"
             )
-        n = self.ring.len
-        if n == self.capacity:
+        return self._live()
+
+    def _live(self) -> Tuple[mx.array, mx.array]:
+        """``view`` without the check (the caller knows the rows are one span)."""
+        ring = self.ring
+        if ring.len == ring.capacity:
             return self._handles()  # a full ring is read as it lies: no op
-        return self._k[:, :, :n, :], self._v[:, :, :n, :]
+        return self._k[:, :, :ring.len, :], self._v[:, :, :ring.len, :]
 
     def shadow_rows(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """The staging shadow for a chunk, as token-major rows ``[len + N, H*D]``:
