@@ -42,6 +42,14 @@ def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
     return mask
 
 
+def _evaluated_with(kv: Tuple[mx.array, mx.array], copy: mx.array) -> Tuple[mx.array, mx.array]:
+    """``kv`` with ``copy`` made part of what evaluating it computes (``mx.depends``:
+    an edge, no kernel). A retained copy left lazy would keep what it reads (the
+    plane before the store, or a whole staging shadow) alive, and hold the plane
+    at the next store, where MLX would then copy it instead of donating it."""
+    return tuple(mx.depends(list(kv), [copy]))
+
+
 class MuseKVCache:
     """One layer's cache: a ``KvPlane`` behind mlx-lm's cache protocol.
 
@@ -129,7 +137,7 @@ class MuseKVCache:
             plane.write_checked(ring.end, keys, values, n)
             out = plane.view()
             if row is not None:
-                out = tuple(mx.depends(list(out), [row]))
+                out = _evaluated_with(out, row)
         else:
             k_rows, v_rows = plane.shadow_rows(keys, values)
             plane.write_checked(ring.end, keys, values, n)
@@ -139,8 +147,8 @@ class MuseKVCache:
                 self._retained.add(ring.origin_logical + lost - keep.size, rows,
                                    plane.ring.origin_logical)
             out = plane.shadow_view(k_rows), plane.shadow_view(v_rows)
-            if lost:  # evaluated with attention: left lazy, the copy would hold the shadow
-                out = tuple(mx.depends(list(out), [rows]))
+            if lost:  # left lazy, the copy would hold the shadow
+                out = _evaluated_with(out, rows)
         self._ring_seen = plane.ring
         return self._copy_ahead(out)
 
@@ -154,7 +162,7 @@ class MuseKVCache:
         ring, retained = self.plane.ring, self._retained
         if not retained.covers(ring.origin_logical):
             row = self._retain_now(ring.origin_logical)
-            kv = tuple(mx.depends(list(self.plane.write_one(keys, values, dtype)), [row]))
+            kv = _evaluated_with(self.plane.write_one(keys, values, dtype), row)
         else:
             kv = self.plane.write_one(keys, values, dtype)
         if not retained.covers(ring.origin_logical):
@@ -173,9 +181,7 @@ class MuseKVCache:
             if self.retain and ring.len == ring.capacity:
                 # Copy ahead now and settle it (once per install): taken in the same
                 # graph as the next store, it would make MLX copy the ring.
-                ahead = self.plane.copy_rows(ring.origin_logical, min(self.retain, ring.len))
-                self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
-                mx.eval(ahead)
+                mx.eval(self._take_ahead())
 
     def _retain_now(self, position: int) -> mx.array:
         """Copy the row about to be overwritten in the same graph as the store (only
@@ -195,9 +201,14 @@ class MuseKVCache:
         ring = self.plane.ring
         if not self.retain or ring.len < ring.capacity or self._retained.covers(ring.origin_logical):
             return kv
+        return _evaluated_with(kv, self._take_ahead())
+
+    def _take_ahead(self) -> mx.array:
+        """Retain copies of the next ``retain`` rows a full ring will overwrite."""
+        ring = self.plane.ring
         ahead = self.plane.copy_rows(ring.origin_logical, min(self.retain, ring.len))
         self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
-        return tuple(mx.depends(list(kv), [ahead]))
+        return ahead
 
     @property
     def retain_depth(self) -> int:
