@@ -1,13 +1,14 @@
 """muser-kv: exact, preallocated KV caches for Muse-shaped MLX models.
 
-Sliding RoPE layers get a fixed f16 ring with explicit origins; global NoPE
-layers get a growing head-major plane. ``make_prompt_cache(model)`` is a drop-in
+Sliding RoPE layers get a fixed ring with explicit origins; global NoPE layers
+get a growing head-major plane; planes are f16, or bf16 for a bf16 model. ``make_prompt_cache(model)`` is a drop-in
 for mlx-lm's ``model.make_cache()``.
 """
 
 from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
 from .geometry import Footprint, LayerKind, MuseGeometry, footprint
 from .plane import ContextOverflow, KvPlane
+from .precision import attention_dtype, plane_dtype_for
 from .ring import CacheDiscontinuity, Ring, Run
 from .speculative import DEFAULT_RETAIN, MAX_BLOCK, SpeculativeCheckpoint, checkpoint
 
@@ -27,13 +28,16 @@ __all__ = [
     "MuseKVCache",
     "Ring",
     "Run",
+    "attention_dtype",
     "causal_mask",
     "footprint",
     "make_cache_for",
     "make_prompt_cache",
+    "plane_dtype_for",
 ]
 
 from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact restore)
+    EncodingMismatch,
     LayerCut,
     ProductionF16Required,
     SessionFileError,
@@ -47,6 +51,7 @@ from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact r
 )
 
 __all__ += [
+    "EncodingMismatch",
     "LayerCut",
     "ProductionF16Required",
     "SessionFileError",

@@ -23,8 +23,9 @@ from typing import Any, List, Optional, Tuple, Union
 import mlx.core as mx
 
 from .geometry import LayerKind, MuseGeometry
-from .kernels import INPUT_DTYPES
+from .kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
 from .plane import KvPlane
+from .precision import DtypeLike, parse_plane_dtype, plane_dtype_for
 from .ring import Ring
 from .speculative import DEFAULT_RETAIN, RetainedRows
 
@@ -279,13 +280,14 @@ class MuseKVCache:
                         layer=layer, sliding_layout=layout, allocate=False)
         keys, values = state
         for name, x in (("keys", keys), ("values", values)):
-            if x.dtype != mx.float16 or tuple(x.shape) != plane.shape:
+            if x.dtype not in PLANE_DTYPES or x.dtype != keys.dtype or tuple(x.shape) != plane.shape:
                 raise ValueError(
-                    f"layer {layer}: state {name} must be float16 {plane.shape}, "
-                    f"got {x.dtype} {tuple(x.shape)}"
+                    f"layer {layer}: state {name} must be float16 or bfloat16 {plane.shape} "
+                    f"(keys and values alike), got {x.dtype} {tuple(x.shape)}"
                 )
         if capacity != plane.capacity:
             raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {plane.capacity}")
+        plane.dtype = keys.dtype
         plane.ring = Ring(capacity, length, ol, op, layer)
         plane.keys, plane.values = keys, values
         return cls(plane)
@@ -359,27 +361,34 @@ def make_prompt_cache(
     max_context: Optional[int] = None,
     retain: int = DEFAULT_RETAIN,
     sliding_layout: str = "token_major",
+    plane_dtype: DtypeLike = None,
 ) -> List[MuseKVCache]:
     """One ``MuseKVCache`` per layer of an mlx-lm Muse model, sized from its args.
 
     ``max_context`` defaults to the model's ``max_position_embeddings``; the
-    planes are allocated (zero-filled) now, at exactly the footprint formula.
+    planes are allocated (zero-filled) now, at the footprint formula's rows
+    rounded up to a multiple of 256 (``footprint`` reports exactly that).
     ``retain`` is how many overwritten rows each sliding ring keeps, i.e. how
     deep ``trim`` and speculative rollback are exact past the wrap (0 turns the
     retention and its one extra copy per token off). ``sliding_layout`` picks the
     rings' layout (``token_major``, the seeds' default, or ``head_major``).
+    ``plane_dtype`` (f16 or bf16) overrides the planes' type, which otherwise
+    follows the model: bf16 for a model whose attention runs in bf16, else f16
+    (``muser_kv.precision``).
     """
     args = getattr(model, "args", None)
     if args is None:
         raise TypeError(f"make_prompt_cache needs an mlx-lm model with .args, got {type(model).__name__}")
     geometry = MuseGeometry.from_model_args(args, max_context)
-    return make_cache_for(geometry, retain, sliding_layout)
+    return make_cache_for(geometry, retain, sliding_layout, plane_dtype_for(model, plane_dtype))
 
 
 def make_cache_for(
-    geometry: MuseGeometry, retain: int = DEFAULT_RETAIN, sliding_layout: str = "token_major"
+    geometry: MuseGeometry, retain: int = DEFAULT_RETAIN, sliding_layout: str = "token_major",
+    plane_dtype: DtypeLike = PLANE_DTYPE,
 ) -> List[MuseKVCache]:
-    """One cache per layer of ``geometry``."""
+    """One cache per layer of ``geometry``, with planes of ``plane_dtype``."""
+    dtype = parse_plane_dtype(plane_dtype) or PLANE_DTYPE
     return [
         MuseKVCache(
             KvPlane(
@@ -390,6 +399,7 @@ def make_cache_for(
                 max_context=geometry.max_context,
                 layer=i,
                 sliding_layout=sliding_layout,
+                dtype=dtype,
             ),
             retain,
         )

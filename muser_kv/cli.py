@@ -7,7 +7,7 @@ import json
 import sys
 from typing import List, Optional
 
-from .geometry import MuseGeometry, footprint
+from .geometry import ROW_GRANULE, MuseGeometry, allocated_rows, footprint
 
 
 def _bytes(n: int) -> str:
@@ -32,14 +32,19 @@ def cmd_footprint(ns: argparse.Namespace) -> int:
     print(
         f"geometry: {g.num_layers} layers ({g.sliding_layers} sliding RoPE, "
         f"{g.global_layers} global NoPE), window {g.window}, "
-        f"{g.kv_heads} KV heads x {g.head_dim}, f16"
+        f"{g.kv_heads} KV heads x {g.head_dim}, {ns.plane_dtype} planes"
     )
     print(f"row: {g.row_bytes:,} B per layer per token (K+V)")
-    print(f"context {fp.context:,}, {fp.slots} slot(s)")
+    ring = min(fp.context, g.window)
+    print(f"context {fp.context:,}, {fp.slots} slot(s); rows allocated in multiples of "
+          f"{ROW_GRANULE}: rings {allocated_rows(ring):,} for {ring:,}, "
+          f"global planes {allocated_rows(fp.context):,} for {fp.context:,}")
     print(f"  SWA rings   (one slot): {_bytes(fp.swa_bytes)}")
     print(f"  NoPE planes (one slot): {_bytes(fp.nope_bytes)}")
     print(f"  one slot:               {_bytes(fp.slot_bytes)}")
     print(f"  {fp.slots} slot(s):              {_bytes(fp.total_bytes)}")
+    if fp.formula_bytes != fp.slot_bytes:
+        print(f"  one slot by the formula (rows not rounded): {_bytes(fp.formula_bytes)}")
     print(f"  per token below window: {fp.per_token_below_window:,} B")
     print(f"  per token above window: {fp.per_token_above_window:,} B")
     ratio = fp.slot_bytes / at_window.slot_bytes
@@ -78,6 +83,10 @@ def _plot(g: MuseGeometry, context: int, path: str) -> None:
     plt.close(fig)
 
 
+_ENCODING_NAMES = {"f16le": "float16 planes", "bf16le": "bfloat16 planes",
+                   "f32le": "float32 interchange"}
+
+
 def cmd_inspect(ns: argparse.Namespace) -> int:
     """Print a session file's header and layers and verify every checksum.
     Exit 0 when everything verifies, 1 on any mismatch, 2 when unreadable."""
@@ -96,7 +105,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
         f"global NoPE), window {g.window}, max_context {g.max_context}, "
         f"{g.kv_heads} KV heads x {g.head_dim}"
     )
-    print(f"position: {h.position}  encoding: {h.encoding}")
+    print(f"position: {h.position}  encoding: {h.encoding} ({_ENCODING_NAMES[h.encoding]})")
     print(f"user: {json.dumps(h.user, sort_keys=True)}")
     checks = {c.name: c for c in session.verify()}
     bad = sum(not c.ok for c in checks.values())
@@ -104,10 +113,10 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
           f"{'shape':15}  {'dtype':7}  checksum")
     for i in range(g.num_layers):
         for name in tensor_names(i):
-            a = session.arrays.get(name)
-            rows = str(a.shape[0]) if a is not None and a.ndim else "-"
-            shape = "-" if a is None else str(list(a.shape))
-            dtype = "-" if a is None else a.dtype.name
+            t = session.tensors.get(name)
+            rows = str(t.shape[0]) if t is not None and t.shape else "-"
+            shape = "-" if t is None else str(list(t.shape))
+            dtype = "-" if t is None else t.dtype_name
             check = checks.pop(name)
             print(f"{i:>5}  {g.layer_kind(i).value:17}  {h.starts[i]:>7}  {rows:>7}  {name:18}  "
                   f"{shape:15}  {dtype:7}  {check.status}"
@@ -137,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     fp.add_argument("--window", type=int, default=d.window)
     fp.add_argument("--kv-heads", type=int, default=d.kv_heads)
     fp.add_argument("--head-dim", type=int, default=d.head_dim)
+    fp.add_argument("--plane-dtype", choices=("float16", "bfloat16"), default="float16",
+                    help="the planes' type (both are 2 bytes: the bytes do not change)")
     fp.add_argument("--plot", metavar="FILE.png", help="draw the two curves (needs matplotlib)")
     fp.set_defaults(func=cmd_footprint)
     ins = sub.add_parser("inspect", help="print a session file's header and verify its checksums")

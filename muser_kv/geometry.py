@@ -2,9 +2,18 @@
 
 Every byte figure in this project is derived here, from integers, never
 measured: a sliding RoPE layer owns ``min(context, window)`` rows, a global NoPE
-layer owns ``context`` rows, and one row is ``kv_heads * head_dim`` f16 halves
-per plane, two planes (K and V) per layer. The seeds' Table 22.1 falls out of
-those three facts to the byte, and the tests hold it there.
+layer owns ``context`` rows, and one row is ``kv_heads * head_dim`` 2-byte
+elements (f16, or bf16 for a bf16 model) per plane, two planes (K and V) per
+layer. The seeds' Table 22.1 falls out of those three facts to the byte, and
+the tests hold it there.
+
+A plane *allocates* its rows rounded up to ``ROW_GRANULE`` (256): MLX's CUDA
+attention is about 10x slower at depth when a K/V view's row stride is not a
+multiple of 256 (``docs/performance.md``). The logical limits do not move --
+a ring still wraps at ``min(context, window)`` rows and a write past
+``max_context`` is still refused -- and ``footprint`` reports what is allocated,
+which is the formula exactly whenever the row counts are multiples of 256
+(the seeds' 2,048 and 131,072 among them).
 """
 
 from __future__ import annotations
@@ -13,8 +22,16 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Tuple
 
-#: Bytes per stored element: the live planes are f16 on every backend.
+#: Bytes per stored element: the live planes are f16 or bf16 on every backend.
 PLANE_ITEMSIZE = 2
+
+#: Planes allocate their rows in multiples of this (see the module doc).
+ROW_GRANULE = 256
+
+
+def allocated_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``ROW_GRANULE``."""
+    return -(-rows // ROW_GRANULE) * ROW_GRANULE
 
 
 class LayerKind(str, enum.Enum):
@@ -122,23 +139,29 @@ class MuseGeometry:
         return self.num_layers - self.sliding_layers
 
     def capacity(self, layer: int, max_context: int | None = None) -> int:
-        """Rows a layer's plane holds: the footprint formula, nothing rounded up."""
+        """Rows a layer's ring holds: the footprint formula, nothing rounded up."""
         context = self.max_context if max_context is None else max_context
         if self.layer_kind(layer) is LayerKind.SLIDING:
             return min(context, self.window)
         return context
 
+    def allocated(self, layer: int, max_context: int | None = None) -> int:
+        """Rows a layer's plane allocates: ``capacity`` rounded up to ``ROW_GRANULE``."""
+        return allocated_rows(self.capacity(layer, max_context))
+
 
 @dataclass(frozen=True)
 class Footprint:
-    """KV bytes for ``slots`` sessions of ``context`` positions (planes only)."""
+    """KV bytes for ``slots`` sessions of ``context`` positions (planes only),
+    as allocated (rows rounded up to ``ROW_GRANULE``)."""
 
     context: int
     slots: int
-    swa_bytes: int  # one slot's sliding-layer rings
-    nope_bytes: int  # one slot's global-layer planes
+    swa_bytes: int  # one slot's sliding-layer rings, allocated
+    nope_bytes: int  # one slot's global-layer planes, allocated
     per_token_below_window: int  # marginal bytes of one more token, context < window
     per_token_above_window: int  # ... and once the rings have stopped growing
+    formula_bytes: int = 0  # one slot by the seeds' formula, nothing rounded up
 
     @property
     def slot_bytes(self) -> int:
@@ -150,15 +173,18 @@ class Footprint:
 
 
 def footprint(geometry: MuseGeometry, context: int, slots: int = 1) -> Footprint:
-    """The seeds' formula: ``(n_swa * min(C, W) + n_nope * C) * row_bytes`` per slot."""
+    """The seeds' formula, ``(n_swa * min(C, W) + n_nope * C) * row_bytes`` per
+    slot, over allocated rows (each row count rounded up to ``ROW_GRANULE``)."""
     if context <= 0 or slots <= 0:
         raise ValueError(f"footprint needs context > 0 and slots > 0, got {context}, {slots}")
     row = geometry.row_bytes
+    ring = min(context, geometry.window)
     return Footprint(
         context=context,
         slots=slots,
-        swa_bytes=geometry.sliding_layers * min(context, geometry.window) * row,
-        nope_bytes=geometry.global_layers * context * row,
+        swa_bytes=geometry.sliding_layers * allocated_rows(ring) * row,
+        nope_bytes=geometry.global_layers * allocated_rows(context) * row,
         per_token_below_window=geometry.num_layers * row,
         per_token_above_window=geometry.global_layers * row,
+        formula_bytes=(geometry.sliding_layers * ring + geometry.global_layers * context) * row,
     )

@@ -1,7 +1,7 @@
 """How rows move: the data path between the model's K/V and the planes.
 
-Every operation here is a copy plus at most one f32/bf16 -> f16 conversion
-(round to nearest even), so every backend must give the same bits:
+Every operation here is a copy plus at most one conversion to the plane type
+(f16 or bf16, round to nearest even), so every backend must give the same bits:
 
 * ``reference``: plain MLX ops; runs on any MLX device and is the oracle;
 * ``metal`` / ``cuda``: the kernel bodies in ``kernels/`` built once with
@@ -26,7 +26,9 @@ import mlx.core as mx
 
 from .ring import Ring, Run
 
+#: The production encoding; bf16 planes serve models whose attention runs in bf16.
 PLANE_DTYPE = mx.float16
+PLANE_DTYPES = (mx.float16, mx.bfloat16)
 INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 TOKEN_MAJOR = "token_major"
@@ -54,8 +56,9 @@ def attention_view(rows: mx.array, layout: str, kv_heads: int, head_dim: int) ->
 
 
 def physical_view(plane: mx.array, layout: str) -> mx.array:
-    """An attention-shaped plane ``[1, H, C, D]`` as the rows the kernels index:
-    ``[C, H*D]`` token-major or ``[H, C, D]`` head-major (views of the same buffer)."""
+    """An attention-shaped plane ``[1, H, R, D]`` as the rows the kernels index:
+    ``[R, H*D]`` token-major or ``[H, R, D]`` head-major (views of the same buffer;
+    ``R`` is the allocation, which may exceed the ring's capacity)."""
     if layout == TOKEN_MAJOR:
         _, h, c, d = plane.shape
         return plane.transpose(0, 2, 1, 3).reshape(c, h * d)
@@ -91,6 +94,11 @@ def _rows_shape(layout: str, count: int, kv_heads: int, head_dim: int) -> Tuple[
     return (kv_heads, count, head_dim)
 
 
+def allocated_rows(plane_rows: mx.array, layout: str) -> int:
+    """Rows a plane (as ``physical_view`` gives it) allocates."""
+    return plane_rows.shape[0] if layout == TOKEN_MAJOR else plane_rows.shape[1]
+
+
 # -- the reference path --------------------------------------------------------
 
 
@@ -100,22 +108,23 @@ class ReferenceBackend:
     name = "reference"
 
     def store(self, keys: mx.array, values: mx.array, layout: str, first: int, count: int,
-              ring: Optional[Ring] = None, start: int = 0) -> Pair:
-        """Model-shaped ``[1, H, N, D]`` K/V -> f16 rows ``first .. first+count``
-        in the plane's layout (``[count, H*D]`` or ``[H, count, D]``).
+              ring: Optional[Ring] = None, start: int = 0, dtype: mx.Dtype = PLANE_DTYPE) -> Pair:
+        """Model-shaped ``[1, H, N, D]`` K/V -> rows of the plane type ``dtype``,
+        ``first .. first+count``, in the plane's layout (``[count, H*D]`` or ``[H, count, D]``).
 
         ``ring`` (the reservation, after ``append_batch``) and ``start`` (the
         chunk's first position) let a kernel also compute each row's physical
         destination on the device; placement itself uses the ring's runs."""
-        return self._rows(keys, layout, first, count), self._rows(values, layout, first, count)
+        return (self._rows(keys, layout, first, count, dtype),
+                self._rows(values, layout, first, count, dtype))
 
     @staticmethod
-    def _rows(x: mx.array, layout: str, first: int, count: int) -> mx.array:
+    def _rows(x: mx.array, layout: str, first: int, count: int, dtype: mx.Dtype) -> mx.array:
         # Views only (slice, squeeze, transpose, reshape) around one conversion:
-        # an f16 input reaches the slice update with no kernel of its own.
+        # an input of the plane's type reaches the slice update with no kernel of its own.
         if first or count != x.shape[2]:
             x = x[:, :, first:first + count, :]
-        x = x.astype(PLANE_DTYPE).squeeze(0)
+        x = x.astype(dtype).squeeze(0)
         if layout == HEAD_MAJOR:
             return x
         h, n, d = x.shape
@@ -126,11 +135,11 @@ class ReferenceBackend:
     def stage(self, ring_keys: mx.array, ring_values: mx.array, ring: Ring,
               keys: mx.array, values: mx.array, layout: str = TOKEN_MAJOR) -> Pair:
         """The staging shadow ``[len + N, H*D]`` (token-major whatever the ring's
-        layout): live ring rows in logical order, then the chunk's rows."""
+        layout) in the ring's type: live ring rows in logical order, then the chunk's rows."""
         old_k, old_v = self.gather(ring_keys, ring_values, layout, ring)
-        n = keys.shape[2]
-        return (mx.concatenate([old_k, self._rows(keys, TOKEN_MAJOR, 0, n)], axis=0),
-                mx.concatenate([old_v, self._rows(values, TOKEN_MAJOR, 0, n)], axis=0))
+        n, dtype = keys.shape[2], ring_keys.dtype
+        return (mx.concatenate([old_k, self._rows(keys, TOKEN_MAJOR, 0, n, dtype)], axis=0),
+                mx.concatenate([old_v, self._rows(values, TOKEN_MAJOR, 0, n, dtype)], axis=0))
 
     def gather(self, plane_keys: mx.array, plane_values: mx.array, layout: str, ring: Ring) -> Pair:
         """The live rows in logical order as ``[len, H*D]`` (token order), in fresh
@@ -149,13 +158,13 @@ class ReferenceBackend:
 
     def install(self, rows_keys: mx.array, rows_values: mx.array, layout: str, ring: Ring,
                 shape: Tuple[int, ...]) -> Pair:
-        """A fresh zero-filled plane of ``shape`` holding ``[n, H*D]`` logical rows
-        at rotation ``ring.origin_physical``."""
+        """A fresh zero-filled plane of ``shape`` (rows >= the ring's capacity) in
+        the rows' type, holding ``[n, H*D]`` logical rows at rotation ``ring.origin_physical``."""
         out = []
         for rows in (rows_keys, rows_values):
             # token-major rows are whole tokens: one "head" of H*D is the same memory
             h, d = (1, shape[1]) if layout == TOKEN_MAJOR else (shape[0], shape[2])
-            plane = attention_view(mx.zeros(shape, PLANE_DTYPE), layout, h, d)
+            plane = attention_view(mx.zeros(shape, rows.dtype), layout, h, d)
             if layout == HEAD_MAJOR:
                 rows = rows.reshape(rows.shape[0], h, d).transpose(1, 0, 2)
             out.append(physical_view(place(plane, rows, ring.live_runs(), layout), layout))
@@ -209,14 +218,15 @@ class KernelBackend(ReferenceBackend):
             )
         return self._built[name]
 
-    def store(self, keys, values, layout, first, count, ring=None, start=0):
-        if keys.dtype == PLANE_DTYPE:
+    def store(self, keys, values, layout, first, count, ring=None, start=0, dtype=PLANE_DTYPE):
+        if keys.dtype == dtype:
             # Nothing to convert: MLX's slice update copies the (strided) rows
             # straight into the plane, one dispatch per plane; a kernel would add one.
-            return super().store(keys, values, layout, first, count)
-        return self.store_with_dest(keys, values, layout, first, count, ring, start)[:2]
+            return super().store(keys, values, layout, first, count, dtype=dtype)
+        return self.store_with_dest(keys, values, layout, first, count, ring, start, dtype)[:2]
 
-    def store_with_dest(self, keys, values, layout, first, count, ring=None, start=0):
+    def store_with_dest(self, keys, values, layout, first, count, ring=None, start=0,
+                        dtype=PLANE_DTYPE):
         """``store`` plus each row's physical destination, translated on the device
         from the ring's explicit origins (the seeds' batch-store arithmetic)."""
         _, h, _, d = keys.shape
@@ -225,49 +235,52 @@ class KernelBackend(ReferenceBackend):
         return self.kernel("batch_store")(
             inputs=[keys, values, _params(first, count, start, ring.capacity,
                                           ring.origin_logical, ring.origin_physical)],
-            template=[("T", keys.dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
+            template=[("T", keys.dtype), ("P", dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
                       ("HEAD_MAJOR", layout == HEAD_MAJOR)],
             grid=_grid(count * h * d), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[shape, shape, (count,)],
-            output_dtypes=[PLANE_DTYPE, PLANE_DTYPE, mx.int32],
+            output_dtypes=[dtype, dtype, mx.int32],
         )
 
     def stage(self, ring_keys, ring_values, ring, keys, values, layout=TOKEN_MAJOR):
         _, h, n, d = keys.shape
-        rows = ring.len + n
+        rows, dtype = ring.len + n, ring_keys.dtype
         return tuple(self.kernel("stage")(
             inputs=[mx.contiguous(ring_keys), mx.contiguous(ring_values), keys, values,
-                    _params(ring.len, ring.origin_physical, ring.capacity, n)],
-            template=[("T", keys.dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
+                    _params(ring.len, ring.origin_physical, ring.capacity, n,
+                            allocated_rows(ring_keys, layout))],
+            template=[("T", keys.dtype), ("P", dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
                       ("HEAD_MAJOR", layout == HEAD_MAJOR)],
             grid=_grid(rows * h * d), threadgroup=(THREADGROUP, 1, 1),
-            output_shapes=[(rows, h * d)] * 2, output_dtypes=[PLANE_DTYPE] * 2,
+            output_shapes=[(rows, h * d)] * 2, output_dtypes=[dtype] * 2,
         ))
 
     def gather(self, plane_keys, plane_values, layout, ring):
-        kv_dim = plane_keys.size // ring.capacity
+        rows = allocated_rows(plane_keys, layout)
+        kv_dim = plane_keys.size // rows
         head_dim = plane_keys.shape[-1]
         if ring.len == 0:
             return super().gather(plane_keys, plane_values, layout, ring)
         return tuple(self.kernel("gather")(
             inputs=[mx.contiguous(plane_keys), mx.contiguous(plane_values),
-                    _params(ring.len, ring.origin_physical, ring.capacity)],
-            template=[("T", PLANE_DTYPE), ("KV_HEADS", kv_dim // head_dim), ("HEAD_DIM", head_dim),
-                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+                    _params(ring.len, ring.origin_physical, ring.capacity, rows)],
+            template=[("P", plane_keys.dtype), ("KV_HEADS", kv_dim // head_dim),
+                      ("HEAD_DIM", head_dim), ("HEAD_MAJOR", layout == HEAD_MAJOR)],
             grid=_grid(ring.len * kv_dim), threadgroup=(THREADGROUP, 1, 1),
-            output_shapes=[(ring.len, kv_dim)] * 2, output_dtypes=[PLANE_DTYPE] * 2,
+            output_shapes=[(ring.len, kv_dim)] * 2, output_dtypes=[plane_keys.dtype] * 2,
         ))
 
     def install(self, rows_keys, rows_values, layout, ring, shape):
         head_dim = shape[-1]
         kv_dim = rows_keys.shape[1]
+        rows = shape[0] if layout == TOKEN_MAJOR else shape[1]
         return tuple(self.kernel("install")(
             inputs=[mx.contiguous(rows_keys), mx.contiguous(rows_values),
-                    _params(ring.len, ring.origin_physical, ring.capacity)],
-            template=[("T", PLANE_DTYPE), ("KV_HEADS", kv_dim // head_dim), ("HEAD_DIM", head_dim),
-                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
-            grid=_grid(ring.capacity * kv_dim), threadgroup=(THREADGROUP, 1, 1),
-            output_shapes=[shape] * 2, output_dtypes=[PLANE_DTYPE] * 2,
+                    _params(ring.len, ring.origin_physical, ring.capacity, rows)],
+            template=[("P", rows_keys.dtype), ("KV_HEADS", kv_dim // head_dim),
+                      ("HEAD_DIM", head_dim), ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(rows * kv_dim), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[shape] * 2, output_dtypes=[rows_keys.dtype] * 2,
         ))
 
 

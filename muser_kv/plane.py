@@ -1,9 +1,13 @@
-"""KvPlane: one layer's two f16 planes, its ring, and its layout.
+"""KvPlane: one layer's two planes (f16, or bf16 for a bf16 model), its ring,
+and its layout.
 
 Invariants, each with a test:
 
-* Planes are f16 and zero-filled at allocation, sized exactly by the footprint
-  formula (a wrapped row can never expose uninitialised storage).
+* Planes are zero-filled at allocation (a wrapped row can never expose
+  uninitialised storage). The ring holds exactly the footprint formula's rows;
+  the allocation rounds them up to a multiple of 256 (``geometry.ROW_GRANULE``),
+  the row stride MLX's CUDA attention needs for its fast path, and the rows past
+  the ring's capacity are never read or written.
 * Every write is validated in full (shape, dtype, batch, continuity, context
   limit) before any array changes, and the ring is committed only after the
   rows are placed: a refused write leaves planes and origins as they were.
@@ -20,9 +24,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from . import kernels
-from .geometry import LayerKind
+from .geometry import LayerKind, allocated_rows
 from .ring import Ring
-
 
 
 class ContextOverflow(ValueError):
@@ -40,18 +43,19 @@ class ContextOverflow(ValueError):
 
 
 class KvPlane:
-    """Two f16 planes plus a ``Ring``.
+    """Two planes of one type (``dtype``: f16 or bf16) plus a ``Ring``.
 
-    Sliding layers are token-major ``[capacity, kv_heads * head_dim]`` with
+    Sliding layers are token-major ``[rows, kv_heads * head_dim]`` with a ring of
     ``capacity = min(max_context, window)`` (a rotation moves whole tokens);
-    global layers are head-major ``[kv_heads, capacity, head_dim]`` with
-    ``capacity = max_context`` (each head's history is one span). A sliding ring
+    global layers are head-major ``[kv_heads, rows, head_dim]`` with
+    ``capacity = max_context`` (each head's history is one span); ``rows`` is the
+    capacity rounded up to a multiple of 256. A sliding ring
     may be built head-major instead (``sliding_layout``), for attention kernels
     that read head-major spans faster; the ring arithmetic does not change.
 
-    Each plane is held in the shape attention reads, ``[1, H, capacity, D]``;
+    Each plane is held in the shape attention reads, ``[1, H, rows, D]``;
     a token-major plane is that shape over token-major memory (strides
-    ``C*H*D, D, H*D, 1``). MLX keeps a donated buffer's strides through every
+    ``R*H*D, D, H*D, 1``). MLX keeps a donated buffer's strides through every
     slice update, so the memory order never changes, and a decode step costs
     what mlx-lm's caches cost: one slice update per plane, and no op at all to
     read a full ring. ``keys`` / ``values`` are the rows the kernels index.
@@ -68,7 +72,11 @@ class KvPlane:
         layer: int = 0,
         sliding_layout: str = kernels.TOKEN_MAJOR,
         allocate: bool = True,
+        dtype: mx.Dtype = kernels.PLANE_DTYPE,
     ):
+        if dtype not in kernels.PLANE_DTYPES:
+            raise TypeError(f"plane dtype must be float16 or bfloat16, got {dtype}")
+        self.dtype = dtype
         self.kind = LayerKind(kind)
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -83,24 +91,26 @@ class KvPlane:
         else:
             capacity = max_context
             self.layout = kernels.HEAD_MAJOR
+        self.rows = allocated_rows(capacity)
         if self.layout == kernels.TOKEN_MAJOR:
-            shape: Tuple[int, ...] = (capacity, kv_heads * head_dim)
+            shape: Tuple[int, ...] = (self.rows, kv_heads * head_dim)
         else:
-            shape = (kv_heads, capacity, head_dim)
+            shape = (kv_heads, self.rows, head_dim)
         self.shape = shape
         self.ring = Ring(capacity, layer=layer)
         self.backend = kernels.get_backend()
         if allocate:  # (False only for a caller that sets keys/values itself)
-            self.keys = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
-            self.values = mx.zeros(shape, dtype=kernels.PLANE_DTYPE)
+            self.keys = mx.zeros(shape, dtype=dtype)
+            self.values = mx.zeros(shape, dtype=dtype)
             mx.eval(self._k, self._v)
 
     # -- the planes ------------------------------------------------------------
 
     @property
     def keys(self) -> mx.array:
-        """The key plane as rows: ``[capacity, H*D]`` token-major, ``[H, capacity, D]``
-        head-major (a view; holding it keeps MLX from donating the plane)."""
+        """The key plane as rows: ``[rows, H*D]`` token-major, ``[H, rows, D]``
+        head-major, the whole allocation (a view; holding it keeps MLX from
+        donating the plane)."""
         return kernels.physical_view(self._k, self.layout)
 
     @keys.setter
@@ -117,8 +127,9 @@ class KvPlane:
         self._v = self._attention(plane)
 
     def _attention(self, plane: mx.array) -> mx.array:
-        if tuple(plane.shape) != self.shape:
-            raise ValueError(f"layer {self.layer}: plane must be {self.shape}, got {tuple(plane.shape)}")
+        if tuple(plane.shape) != self.shape or plane.dtype != self.dtype:
+            raise ValueError(f"layer {self.layer}: plane must be {self.dtype} {self.shape}, "
+                             f"got {plane.dtype} {tuple(plane.shape)}")
         # contiguous first: a broadcast or strided plane would give the first
         # store a buffer in some other memory order, kept from then on
         return kernels.attention_view(mx.contiguous(plane), self.layout, self.kv_heads, self.head_dim)
@@ -127,7 +138,7 @@ class KvPlane:
         """The whole planes as new array handles (no op: a same-dtype astype
         returns the same node). The planes' own handles are rebound by the next
         store, and K/V a caller kept must not change with them."""
-        return self._k.astype(kernels.PLANE_DTYPE), self._v.astype(kernels.PLANE_DTYPE)
+        return self._k.astype(self.dtype), self._v.astype(self.dtype)
 
     # -- facts ---------------------------------------------------------------
 
@@ -201,7 +212,8 @@ class KvPlane:
         ``check_write``): rows placed first, the ring committed last."""
         ring = self.ring.copy()
         first, count = ring.append_batch(position, n)
-        k_rows, v_rows = self.backend.store(keys, values, self.layout, first, count, ring, position)
+        k_rows, v_rows = self.backend.store(keys, values, self.layout, first, count, ring, position,
+                                            self.dtype)
         self._place(k_rows, v_rows, ring.runs(position + first, count))
         self.ring = ring
 
@@ -216,9 +228,9 @@ class KvPlane:
         ring = self.ring
         full = ring.len == ring.capacity
         row = ring.origin_physical if full else (ring.origin_physical + ring.len) % ring.capacity
-        if (dtype or keys.dtype) != kernels.PLANE_DTYPE:
+        if (dtype or keys.dtype) != self.dtype:
             shape = keys.shape
-            k, v = self.backend.store(keys, values, self.layout, 0, 1, ring, ring.end)
+            k, v = self.backend.store(keys, values, self.layout, 0, 1, ring, ring.end, self.dtype)
             keys, values = k.reshape(shape), v.reshape(shape)
         # the model's [1, H, 1, D] is the plane's own shape: nothing to reshape
         self._k[:, :, row:row + 1, :] = keys
@@ -264,8 +276,8 @@ class KvPlane:
     def _live(self) -> Tuple[mx.array, mx.array]:
         """``view`` without the check (the caller knows the rows are one span)."""
         ring = self.ring
-        if ring.len == ring.capacity:
-            return self._handles()  # a full ring is read as it lies: no op
+        if ring.len == self.rows:
+            return self._handles()  # a full, unpadded ring is read as it lies: no op
         return self._k[:, :, :ring.len, :], self._v[:, :, :ring.len, :]
 
     def shadow_rows(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -301,21 +313,21 @@ class KvPlane:
     # -- snapshots -----------------------------------------------------------
 
     def snapshot(self) -> Tuple[int, mx.array, mx.array]:
-        """``(start, keys, values)``: the live rows as ``[len, H, D]`` f16 in
-        logical order from logical position ``start``; never rotated."""
+        """``(start, keys, values)``: the live rows as ``[len, H, D]`` (plane type)
+        in logical order from logical position ``start``; never rotated."""
         k, v = self.backend.gather(self.keys, self.values, self.layout, self.ring)
         shape = (self.ring.len, self.kv_heads, self.head_dim)
         return self.ring.origin_logical, k.reshape(shape), v.reshape(shape)
 
     def install(self, start: int, keys: mx.array, values: mx.array) -> None:
-        """Replace the contents with logical rows ``[n, H, D]`` (f16) starting at
+        """Replace the contents with logical rows ``[n, H, D]`` (plane type) starting at
         ``start``, placed at rotation ``start % capacity``: exactly where a
         sequentially built ring with this origin holds them."""
         where = f"KV cache for layer {self.layer}"
         shape = (keys.shape[0], self.kv_heads, self.head_dim)
         for name, x in (("keys", keys), ("values", values)):
-            if x.dtype != kernels.PLANE_DTYPE:
-                raise TypeError(f"{where}: installed {name} must be float16, got {x.dtype}")
+            if x.dtype != self.dtype:
+                raise TypeError(f"{where}: installed {name} must be {self.dtype}, got {x.dtype}")
             if tuple(x.shape) != shape:
                 raise ValueError(f"{where}: installed {name} must be {shape}, got {tuple(x.shape)}")
         n = shape[0]

@@ -58,6 +58,7 @@ from .policy import (
     shift_chat,
     turn_digest,
 )
+from .precision import DtypeLike, plane_dtype_for
 from .speculative import DEFAULT_RETAIN
 
 #: A pool serves at most this many concurrent slots (seeds Ch 22.6).
@@ -162,12 +163,15 @@ class SlotPool:
     ``max_context`` defaults to the model's ``max_position_embeddings``.
     ``output_reserve`` positions are kept free for generation by every request
     (per-request override in ``prefill``). ``prefill_chunk`` is the prefill
-    chunk width; ``retain`` is passed to every cache (``trim`` depth past the wrap).
+    chunk width; ``retain`` is passed to every cache (``trim`` depth past the wrap);
+    ``plane_dtype`` overrides the planes' type, which follows the model as in
+    ``make_prompt_cache`` (bf16 for a bf16 model, else f16).
     """
 
     def __init__(self, model: Any, slots: int = 1, max_context: Optional[int] = None,
                  policy: ContextPolicy | str = ContextPolicy.SHIFT, output_reserve: int = 0, *,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, retain: int = DEFAULT_RETAIN):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, retain: int = DEFAULT_RETAIN,
+                 plane_dtype: DtypeLike = None):
         args = getattr(model, "args", None)
         if args is None:
             raise TypeError(f"SlotPool needs an mlx-lm model with .args, got {type(model).__name__}")
@@ -182,6 +186,7 @@ class SlotPool:
         self.output_reserve = self._reserve(output_reserve)
         self.prefill_chunk = prefill_chunk
         self.retain = retain
+        self.plane_dtype = plane_dtype_for(model, plane_dtype)
         self.vocab_size = int(args.vocab_size)
         self.slots = slots
         self._lock = threading.RLock()
@@ -273,7 +278,7 @@ class SlotPool:
     # -- internals -------------------------------------------------------------
 
     def _allocate(self) -> Cache:
-        return tuple(make_cache_for(self.geometry, self.retain))
+        return tuple(make_cache_for(self.geometry, self.retain, plane_dtype=self.plane_dtype))
 
     def _take_staging(self) -> Cache:
         """Move the staging cache out of the pool; pristine by construction."""

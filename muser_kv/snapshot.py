@@ -17,10 +17,14 @@ Invariants, each with a test (``tests/test_snapshot.py``):
   dtype vs encoding, head geometry, layer kind) and converted *before* the first
   plane changes; a refusal names the layer, the field, the expected and the got
   value. ``load_session`` only ever returns a fully restored cache.
-* **Production planes are f16.** An ``f32le`` snapshot (an interchange file, e.g.
-  from a CPU oracle) is refused by an f16 cache with ``ProductionF16Required``
-  unless the caller asks for the conversion (``convert=True``: round to nearest
-  even), so two backends never silently share state only one of them defined.
+* **A session carries its encoding.** Planes are f16 (``f16le``, the production
+  encoding) or bf16 (``bf16le``, for a model whose attention runs in bf16), and
+  a snapshot records which. One of another encoding -- bf16 into f16 planes, f16
+  into bf16, or an ``f32le`` interchange file (e.g. from a CPU oracle) -- is
+  refused (``EncodingMismatch``; ``ProductionF16Required`` when the planes are
+  f16) unless the caller asks for the conversion (``convert=True``: round to
+  nearest even), so two runtimes never silently share state only one of them
+  defined.
 * **Atomic save.** A session file is written to a temporary file in the target's
   directory, fsynced, then ``os.replace``-d onto the target and the directory
   fsynced: a reader sees the old file or the new one, never a torn one, and a
@@ -42,7 +46,6 @@ import hashlib
 import json
 import os
 import secrets
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -52,19 +55,30 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
+from . import tensorfile
 from .cache import make_prompt_cache
 from .geometry import LayerKind, MuseGeometry
 from .plane import KvPlane
+from .precision import DtypeLike, plane_dtype_for
 
 FORMAT = "muser-kv-session"
 VERSION = "1"
 F16LE = "f16le"
+BF16LE = "bf16le"
 F32LE = "f32le"
-#: encoding -> (MLX dtype in memory, numpy little-endian dtype on disk)
-ENCODINGS: Dict[str, Tuple[Any, np.dtype]] = {
-    F16LE: (mx.float16, np.dtype("<f2")),
-    F32LE: (mx.float32, np.dtype("<f4")),
+#: encoding -> (MLX dtype in memory, safetensors dtype on disk)
+ENCODINGS: Dict[str, Tuple[Any, str]] = {
+    F16LE: (mx.float16, "F16"),
+    BF16LE: (mx.bfloat16, "BF16"),
+    F32LE: (mx.float32, "F32"),
 }
+#: plane dtype -> the encoding its snapshots carry
+PLANE_ENCODINGS = {mx.float16: F16LE, mx.bfloat16: BF16LE}
+
+
+def plane_encoding(dtype: Any) -> str:
+    """The encoding of planes of ``dtype`` (f16 -> ``f16le``, bf16 -> ``bf16le``)."""
+    return PLANE_ENCODINGS[dtype]
 #: The geometry fields that shape the stored KV state (``num_heads`` does not).
 KV_FIELDS = ("num_layers", "layer_kinds", "window", "max_context", "kv_heads", "head_dim")
 #: Header keys every session file carries (``__metadata__``, str -> str).
@@ -100,18 +114,33 @@ class SnapshotMismatch(SnapshotError):
         return type(self), (self.field, self.expected, self.got, self.layer, self.kind)
 
 
-class ProductionF16Required(SnapshotError):
-    """An f32 (interchange) snapshot offered to the f16 production planes."""
+class EncodingMismatch(SnapshotError):
+    """A snapshot whose encoding is not the target planes' (``convert=True`` rounds it)."""
 
-    def __init__(self, encoding: str):
+    def __init__(self, encoding: str, expected: str = F16LE):
         self.encoding = encoding
+        self.expected = expected
         super().__init__(
-            f"session snapshot is {encoding}, but live planes are f16 and install only "
-            f"{F16LE}: pass convert=True to round it to f16 (nearest even)"
+            f"session snapshot is {encoding}, but the live planes are "
+            f"{ENCODINGS[expected][0]} and install only {expected}: pass convert=True "
+            f"to round it to {expected} (nearest even)"
         )
 
     def __reduce__(self):
-        return type(self), (self.encoding,)
+        return type(self), (self.encoding, self.expected)
+
+
+class ProductionF16Required(EncodingMismatch):
+    """A snapshot of another encoding (f32 interchange, or bf16) offered to f16
+    production planes."""
+
+    def __init__(self, encoding: str, expected: str = F16LE):
+        super().__init__(encoding, F16LE)
+
+
+def _encoding_mismatch(encoding: str, expected: str) -> EncodingMismatch:
+    return ProductionF16Required(encoding) if expected == F16LE else EncodingMismatch(
+        encoding, expected)
 
 
 class SessionFileError(SnapshotError):
@@ -172,7 +201,7 @@ def _check_tensor(name: str, x: Any, rows: int, geometry: MuseGeometry, encoding
     def fail(field: str, expected: Any, got: Any) -> None:
         raise SnapshotMismatch(f"{name} {field}", expected, got, layer, kind)
 
-    dtype, np_dtype = ENCODINGS[encoding]
+    dtype = ENCODINGS[encoding][0]
     if not isinstance(x, mx.array):
         fail("type", "mlx.core.array", type(x).__name__)
     if x.dtype != dtype:
@@ -185,7 +214,7 @@ def _check_tensor(name: str, x: Any, rows: int, geometry: MuseGeometry, encoding
         fail("kv_heads", geometry.kv_heads, int(x.shape[1]))
     if x.shape[2] != geometry.head_dim:
         fail("head_dim", geometry.head_dim, int(x.shape[2]))
-    nbytes = rows * geometry.kv_dim * np_dtype.itemsize
+    nbytes = rows * geometry.kv_dim * dtype.size
     if x.nbytes != nbytes:
         fail("bytes", nbytes, int(x.nbytes))
 
@@ -211,6 +240,9 @@ def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
             if getattr(p, name) != getattr(first, name):
                 raise SnapshotMismatch(f"cache {name}", getattr(first, name), getattr(p, name),
                                        i, p.kind)
+    for i, p in enumerate(planes):
+        if p.dtype != first.dtype:
+            raise SnapshotMismatch("plane dtype", str(first.dtype), str(p.dtype), i, p.kind)
     geometry = MuseGeometry(
         num_layers=len(planes), window=first.window, max_context=first.max_context,
         num_heads=first.kv_heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
@@ -228,7 +260,7 @@ class SessionSnapshot:
 
     ``position`` is the logical position of the next token (every layer's
     ``offset``); ``layers[i]`` holds layer ``i``'s rows in logical order, f16 for
-    ``f16le`` or f32 for ``f32le``."""
+    ``f16le``, bf16 for ``bf16le``, f32 for ``f32le``."""
 
     geometry: MuseGeometry
     position: int
@@ -252,7 +284,7 @@ class SessionSnapshot:
             start, keys, values = c.plane.snapshot()
             cuts.append(LayerCut(int(start), keys, values))
         mx.eval([a for cut in cuts for a in (cut.keys, cut.values)])
-        snapshot = cls(geometry, offsets[0], F16LE, tuple(cuts))
+        snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].plane.dtype), tuple(cuts))
         snapshot.check(geometry)
         return snapshot
 
@@ -283,15 +315,16 @@ class SessionSnapshot:
     # -- encodings --------------------------------------------------------------
 
     def encoded(self, encoding: str, *, convert: bool = False) -> "SessionSnapshot":
-        """This snapshot in ``encoding``. f16 -> f32 is exact; f32 -> f16 rounds
-        (nearest even) and so needs ``convert=True``, else ``ProductionF16Required``."""
+        """This snapshot in ``encoding``. Widening to f32 is exact; anything else
+        rounds (f32 -> f16 / bf16, f16 <-> bf16: nearest even) and so needs
+        ``convert=True``, else ``EncodingMismatch`` (``ProductionF16Required`` into f16)."""
         for have in (encoding, self.encoding):
             if have not in ENCODINGS:
                 raise SnapshotMismatch("encoding", sorted(ENCODINGS), have)
         if encoding == self.encoding:
             return self
-        if encoding == F16LE and not convert:
-            raise ProductionF16Required(self.encoding)
+        if encoding != F32LE and not convert:
+            raise _encoding_mismatch(self.encoding, encoding)
         dtype = ENCODINGS[encoding][0]
         cuts = tuple(LayerCut(c.start, c.keys.astype(dtype), c.values.astype(dtype))
                      for c in self.layers)
@@ -309,12 +342,13 @@ class SessionSnapshot:
         rings back, so the cache is as it was. That costs holding the replaced
         planes until the last layer is in (peak: two copies of the cache)."""
         target = cache_geometry(cache)
-        ready = self._installable(target, convert)
+        ready = self._installable(target, plane_encoding(cache[0].plane.dtype), convert)
         _install(cache, ready, rollback=True)
 
-    def _installable(self, target: MuseGeometry, convert: bool) -> "SessionSnapshot":
+    def _installable(self, target: MuseGeometry, encoding: str,
+                     convert: bool) -> "SessionSnapshot":
         self.check(target)
-        ready = self.encoded(F16LE, convert=convert)
+        ready = self.encoded(encoding, convert=convert)
         ready.check(target)
         return ready
 
@@ -444,20 +478,16 @@ def parse_header(metadata: Optional[Mapping[str, str]], path: PathLike) -> Sessi
                          checksums, user)
 
 
-def _read_raw(path: PathLike) -> Tuple[Dict[str, str], Dict[str, np.ndarray]]:
-    """Header metadata and every tensor; unreadable or truncated -> ``SessionFileError``."""
-    from safetensors import SafetensorError, safe_open
-
+def _read_raw(path: PathLike) -> Tuple[Dict[str, str], Dict[str, tensorfile.Tensor]]:
+    """Header metadata and every tensor; unreadable or malformed -> ``SessionFileError``."""
     try:
-        with safe_open(os.fspath(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
-            arrays = {name: f.get_tensor(name) for name in f.keys()}
+        return tensorfile.read(path)
     except FileNotFoundError:
         raise
-    except (SafetensorError, OSError) as e:
-        problem = f"unreadable: truncated, or not a safetensors file ({e})"
-        raise SessionFileError(path, problem) from None
-    return metadata, arrays
+    except tensorfile.TensorFileError as e:
+        raise SessionFileError(path, f"unreadable: truncated, or not a safetensors file ({e})") from None
+    except OSError as e:
+        raise SessionFileError(path, f"unreadable: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -475,28 +505,28 @@ class TensorCheck:
 
 @dataclass(frozen=True, eq=False)
 class SessionFile:
-    """A session file as read: raw metadata, parsed header, tensors (numpy)."""
+    """A session file as read: raw metadata, parsed header, tensors as stored."""
 
     path: Path
     metadata: Dict[str, str]
     header: SessionHeader
-    arrays: Dict[str, np.ndarray]
+    tensors: Dict[str, tensorfile.Tensor]
 
     def verify(self) -> List[TensorCheck]:
         """Every expected tensor present, of the header's encoding, with its checksum;
         no tensor the header does not name."""
         h = self.header
-        np_dtype = ENCODINGS[h.encoding][1]
-        digests = tensor_digests({n: a for n, a in self.arrays.items()
-                                  if n in h.checksums and a.dtype == np_dtype})
+        stored = ENCODINGS[h.encoding][1]
+        digests = tensor_digests({n: t.data for n, t in self.tensors.items()
+                                  if n in h.checksums and t.dtype == stored})
         out = []
         for name in h.tensor_names:
-            a = self.arrays.get(name)
-            if a is None:
+            t = self.tensors.get(name)
+            if t is None:
                 out.append(TensorCheck(name, "MISSING", "tensor missing from the file"))
-            elif a.dtype != np_dtype:
+            elif t.dtype != stored:
                 out.append(TensorCheck(name, "DTYPE", f"encoding {h.encoding} expects dtype "
-                                                      f"{np_dtype.name}, got {a.dtype.name}"))
+                                       f"{tensorfile.DTYPE_NAMES[stored]}, got {t.dtype_name}"))
             elif name not in h.checksums:
                 out.append(TensorCheck(name, "MISMATCH", "no checksum in the header"))
             else:
@@ -508,7 +538,7 @@ class SessionFile:
                     out.append(TensorCheck(name, "OK"))
         expected = set(h.tensor_names)
         out += [TensorCheck(n, "UNEXPECTED", "tensor not named by the header")
-                for n in sorted(set(self.arrays) - expected)]
+                for n in sorted(set(self.tensors) - expected)]
         out += [TensorCheck(n, "UNEXPECTED", "checksum for a tensor the geometry does not have")
                 for n in sorted(set(h.checksums) - expected)]
         return out
@@ -522,21 +552,36 @@ class SessionFile:
                         "MISMATCH": "corrupted tensor (checksum mismatch)"}[check.status]
                 raise SessionFileError(self.path, f"{what} {check.name!r}: {check.detail}")
         h = self.header
+        dtype = ENCODINGS[h.encoding][0]
         cuts = []
         for i, start in enumerate(h.starts):
-            k_name, v_name = tensor_names(i)
-            cuts.append(LayerCut(start, mx.array(self.arrays[k_name]),
-                                 mx.array(self.arrays[v_name])))
+            k, v = (_to_mlx(self.tensors[n].data, dtype) for n in tensor_names(i))
+            cuts.append(LayerCut(start, k, v))
         mx.eval([a for c in cuts for a in (c.keys, c.values)])
         snapshot = SessionSnapshot(h.geometry, h.position, h.encoding, tuple(cuts))
         snapshot.check(h.geometry)
         return snapshot
 
 
+def _to_mlx(data: np.ndarray, dtype: Any) -> mx.array:
+    """Stored bytes -> an MLX array of ``dtype`` (bf16 arrives as its uint16 bits)."""
+    if dtype == mx.bfloat16:
+        return mx.array(data).view(mx.bfloat16)
+    return mx.array(data)
+
+
+def _to_numpy(x: mx.array) -> np.ndarray:
+    """An evaluated MLX array's bytes as numpy (a view of MLX's buffer, no copy;
+    bf16 as its uint16 bits)."""
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    return np.asarray(x)
+
+
 def open_session(path: PathLike) -> SessionFile:
     """Read a session file and parse its header (tensors are not yet verified)."""
-    metadata, arrays = _read_raw(path)
-    return SessionFile(Path(path), metadata, parse_header(metadata, path), arrays)
+    metadata, tensors = _read_raw(path)
+    return SessionFile(Path(path), metadata, parse_header(metadata, path), tensors)
 
 
 def read_session(path: PathLike) -> SessionSnapshot:
@@ -559,38 +604,19 @@ def _header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
 
 
 def _arrays(snapshot: SessionSnapshot) -> Dict[str, np.ndarray]:
-    np_dtype = ENCODINGS[snapshot.encoding][1]
     out = {}
     for i, cut in enumerate(snapshot.layers):
         for name, x in zip(tensor_names(i), (cut.keys, cut.values)):
             # a view of MLX's buffer (the snapshot keeps it alive), not a copy
-            out[name] = np.ascontiguousarray(np.asarray(x), dtype=np_dtype)
+            out[name] = np.ascontiguousarray(_to_numpy(x))
     return out
 
 
-_SAFETENSORS_DTYPES = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
-
-
 def _write_tensors(path: PathLike, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
-    """The one writer (tests replace it to fail mid-save): the safetensors layout
-    -- u64 little-endian header length, the JSON header padded with spaces to 8
-    bytes, then every tensor's bytes back to back in header order -- streamed
-    straight from the arrays, so no second copy of the session is built in
-    memory. ``safe_open`` reads it back (and refuses anything malformed)."""
-    table: Dict[str, Any] = {"__metadata__": header}
-    offset = 0
-    for name, a in arrays.items():
-        table[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
-                       "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    head = json.dumps(table, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for a in arrays.values():
-            if a.size:
-                f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+    """The one writer (tests replace it to fail mid-save): every tensor in the
+    safetensors dtype of the header's encoding, streamed from the arrays."""
+    stored = ENCODINGS[header["encoding"]][1]
+    tensorfile.write(path, {n: tensorfile.Tensor(stored, a) for n, a in arrays.items()}, header)
 
 
 def _fsync_path(path: PathLike, directory: bool = False) -> None:
@@ -628,16 +654,17 @@ def _atomic_write(path: Path, arrays: Dict[str, np.ndarray], header: Dict[str, s
 
 def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
                  metadata: Optional[Mapping[str, Any]] = None, *,
-                 encoding: str = F16LE) -> SessionSnapshot:
+                 encoding: Optional[str] = None) -> SessionSnapshot:
     """Write a session (a live cache list, or a snapshot) to ``path``, atomically.
 
-    ``encoding="f32le"`` writes an f32 interchange file (exact widening of the
-    f16 rows); installing it later needs ``convert=True``. ``metadata`` is any
-    JSON-serializable mapping, stored under ``user``. Returns what was written."""
+    The file carries the planes' own encoding (``f16le`` or ``bf16le``) unless
+    ``encoding`` says otherwise: ``"f32le"`` writes an f32 interchange file (an
+    exact widening); installing it later needs ``convert=True``. ``metadata`` is
+    any JSON-serializable mapping, stored under ``user``. Returns what was written."""
     user = dict(metadata or {})
     json.dumps(user)  # refuse unserializable metadata before touching the disk
     snapshot = cache if isinstance(cache, SessionSnapshot) else SessionSnapshot.capture(cache)
-    snapshot = snapshot.encoded(encoding)
+    snapshot = snapshot.encoded(encoding or snapshot.encoding)
     snapshot.check(snapshot.geometry)
     arrays = _arrays(snapshot)
     _atomic_write(Path(path), arrays, _header(snapshot, arrays, user))
@@ -645,12 +672,14 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
 
 
 def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, *,
-                 convert: bool = False) -> List[Any]:
+                 convert: bool = False, plane_dtype: DtypeLike = None) -> List[Any]:
     """A new cache list for ``model`` holding the session in ``path``, restored
     bit for bit, or an exception (never a partially restored cache).
 
     ``max_context`` defaults to the file's; any other value is another geometry
-    and is refused, as is a model whose layers, window or heads differ."""
+    and is refused, as is a model whose layers, window or heads differ. The
+    planes are of the model's type (``plane_dtype`` overrides it, as in
+    ``make_prompt_cache``); a file of another encoding needs ``convert=True``."""
     snapshot = read_session(path)
     file_geometry = snapshot.geometry
     context = file_geometry.max_context if max_context is None else max_context
@@ -669,7 +698,8 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"{e.field} (expected: the model's; got: file {os.fspath(path)})",
                                e.expected, e.got) from None
-    ready = snapshot._installable(kv_geometry(target), convert)
-    cache = make_prompt_cache(model, context)
+    dtype = plane_dtype_for(model, plane_dtype)
+    ready = snapshot._installable(kv_geometry(target), plane_encoding(dtype), convert)
+    cache = make_prompt_cache(model, context, plane_dtype=dtype)
     _install(cache, ready, rollback=False)
     return cache

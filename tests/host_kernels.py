@@ -3,8 +3,10 @@
 loop that walks the grid one thread at a time; ctypes calls it on numpy data.
 
 _Float16 is IEEE binary16 with round-to-nearest-even conversions, which is what
-Metal's `half` and CUDA's `__float2half_rn` do, so the host run must agree with
-the MLX reference bit for bit.
+Metal's `half` and CUDA's `__float2half_rn` do; bf16 has no host type, so the
+header gives it MLX's own CPU conversion (round to nearest even, NaN -> 0x7FC0);
+MLX's CPU half writes every NaN as sign | 0x7D00, and the header does the same.
+Either way the host run must agree with the MLX reference bit for bit.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import numpy as np
 
 from muser_kv.kernels import THREADGROUP, kernel_source
 
-# bf16 has no host type: a 16-bit pattern whose float value is the top half of an f32.
+# bf16 has no host type: a 16-bit pattern whose float value is the top half of an
+# f32, converted from f32 exactly as MLX's CPU backend does (mlx/types/bf16.h).
 HOST_HEADER = r"""
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #define MUSER_KV_HOST 1
@@ -32,12 +36,30 @@ struct bf16_t {
     uint32_t u = (uint32_t)bits << 16; float f; std::memcpy(&f, &u, 4); return f;
   }
 };
+template <typename P> P muser_kv_host_plane(float x);
+template <> inline _Float16 muser_kv_host_plane<_Float16>(float x) {
+  if (std::isnan(x)) {  // MLX's CPU half keeps the sign and sets mantissa 0x100
+    uint32_t u; std::memcpy(&u, &x, 4);
+    uint16_t bits = (uint16_t)(((u >> 16) & 0x8000u) | 0x7D00u);
+    _Float16 h; std::memcpy(&h, &bits, 2); return h;
+  }
+  return (_Float16)x;
+}
+template <> inline bf16_t muser_kv_host_plane<bf16_t>(float x) {
+  bf16_t out;
+  if (std::isnan(x)) { out.bits = 0x7FC0; return out; }
+  uint32_t u; std::memcpy(&u, &x, 4);
+  u += (u >> 16 & 1) + 0x7FFFu;
+  out.bits = (uint16_t)(u >> 16);
+  return out;
+}
 """
 
 TYPES = {"float32": "float", "float16": "_Float16", "bfloat16": "bf16_t"}
+PLANE_TYPES = ("float16", "bfloat16")
 
 # name -> list of (c type, parameter name); "T*" is the templated input type,
-# "strides:x" an int64 stride array for input x, "H*" a plane of _Float16.
+# "strides:x" an int64 stride array for input x, "H*" a plane of type P.
 SIGNATURES: Dict[str, List[Tuple[str, str]]] = {
     "batch_store": [("T*", "key"), ("strides", "key"), ("T*", "value"), ("strides", "value"),
                     ("int32*", "params"), ("H*out", "key_rows"), ("H*out", "value_rows"),
@@ -52,8 +74,9 @@ SIGNATURES: Dict[str, List[Tuple[str, str]]] = {
 }
 
 
-def _function(name: str, dtype: str, kv_heads: int, head_dim: int, head_major: bool) -> Tuple[str, str]:
-    fn = f"host_{name}_{dtype}_{kv_heads}_{head_dim}_{int(head_major)}"
+def _function(name: str, dtype: str, plane: str, kv_heads: int, head_dim: int,
+              head_major: bool) -> Tuple[str, str]:
+    fn = f"host_{name}_{dtype}_{plane}_{kv_heads}_{head_dim}_{int(head_major)}"
     params, casts = [], []
     for kind, pname in SIGNATURES[name]:
         if kind == "strides":
@@ -63,10 +86,10 @@ def _function(name: str, dtype: str, kv_heads: int, head_dim: int, head_major: b
             casts.append(f"const T* {pname} = (const T*){pname}_;")
         elif kind == "H*":
             params.append(f"const void* {pname}_")
-            casts.append(f"const _Float16* {pname} = (const _Float16*){pname}_;")
+            casts.append(f"const P* {pname} = (const P*){pname}_;")
         elif kind == "H*out":
             params.append(f"void* {pname}_")
-            casts.append(f"_Float16* {pname} = (_Float16*){pname}_;")
+            casts.append(f"P* {pname} = (P*){pname}_;")
         elif kind == "int32*":
             params.append(f"const int32_t* {pname}")
         elif kind == "int32*out":
@@ -76,6 +99,7 @@ def _function(name: str, dtype: str, kv_heads: int, head_dim: int, head_major: b
     text = f"""
 extern "C" void {fn}({", ".join(params)}) {{
   using T = {TYPES[dtype]};
+  using P = {TYPES[plane]};
   constexpr int KV_HEADS = {kv_heads};
   constexpr int HEAD_DIM = {head_dim};
   constexpr bool HEAD_MAJOR = {str(head_major).lower()};
@@ -89,17 +113,20 @@ extern "C" void {fn}({", ".join(params)}) {{
 
 
 class HostKernels:
-    """Compiles every (kernel, dtype, layout) instantiation once, into one library."""
+    """Compiles every (kernel, input type, plane type, layout) instantiation once,
+    into one library (gather and install read planes only: input type = plane type)."""
 
     def __init__(self, kv_heads: int = 2, head_dim: int = 128):
         self.kv_heads, self.head_dim = kv_heads, head_dim
         funcs, texts = {}, [HOST_HEADER]
         for name in SIGNATURES:
-            for dtype in TYPES:
-                for hm in (False, True):
-                    fn, text = _function(name, dtype, kv_heads, head_dim, hm)
-                    funcs[(name, dtype, hm)] = fn
-                    texts.append(text)
+            for plane in PLANE_TYPES:
+                inputs = TYPES if name in ("batch_store", "stage") else (plane,)
+                for dtype in inputs:
+                    for hm in (False, True):
+                        fn, text = _function(name, dtype, plane, kv_heads, head_dim, hm)
+                        funcs[(name, dtype, plane, hm)] = fn
+                        texts.append(text)
         source = "\n".join(texts)
         digest = hashlib.sha256(source.encode()).hexdigest()[:16]
         build = Path(tempfile.gettempdir()) / "muser_kv_host"
@@ -115,10 +142,12 @@ class HostKernels:
         self.lib = ctypes.CDLL(str(lib))
         self.funcs = funcs
 
-    def call(self, name: str, dtype: str, head_major: bool, args: Sequence, threads: int) -> None:
+    def call(self, name: str, dtype: str, head_major: bool, args: Sequence, threads: int,
+             plane: str = "float16") -> None:
         grid = max(1, -(-threads // THREADGROUP)) * THREADGROUP  # as the GPUs launch it
         ptrs = []
         for a in args:
             a = np.asarray(a)
             ptrs.append(ctypes.c_void_p(a.ctypes.data))
-        getattr(self.lib, self.funcs[(name, dtype, head_major)])(*ptrs, ctypes.c_uint32(grid))
+        fn = self.funcs[(name, dtype, plane, head_major)]
+        getattr(self.lib, fn)(*ptrs, ctypes.c_uint32(grid))

@@ -41,7 +41,8 @@ def test_decode_example_report(example: ModuleType, capsys: pytest.CaptureFixtur
     assert example.main(FLAGS) == 0
     out = capsys.readouterr().out
 
-    expected_bytes = (6 * 16 + 2 * 256) * ROW_BYTES
+    # rows are allocated in whole granules of 256: each 16-row ring takes 256
+    expected_bytes = (6 * 256 + 2 * 256) * ROW_BYTES
     assert (
         f"cache bytes: {expected_bytes:,} B; footprint(geometry, 256).slot_bytes: "
         f"{expected_bytes:,} B; equal: True"

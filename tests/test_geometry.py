@@ -31,10 +31,15 @@ def test_table_22_1_to_the_byte():
     assert one.slot_bytes / footprint(g, 2048).slot_bytes == 16.75
 
 
-def test_footprint_matches_capacity_sum():
+def test_footprint_matches_allocated_rows():
     g = MuseGeometry(num_layers=10, window=64, max_context=1000)
     fp = footprint(g, 1000)
-    assert fp.slot_bytes == sum(g.capacity(i) for i in range(10)) * g.row_bytes
+    assert [g.capacity(i) for i in range(4)] == [64, 64, 64, 1000]
+    assert [g.allocated(i) for i in range(4)] == [256, 256, 256, 1024]
+    assert fp.slot_bytes == sum(g.allocated(i) for i in range(10)) * g.row_bytes
+    assert fp.formula_bytes == sum(g.capacity(i) for i in range(10)) * g.row_bytes
+    # at row counts that are already multiples of 256 the two agree
+    assert footprint(MuseGeometry(), 131072).formula_bytes == footprint(MuseGeometry(), 131072).slot_bytes
 
 
 def test_from_model_args_reads_layer_types_and_window():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from muser_kv import Ring
+from muser_kv.geometry import allocated_rows
 from muser_kv.kernels import HEAD_MAJOR, TOKEN_MAJOR, ReferenceBackend
 from host_kernels import HostKernels
 
@@ -63,93 +64,134 @@ def bits16(a) -> np.ndarray:
 CASES = [  # (ring capacity, rows already live, origin, chunk): no wrap, wrap, wider than ring
     (16, 0, 0, 5), (16, 14, 0, 5), (16, 16, 7, 3), (16, 16, 9, 16), (16, 5, 0, 37), (16, 16, 3, 40),
 ]
+PLANES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+# a plane allocates whole granules of rows past its ring's capacity (geometry.ROW_GRANULE)
+ROWS = {"exact": lambda c: c, "padded": allocated_rows}
 
 
+def zeros_like_host(shape, plane: str) -> np.ndarray:
+    """A host output buffer for a plane type, pre-filled with a non-zero pattern."""
+    return np.full(shape, 0x7777, np.uint16)
+
+
+def plane_buffer(layout, capacity, rows, plane, seed):
+    """A random plane of ``rows`` allocated rows (rows past ``capacity`` are never read)."""
+    rng = np.random.default_rng(seed)
+    shape = (rows, KV) if layout == TOKEN_MAJOR else (H, rows, D)
+    return (mx.array(rng.standard_normal(shape).astype(np.float32)).astype(PLANES[plane]),
+            mx.array(rng.standard_normal(shape).astype(np.float32)).astype(PLANES[plane]))
+
+
+@pytest.mark.parametrize("plane", list(PLANES))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("transposed", [False, True], ids=["contig", "strided"])
-def test_batch_store(host, dtype, layout, case, transposed):
+def test_batch_store(host, plane, dtype, layout, case, transposed):
     capacity, length, origin, n = case
     ring = Ring(capacity, length, origin, origin % capacity)
     start = ring.end
     first, count = ring.append_batch(start, n)
     (k, hk, ks), (v, hv, vs) = model_kv(n, dtype, seed=n + length, transposed=transposed)
-    ref_k, ref_v = REF.store(k, v, layout, first, count)
+    ref_k, ref_v = REF.store(k, v, layout, first, count, dtype=PLANES[plane])
     mx.eval(ref_k, ref_v)
+    assert ref_k.dtype == PLANES[plane]
     shape = tuple(ref_k.shape)
-    out_k = np.zeros(shape, np.float16)
-    out_v = np.zeros(shape, np.float16)
+    out_k, out_v = zeros_like_host(shape, plane), zeros_like_host(shape, plane)
     dest = np.full(count, -1, np.int32)
     params = np.array([first, count, start, ring.capacity, ring.origin_logical,
                        ring.origin_physical], np.int32)
     host.call("batch_store", dtype, layout == HEAD_MAJOR,
-              [hk, ks, hv, vs, params, out_k, out_v, dest], count * KV)
-    np.testing.assert_array_equal(bits16(out_k), bits16(np.array(ref_k)))
-    np.testing.assert_array_equal(bits16(out_v), bits16(np.array(ref_v)))
+              [hk, ks, hv, vs, params, out_k, out_v, dest], count * KV, plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
+    np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
     expect = [ring.physical(start + first + j) for j in range(count)]
     np.testing.assert_array_equal(dest, expect)
 
 
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("plane", list(PLANES))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
 @pytest.mark.parametrize("case", CASES)
-def test_stage(host, dtype, layout, case):
+def test_stage(host, rows, plane, dtype, layout, case):
     capacity, length, origin, n = case
-    rng = np.random.default_rng(length)
     ring = Ring(capacity, length, origin, origin % capacity)
-    shape = (capacity, KV) if layout == TOKEN_MAJOR else (H, capacity, D)
-    plane_k = mx.array(rng.standard_normal(shape).astype(np.float16))
-    plane_v = mx.array(rng.standard_normal(shape).astype(np.float16))
+    allocated = ROWS[rows](capacity)
+    plane_k, plane_v = plane_buffer(layout, capacity, allocated, plane, seed=length)
     (k, hk, ks), (v, hv, vs) = model_kv(n, dtype, seed=3, transposed=True)
     ref_k, ref_v = REF.stage(plane_k, plane_v, ring, k, v, layout)
     mx.eval(ref_k, ref_v)
-    out_k = np.zeros(ref_k.shape, np.float16)
-    out_v = np.zeros(ref_v.shape, np.float16)
-    params = np.array([ring.len, ring.origin_physical, ring.capacity, n], np.int32)
+    assert ref_k.dtype == PLANES[plane]
+    out_k, out_v = zeros_like_host(ref_k.shape, plane), zeros_like_host(ref_v.shape, plane)
+    params = np.array([ring.len, ring.origin_physical, ring.capacity, n, allocated], np.int32)
     host.call("stage", dtype, layout == HEAD_MAJOR,
-              [np.array(plane_k), np.array(plane_v), hk, ks, hv, vs, params, out_k, out_v],
-              (ring.len + n) * KV)
-    np.testing.assert_array_equal(bits16(out_k), bits16(np.array(ref_k)))
-    np.testing.assert_array_equal(bits16(out_v), bits16(np.array(ref_v)))
+              [to_host(plane_k), to_host(plane_v), hk, ks, hv, vs, params, out_k, out_v],
+              (ring.len + n) * KV, plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
+    np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
 
 
-def _plane(layout, capacity, seed):
-    rng = np.random.default_rng(seed)
-    shape = (capacity, KV) if layout == TOKEN_MAJOR else (H, capacity, D)
-    return (mx.array(rng.standard_normal(shape).astype(np.float16)),
-            mx.array(rng.standard_normal(shape).astype(np.float16)))
-
-
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("plane", list(PLANES))
 @pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
 @pytest.mark.parametrize("ring_state", [(16, 0, 0), (16, 5, 0), (16, 16, 0), (16, 16, 11), (16, 16, 37)])
-def test_gather_and_install(host, layout, ring_state):
+def test_gather_and_install(host, rows, plane, layout, ring_state):
     capacity, length, origin = ring_state
     ring = Ring(capacity, length, origin, origin % capacity)
-    pk, pv = _plane(layout, capacity, seed=length + origin)
+    allocated = ROWS[rows](capacity)
+    pk, pv = plane_buffer(layout, capacity, allocated, plane, seed=length + origin)
     ref_k, ref_v = REF.gather(pk, pv, layout, ring)
     mx.eval(ref_k, ref_v)
-    out_k = np.zeros((length, KV), np.float16)
-    out_v = np.zeros((length, KV), np.float16)
-    params = np.array([ring.len, ring.origin_physical, ring.capacity], np.int32)
-    host.call("gather", "float16", layout == HEAD_MAJOR,
-              [np.array(pk), np.array(pv), params, out_k, out_v], length * KV)
-    np.testing.assert_array_equal(bits16(out_k), bits16(np.array(ref_k)))
-    np.testing.assert_array_equal(bits16(out_v), bits16(np.array(ref_v)))
+    out_k, out_v = zeros_like_host((length, KV), plane), zeros_like_host((length, KV), plane)
+    params = np.array([ring.len, ring.origin_physical, ring.capacity, allocated], np.int32)
+    host.call("gather", plane, layout == HEAD_MAJOR,
+              [to_host(pk), to_host(pv), params, out_k, out_v], length * KV, plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
+    np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
 
     # install the gathered rows back: a fresh plane, rows at the same rotation, zeros elsewhere
+    # (the allocation's padding rows included)
     shape = tuple(pk.shape)
     ik, iv = REF.install(ref_k, ref_v, layout, ring, shape)
     mx.eval(ik, iv)
-    hk = np.full(shape, np.float16(7), np.float16)  # the kernel must write every element
-    hv = np.full(shape, np.float16(7), np.float16)
-    host.call("install", "float16", layout == HEAD_MAJOR,
-              [np.array(ref_k), np.array(ref_v), params, hk, hv], capacity * KV)
-    np.testing.assert_array_equal(bits16(hk), bits16(np.array(ik)))
-    np.testing.assert_array_equal(bits16(hv), bits16(np.array(iv)))
+    assert ik.dtype == PLANES[plane]
+    hk, hv = zeros_like_host(shape, plane), zeros_like_host(shape, plane)  # every element written
+    host.call("install", plane, layout == HEAD_MAJOR,
+              [to_host(ref_k), to_host(ref_v), params, hk, hv], allocated * KV, plane=plane)
+    np.testing.assert_array_equal(hk, bits16(to_host(ik)))
+    np.testing.assert_array_equal(hv, bits16(to_host(iv)))
     # and the live rows of the installed plane equal the original plane's, where they sat
+    original = bits16(to_host(pk))
     for pos in range(ring.origin_logical, ring.end):
         r = ring.physical(pos)
-        a = np.array(pk)[r] if layout == TOKEN_MAJOR else np.array(pk)[:, r]
+        a = original[r] if layout == TOKEN_MAJOR else original[:, r]
         b = hk[r] if layout == TOKEN_MAJOR else hk[:, r]
-        np.testing.assert_array_equal(bits16(a), bits16(b))
+        np.testing.assert_array_equal(a, b)
+    padding = hk[capacity:] if layout == TOKEN_MAJOR else hk[:, capacity:]
+    assert not padding.any()
+
+
+# f32 values where the conversion to each plane type is delicate: ties to even,
+# the largest finite values and overflow, subnormals, signed zero, NaN, inf.
+EDGES = np.array([1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 65504.0,
+                  65520.0, -65520.0, 3.4e38, 2.0 ** -24, 2.0 ** -25, 2.0 ** -133, -0.0, 0.0,
+                  float("nan"), -float("nan"), float("inf"), -float("inf")], np.float32)
+
+
+@pytest.mark.parametrize("plane", list(PLANES))
+def test_conversion_edges_match_mlx(host, plane):
+    """One conversion, every backend: the host kernel rounds the edge cases to the
+    plane type exactly as MLX's own astype does."""
+    n = 8
+    a = np.resize(EDGES, (1, H, n, D)).astype(np.float32)
+    k = mx.array(a)
+    ref_k, _ = REF.store(k, k, TOKEN_MAJOR, 0, n, dtype=PLANES[plane])
+    mx.eval(ref_k)
+    out_k, out_v = zeros_like_host((n, KV), plane), zeros_like_host((n, KV), plane)
+    strides = np.array([H * n * D, n * D, D, 1], np.int64)
+    params = np.array([0, n, 0, n, 0, 0], np.int32)
+    host.call("batch_store", "float32", False,
+              [a, strides, a, strides, params, out_k, out_v, np.zeros(n, np.int32)], n * KV,
+              plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))

@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 
 from muser_kv import Ring
-from muser_kv.kernels import HEAD_MAJOR, INPUT_DTYPES, PLANE_DTYPE, TOKEN_MAJOR, KernelBackend
+from muser_kv.kernels import HEAD_MAJOR, INPUT_DTYPES, PLANE_DTYPES, TOKEN_MAJOR, KernelBackend
 from nvrtc import FULL_HEADER, KernelCall, Nvrtc, NvrtcUnavailable, recording_cuda_kernel
 
 ARCH = "sm_90"  # H200
@@ -27,18 +27,21 @@ CAPACITY, CHUNK = 8, 4
 CI_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
 DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
-# (kernel, T, HEAD_MAJOR) -- every instantiation the backend can ask for
-# (stage's HEAD_MAJOR is the ring's layout; its shadow is always token-major).
+# (kernel, T, P, HEAD_MAJOR) -- every instantiation the backend can ask for
+# (stage's HEAD_MAJOR is the ring's layout; its shadow is always token-major;
+# gather and install read planes only, so their T is the plane type P).
+_INPUTS = ("float32", "float16", "bfloat16")
+_PLANES = ("float16", "bfloat16")
 EXPECTED = (
-    [("batch_store", t, hm) for t in ("float32", "float16", "bfloat16") for hm in (False, True)]
-    + [("stage", t, hm) for t in ("float32", "float16", "bfloat16") for hm in (False, True)]
-    + [(k, "float16", hm) for k in ("gather", "install") for hm in (False, True)]
+    [(k, t, p, hm) for k in ("batch_store", "stage") for t in _INPUTS for p in _PLANES
+     for hm in (False, True)]
+    + [(k, p, p, hm) for k in ("gather", "install") for p in _PLANES for hm in (False, True)]
 )
 
 
 def case_id(case):
-    kernel, t, hm = case
-    return "-".join([kernel, t] + ([] if hm is None else [HEAD_MAJOR if hm else TOKEN_MAJOR]))
+    kernel, t, p, hm = case
+    return "-".join([kernel, t, p, HEAD_MAJOR if hm else TOKEN_MAJOR])
 
 
 # The test extra installs NVRTC only on Linux x86-64 (CI's platform); there the
@@ -57,8 +60,9 @@ def nvrtc():
 
 def _key(call: KernelCall):
     template = dict(call.template)
-    hm = template.get("HEAD_MAJOR")
-    return call.name.removeprefix("muser_kv_"), DTYPE_NAMES[template["T"]], hm
+    plane = DTYPE_NAMES[template["P"]]
+    return (call.name.removeprefix("muser_kv_"), DTYPE_NAMES[template.get("T", template["P"])],
+            plane, template["HEAD_MAJOR"])
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +73,21 @@ def calls():
         mp.setattr(mx.fast, "cuda_kernel", recording_cuda_kernel(recorded))
         backend = KernelBackend("cuda")
         live = Ring(CAPACITY, 5, 9, 1)  # wrapped: origin_logical 9 at physical row 1
-        for dtype in INPUT_DTYPES:
-            kv = mx.zeros((1, H, CHUNK, D), dtype)
-            for layout in (TOKEN_MAJOR, HEAD_MAJOR):
-                backend.store_with_dest(kv, kv, layout, 0, CHUNK, Ring(CAPACITY), 0)
-            for layout, shape in ((TOKEN_MAJOR, (CAPACITY, H * D)), (HEAD_MAJOR, (H, CAPACITY, D))):
-                ring_plane = mx.zeros(shape, PLANE_DTYPE)
-                backend.stage(ring_plane, ring_plane, live, kv, kv, layout)
-        for layout, shape in ((TOKEN_MAJOR, (CAPACITY, H * D)), (HEAD_MAJOR, (H, CAPACITY, D))):
-            plane = mx.zeros(shape, PLANE_DTYPE)
-            backend.gather(plane, plane, layout, live)
-            rows = mx.zeros((live.len, H * D), PLANE_DTYPE)
-            backend.install(rows, rows, layout, live, shape)
+        shapes = ((TOKEN_MAJOR, (CAPACITY, H * D)), (HEAD_MAJOR, (H, CAPACITY, D)))
+        for plane_dtype in PLANE_DTYPES:
+            for dtype in INPUT_DTYPES:
+                kv = mx.zeros((1, H, CHUNK, D), dtype)
+                for layout in (TOKEN_MAJOR, HEAD_MAJOR):
+                    backend.store_with_dest(kv, kv, layout, 0, CHUNK, Ring(CAPACITY), 0,
+                                            plane_dtype)
+                for layout, shape in shapes:
+                    ring_plane = mx.zeros(shape, plane_dtype)
+                    backend.stage(ring_plane, ring_plane, live, kv, kv, layout)
+            for layout, shape in shapes:
+                plane = mx.zeros(shape, plane_dtype)
+                backend.gather(plane, plane, layout, live)
+                rows = mx.zeros((live.len, H * D), plane_dtype)
+                backend.install(rows, rows, layout, live, shape)
     out = {}
     for call in recorded:
         out.setdefault(_key(call), call)
@@ -108,12 +115,13 @@ def test_kernel_compiles_with_nvrtc(nvrtc, calls, case):
     # What the brief of this test promises: the real text, MLX's signature.
     assert call.source.startswith("// muser-kv kernel prelude")
     source = call.cuda_source()
-    assert "namespace mlx::core::cu {" in source and "  using T = " in source
+    assert "namespace mlx::core::cu {" in source and "  using P = " in source
     result = nvrtc.compile(source, arch=ARCH, name_expressions=[call.name_expression])
     _check_compiled(result, call)
-    if case[0] in ("batch_store", "stage") and case[1] != "float16":
-        # KHALF_FROM_F32 is __float2half_rn: f32 -> f16 rounds to nearest even.
-        assert "cvt.rn.f16.f32" in result.ptx
+    if case[0] in ("batch_store", "stage") and case[1] != case[2]:
+        # PLANE_FROM_F32 rounds f32 to the plane type to nearest even.
+        cvt = "cvt.rn.f16.f32" if case[2] == "float16" else "cvt.rn.bf16.f32"
+        assert cvt in result.ptx
 
 
 def test_all_kernels_compile_with_mlx_default_includes(nvrtc, calls):
@@ -130,9 +138,9 @@ def test_all_kernels_compile_with_mlx_default_includes(nvrtc, calls):
 
 def test_generated_signature(calls):
     """The parameter list MLX 0.32 generates (custom_kernel.cpp, build_kernel)."""
-    source = calls[("batch_store", "bfloat16", True)].cuda_source(default_header="")
+    source = calls[("batch_store", "bfloat16", "float16", True)].cuda_source(default_header="")
     assert (
-        "__global__ void custom_kernel_muser_kv_batch_store_bfloat16_t_2_128_t(\n"
+        "__global__ void custom_kernel_muser_kv_batch_store_bfloat16_t_float16_t_2_128_t(\n"
         "    const __nv_bfloat16* key,\n"
         "    const __grid_constant__ Strides key_strides,\n"
         "    const __nv_bfloat16* value,\n"
@@ -142,6 +150,7 @@ def test_generated_signature(calls):
         "    __half* value_rows,\n"
         "    int32_t* dest) {\n"
         "  using T = __nv_bfloat16;\n"
+        "  using P = __half;\n"
         "  constexpr int KV_HEADS = 2;\n"
         "  constexpr int HEAD_DIM = 128;\n"
         "  constexpr bool HEAD_MAJOR = true;\n"
@@ -155,7 +164,7 @@ def test_generated_signature(calls):
 ], ids=["undeclared", "scalar-params"])
 def test_broken_body_fails(nvrtc, calls, bad, expect):
     """Negative control: the same pipeline rejects a body that is not valid CUDA."""
-    call = calls[("batch_store", "float16", False)]
+    call = calls[("batch_store", "float32", "float16", False)]
     result = nvrtc.compile(call.cuda_source(source=call.source + "\n" + bad + "\n"), arch=ARCH,
                            name_expressions=[call.name_expression])
     assert not result.ok

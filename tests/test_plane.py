@@ -44,9 +44,12 @@ def physical_equals(p: KvPlane, oracle: FullHistory):
         np.testing.assert_array_equal(bits(got), bits(oracle.keys[pos]))
 
 
-@pytest.mark.parametrize("kind,shape", [(LayerKind.SLIDING, (8, 256)), (LayerKind.GLOBAL, (2, 64, 128))])
-def test_allocation_zero_filled_and_exact(kind, shape):
+@pytest.mark.parametrize("kind,capacity,shape", [(LayerKind.SLIDING, 8, (256, 256)),
+                                                 (LayerKind.GLOBAL, 64, (2, 256, 128))])
+def test_allocation_zero_filled_and_exact(kind, capacity, shape):
+    # the ring holds the formula's rows; the allocation rounds them to 256
     p = plane(kind)
+    assert p.capacity == capacity and p.rows == 256
     assert p.keys.shape == shape and p.values.shape == shape
     assert p.keys.dtype == mx.float16
     assert p.nbytes == 2 * int(np.prod(shape)) * 2

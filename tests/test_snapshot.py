@@ -383,8 +383,12 @@ def test_load_refuses_unknown_format_and_version(saved, model):
 
 def test_load_refuses_unknown_or_wrong_encoding(saved, model):
     path, _ = saved
+    rewrite(path, header={"encoding": "f8le"})
+    refuse(path, model, SessionFileError, r"unknown encoding: expected one of .*got 'f8le'")
     rewrite(path, header={"encoding": "bf16le"})
-    refuse(path, model, SessionFileError, r"unknown encoding: expected one of .*got 'bf16le'")
+    refuse(path, model, SessionFileError,
+           r"wrong encoding for tensor 'layers.0.keys': encoding bf16le expects dtype bfloat16, "
+           r"got float16")
     # header says f32, tensors are f16 (checksums still match their bytes)
     rewrite(path, header={"encoding": "f32le"})
     refuse(path, model, SessionFileError,
