@@ -1,6 +1,7 @@
-"""The seeds' CPU oracle, in numpy: not a ring. Full history per layer, f16
-rows converted by numpy (round to nearest even), the window applied as a rule
-over logical positions. Independent of MLX's conversion and of the Ring."""
+"""The seeds' CPU oracle, in numpy: not a ring. Full history per layer, rows
+converted by numpy (f16: numpy's own round to nearest even; bf16: the bit rule
+below), the window applied as a rule over logical positions. Independent of
+MLX's conversion and of the Ring."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ def to_f16_rows(x: mx.array) -> np.ndarray:
     return a.astype(np.float16)
 
 
+def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """f32 -> bf16 bit patterns (uint16), round to nearest even, NaN -> 0x7FC0."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(a), np.uint16(0x7FC0), rounded)
+
+
+def to_bf16_rows(x: mx.array) -> np.ndarray:
+    """Model-shaped [1, H, N, D] -> bf16 bit patterns [N, H, D] (uint16)."""
+    return f32_to_bf16_bits(np.array(x.astype(mx.float32))[0].transpose(1, 0, 2))
+
+
 def bits(x) -> np.ndarray:
     """f16 contents as uint16, for bitwise comparison (NaN-safe, -0 != +0)."""
     a = np.array(x) if isinstance(x, mx.array) else np.asarray(x)
@@ -22,15 +35,33 @@ def bits(x) -> np.ndarray:
     return a.view(np.uint16)
 
 
+def bits16(x) -> np.ndarray:
+    """The uint16 patterns of f16 or bf16 contents (an MLX array or f16 numpy)."""
+    if isinstance(x, mx.array):
+        assert x.dtype in (mx.float16, mx.bfloat16), x.dtype
+        return np.array(x.view(mx.uint16))
+    a = np.asarray(x)
+    assert a.dtype in (np.float16, np.uint16), a.dtype
+    return a.view(np.uint16)
+
+
+def copy_array(x: mx.array) -> mx.array:
+    """A deep copy (new buffer, same bits) of an f16 / bf16 / f32 array."""
+    if x.dtype == mx.bfloat16:
+        return mx.array(np.array(x.view(mx.uint16))).view(mx.bfloat16)
+    return mx.array(np.array(x))
+
+
 class FullHistory:
-    def __init__(self, window: int | None):
+    def __init__(self, window: int | None, dtype: mx.Dtype = mx.float16):
         self.window = window
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
+        self._rows = to_bf16_rows if dtype == mx.bfloat16 else to_f16_rows
 
     def append(self, k: mx.array, v: mx.array) -> None:
-        self.keys.extend(to_f16_rows(k))
-        self.values.extend(to_f16_rows(v))
+        self.keys.extend(self._rows(k))
+        self.values.extend(self._rows(v))
 
     @property
     def position(self) -> int:
@@ -46,8 +77,9 @@ class FullHistory:
     def live(self) -> tuple[int, np.ndarray, np.ndarray]:
         s, e = self.live_range()
         shape = (0,) + (self.keys[0].shape if self.keys else (0, 0))
-        k = np.stack(self.keys[s:e]) if e > s else np.zeros(shape, np.float16)
-        v = np.stack(self.values[s:e]) if e > s else np.zeros(shape, np.float16)
+        dtype = self.keys[0].dtype if self.keys else np.float16
+        k = np.stack(self.keys[s:e]) if e > s else np.zeros(shape, dtype)
+        v = np.stack(self.values[s:e]) if e > s else np.zeros(shape, dtype)
         return s, k, v
 
     def visible(self, query_position: int) -> range:

@@ -16,6 +16,7 @@ import pytest
 import muser_kv
 from conftest import tiny_model
 from muser_kv import Ring
+from oracle import copy_array
 
 CONTINUE = 8
 HERE = Path(__file__).parent
@@ -25,7 +26,7 @@ def fork(cache):
     """An independent deep copy of a live cache (new buffers, same ring state)."""
     out = []
     for c in cache:
-        keys, values = (mx.array(np.array(x)) for x in c.state)
+        keys, values = (copy_array(x) for x in c.state)
         out.append(muser_kv.MuseKVCache.from_state((keys, values), c.meta_state))
     return out
 
@@ -66,8 +67,9 @@ def gates_for(window):
     return [1, 31, 32, 33, window - 1, window, window + 1]
 
 
-def test_replay_gate_small_window(tmp_path):
-    model = tiny_model(mx.float16, sliding_window=32, max_position_embeddings=256)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
+def test_replay_gate_small_window(tmp_path, dtype):
+    model = tiny_model(dtype, sliding_window=32, max_position_embeddings=256)
     prompt = np.random.default_rng(11).integers(0, 256, 80)
     live = live_run(model, prompt, gates_for(32), chunk=7, tmp_path=tmp_path)
     for g, (path, expect) in live.items():
