@@ -75,6 +75,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="rows each sliding ring retains for exact trim (default 16; 0 = off)")
     p.add_argument("--sliding-layout", choices=["token_major", "head_major"], default="token_major",
                    help="muser-kv's sliding-ring layout (default token_major, the seeds')")
+    p.add_argument("--plane-dtype", choices=["follow", "float16", "bfloat16"], default="follow",
+                   help="muser-kv's plane type (default follow: bf16 for --dtype bfloat16, else "
+                        "f16, as make_prompt_cache picks for a model of that dtype)")
+
+
+def plane_dtype(args: argparse.Namespace) -> mx.Dtype:
+    """The planes make_prompt_cache gives a model whose K/V arrive in ``--dtype``."""
+    if args.plane_dtype != "follow":
+        return DTYPES[args.plane_dtype]
+    return mx.bfloat16 if args.dtype == "bfloat16" else mx.float16
 
 
 def geometry(args: argparse.Namespace) -> "muser_kv.MuseGeometry":
@@ -92,7 +102,8 @@ def make_caches(system: str, args: argparse.Namespace) -> List[Any]:
     """One cache per layer: muser-kv's (planes allocated and zero-filled here), or
     what Muse Glimmer's ``make_cache()`` returns."""
     if system == "muser-kv":
-        return muser_kv.make_cache_for(geometry(args), args.retain, args.sliding_layout)
+        return muser_kv.make_cache_for(geometry(args), args.retain, args.sliding_layout,
+                                       plane_dtype(args))
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     return [KVCache() if is_global(i, args.pattern)

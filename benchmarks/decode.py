@@ -29,11 +29,15 @@ faster); host graph-build ms/token; peak memory during the timed steps minus the
 memory active before them (a transient plane copy would show up here); and the
 cache sizes beside ``footprint(geometry, max_context).slot_bytes``.
 
-muser-kv's caches are sized once for ``--max-context`` (default: the largest
-depth plus the tokens this run decodes, rounded up to 1024), as an application
-would size them; mlx-lm's grow with the depth.
+muser-kv's caches are sized once for each of ``--max-contexts``, taken exactly
+as given (default: one size, the largest depth plus the tokens this run
+decodes, not rounded: whatever an application asks for, including sizes off a
+multiple of 256, where MLX CUDA's attention once hit a 10x cliff); mlx-lm's grow
+with the depth. Each depth runs at every max context that holds it, and
+mlx-lm's caches are measured again beside each, in the same run.
 
     python benchmarks/decode.py                                        # GPU, full
+    python benchmarks/decode.py --depths 32768,130000 --max-contexts 131072,131190 --dtype bfloat16
     python benchmarks/decode.py --depths 2048,8192 --layers 4 --steps 8 --warmup 2 --repeats 2  # CPU
 """
 
@@ -51,7 +55,7 @@ import mlx.core as mx  # noqa: E402
 import muser_kv  # noqa: E402
 from _common import (  # noqa: E402
     DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, attend_layers, add_model_flags, geometry, int_list,
-    make_caches, median, now, on_gpu, print_header, print_table, ratio, settle,
+    make_caches, median, now, on_gpu, plane_dtype, print_header, print_table, ratio, settle,
     str_list, write_json,
 )
 
@@ -68,9 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (default 4)")
     p.add_argument("--modes", type=str_list, default=["sync", "pipelined"],
                    help="sync,pipelined (default both)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="muser-kv capacity (default: max depth + decoded tokens, "
-                        "rounded up to 1024)")
+    p.add_argument("--max-contexts", type=int_list, default=None,
+                   help="muser-kv capacities, exactly as given (default: max depth + decoded "
+                        "tokens); each depth runs at every one that holds it")
     p.add_argument("--fill-chunk", type=int, default=4096,
                    help="chunk size used to fill the caches to each depth (default 4096)")
     add_model_flags(p)
@@ -83,12 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown mode {m!r}")
     if min(args.depths) <= SETTLE_TOKENS:
         p.error(f"depths must exceed {SETTLE_TOKENS}")
-    decoded = len(args.modes) * (args.warmup + args.repeats * args.steps)
-    needed = max(args.depths) + decoded
-    if args.max_context is None:
-        args.max_context = -(-needed // 1024) * 1024
-    elif args.max_context < needed:
-        p.error(f"--max-context {args.max_context} < max depth + decoded tokens = {needed}")
+    args.decoded = len(args.modes) * (args.warmup + args.repeats * args.steps)
+    if args.max_contexts is None:
+        args.max_contexts = [max(args.depths) + args.decoded]
+    for depth in args.depths:
+        if not any(depth + args.decoded <= m for m in args.max_contexts):
+            p.error(f"depth {depth} + {args.decoded} decoded tokens fits none of --max-contexts "
+                    f"{args.max_contexts}")
+    args.max_context = max(args.max_contexts)
     return args
 
 
@@ -169,20 +175,21 @@ def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
     mx.random.seed(args.seed)
-    geo = geometry(args)
-    slot = muser_kv.footprint(geo, args.max_context).slot_bytes
     print_header(
         "decode: ms/token, muser-kv vs mlx-lm (ratio = mlx-lm / muser-kv; > 1: muser-kv faster)",
         args,
-        f"muser-kv sized for max_context {args.max_context}: "
-        f"footprint slot_bytes {slot:,} B ({slot / MB:,.1f} MiB)",
+        f"muser-kv planes {plane_dtype(args)}, sized exactly for max_context in "
+        f"{args.max_contexts} (rows allocated in multiples of 256)",
     )
     q0 = mx.random.normal((1, args.heads, 1, args.head_dim)).astype(dtype)
     mx.eval(q0)
 
     results: List[Dict[str, Any]] = []
     time_rows, mem_rows, check_rows = [], [], []
-    for depth in args.depths:
+    cells = [(d, m) for d in args.depths for m in args.max_contexts if d + args.decoded <= m]
+    for depth, max_context in cells:
+        args.max_context = max_context
+        slot = muser_kv.footprint(geometry(args), max_context).slot_bytes
         caches = {}
         sizes = {}
         for s in SYSTEMS:
@@ -190,7 +197,8 @@ def main(argv=None) -> Dict[str, Any]:
             fill(caches[s], depth, args, dtype)
             sizes[s] = cache_bytes(caches[s])
         settle()
-        mem_rows.append([depth, sizes["muser-kv"] / MB, slot / MB, sizes["mlx-lm"] / MB])
+        mem_rows.append([depth, max_context, sizes["muser-kv"] / MB, slot / MB,
+                         sizes["mlx-lm"] / MB])
         state = {s: q0 for s in SYSTEMS}  # running hidden state per system
         for mode in args.modes:
             run = RUNNERS[mode]
@@ -209,11 +217,11 @@ def main(argv=None) -> Dict[str, Any]:
             ours = median(cell["muser-kv"]["ms_per_token"])
             theirs = median(cell["mlx-lm"]["ms_per_token"])
             results.append({
-                "depth": depth, "mode": mode, "systems": cell,
+                "depth": depth, "max_context": max_context, "mode": mode, "systems": cell,
                 "cache_bytes": sizes, "ratio_mlx_lm_over_muser_kv": ratio(theirs, ours),
             })
             time_rows.append([
-                depth, mode, ours, theirs, ratio(theirs, ours),
+                depth, max_context, mode, ours, theirs, ratio(theirs, ours),
                 median(cell["muser-kv"]["build_ms_per_token"]),
                 median(cell["mlx-lm"]["build_ms_per_token"]),
                 max(cell["muser-kv"]["peak_extra_bytes"]) / MB,
@@ -225,14 +233,14 @@ def main(argv=None) -> Dict[str, Any]:
         # Same inputs, same contents: both systems must have computed the same thing.
         diff = mx.abs(state["muser-kv"].astype(mx.float32)
                       - state["mlx-lm"].astype(mx.float32)).max().item()
-        check_rows.append([depth, diff])
+        check_rows.append([f"{depth}@{max_context}", diff])
         del caches, state
         settle()
 
     print("Decode time (median of repeats; build = host time spent building the step graph)")
     print()
     print_table(
-        ["depth", "mode", "muser-kv ms/tok", "mlx-lm ms/tok", "mlx-lm / muser-kv",
+        ["depth", "max_context", "mode", "muser-kv ms/tok", "mlx-lm ms/tok", "mlx-lm / muser-kv",
          "muser-kv build ms", "mlx-lm build ms", "muser-kv peak+ MiB", "mlx-lm peak+ MiB"],
         time_rows, digits=2,
     )
@@ -242,15 +250,14 @@ def main(argv=None) -> Dict[str, Any]:
     print("Cache memory at the start of decode (all layers)")
     print()
     print_table(
-        ["depth", "muser-kv nbytes MiB", f"footprint({args.max_context}) MiB", "mlx-lm nbytes MiB"],
+        ["depth", "max_context", "muser-kv nbytes MiB", "footprint MiB", "mlx-lm nbytes MiB"],
         mem_rows, digits=1,
     )
     print("Same work check: max |h(muser-kv) - h(mlx-lm)| of the final hidden state "
           "(both decoded the same tokens over the same cache contents): "
           + ", ".join(f"depth {d}: {x:.2e}" for d, x in check_rows))
     print()
-    payload = {"benchmark": "decode", "args": vars(args), "max_context": args.max_context,
-               "footprint_slot_bytes": slot, "results": results,
+    payload = {"benchmark": "decode", "args": vars(args), "results": results,
                "final_state_max_abs_diff": dict(check_rows)}
     write_json(args.json, payload)
     return payload
