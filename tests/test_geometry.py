@@ -83,3 +83,15 @@ def test_cli_any_context_and_plot(tmp_path, capsys):
     expected = footprint(MuseGeometry(), 5000).slot_bytes
     assert f"{expected:,} B" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_footprint_off_the_granule_shows_allocated_and_formula(capsys):
+    assert cli_main(["footprint", "--context", "100000", "--plane-dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    g = MuseGeometry()
+    fp = footprint(g, 100000)
+    assert fp.slot_bytes == (39 * 2048 + 13 * 100096) * 1024 == 1_414_266_880
+    assert fp.formula_bytes == (39 * 2048 + 13 * 100000) * 1024 == 1_412_988_928
+    assert "one slot:               1,414,266,880 B" in out
+    assert "one slot by the formula (rows not rounded): 1,412,988,928 B" in out
+    assert "global planes 100,096 for 100,000" in out and "bfloat16 planes" in out

@@ -312,3 +312,16 @@ def test_unaligned_max_context_allocates_granules_and_overflows_exactly(models):
         with pytest.raises(muser_kv.ContextOverflow, match="exceeds max_context 1000"):
             c.update_and_fetch(*(mx.zeros((1, 2, 1, 128), mx.float16),) * 2)
         assert c.offset == 1000
+
+
+def test_from_state_keeps_bf16_planes(models):
+    model = models["bf16"]
+    cache = muser_kv.make_prompt_cache(model, max_context=128)
+    model(prompt(30, seed=3)[None], cache=cache)
+    copies = [muser_kv.MuseKVCache.from_state(c.state, c.meta_state) for c in cache]
+    assert {c.plane.dtype for c in copies} == {mx.bfloat16}
+    nxt = mx.array([[7]])
+    np.testing.assert_array_equal(bits16(model(nxt, cache=copies)), bits16(model(nxt, cache=cache)))
+    mixed = (cache[0].state[0], cache[0].state[1].astype(mx.float16))
+    with pytest.raises(ValueError, match="keys and values alike"):
+        muser_kv.MuseKVCache.from_state(mixed, cache[0].meta_state)
