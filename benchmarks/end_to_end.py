@@ -66,8 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="generate_step's prefill_step_size (default 2048, mlx-lm's)")
     p.add_argument("--max-context", type=int, default=None,
                    help="muser-kv's max_context (default: the model's max_position_embeddings)")
-    p.add_argument("--warmup", type=int, default=256,
-                   help="a short untimed run per system and dtype first (prompt tokens; 0: none)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="an untimed run per system and dtype first, of this many prompt tokens "
+                        "(default: window + 2 prefill steps, so every prefill path -- in place "
+                        "and across the wrap -- and decode are compiled before timing; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE")
     g = p.add_argument_group("model geometry (defaults: the real Muse Glimmer)")
@@ -82,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for d in args.dtypes:
         if d not in ("float16", "bfloat16", "float32"):
             p.error(f"unknown dtype {d!r}")
+    if args.warmup is None:
+        args.warmup = (args.window or muse_glimmer.ModelArgs().sliding_window) + 2 * args.prefill_step
     return args
 
 

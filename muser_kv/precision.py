@@ -38,7 +38,7 @@ def parse_plane_dtype(value: DtypeLike) -> Optional[mx.Dtype]:
     if value is None:
         return None
     dtype = _NAMES.get(value.lower()) if isinstance(value, str) else value
-    if dtype not in PLANE_DTYPES:
+    if not isinstance(dtype, mx.Dtype) or dtype not in PLANE_DTYPES:
         raise ValueError(
             f"plane_dtype must be float16 or bfloat16 (or None: follow the model), got {value!r}")
     return dtype

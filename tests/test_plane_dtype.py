@@ -7,11 +7,15 @@ prefill chunk, decode before the ring wraps). Past the wrap our ring's rotation
 follows positions (design invariant 4, which restore replay rests on) while
 mlx-lm's RotatingKVCache rotates with its write head, so a GPU may sum rows in
 another order: there logits are held to WRAP_ULPS bf16 ulps and greedy tokens
-must agree wherever the top two are further apart than that.
+must agree wherever the top two are further apart than that (on the CPU both
+sum in one order, and every token and logit agrees). Speculative decoding
+verifies a draft block in one forward, another kernel than one-token decode, so
+it too may flip a near tie in bf16, with mlx-lm's caches as with ours.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step, stream_generate
@@ -133,11 +137,19 @@ def compare_runs(ours, theirs, window, prompt_len):
             bound = WRAP_ULPS * bf16_ulp(np.maximum(np.abs(a), np.abs(b)))
             assert np.all(np.abs(a - b) <= bound), f"step {step}: beyond {WRAP_ULPS} bf16 ulps"
         if ta != tb:
-            top2 = np.sort(b)[-2:]
-            assert top2[1] - top2[0] <= WRAP_ULPS * bf16_ulp(top2[1]), (
-                f"step {step}: greedy tokens differ at a clear margin")
+            assert near_tie(b), f"step {step}: greedy tokens differ at a clear margin"
             break
     return exact
+
+
+def near_tie(logprobs: np.ndarray) -> bool:
+    """The top two log-probabilities are within WRAP_ULPS bf16 ulps."""
+    top2 = np.sort(logprobs)[-2:]
+    return bool(top2[1] - top2[0] <= WRAP_ULPS * bf16_ulp(top2[1]))
+
+
+def cpu() -> bool:
+    return mx.default_device() == mx.cpu
 
 
 @pytest.mark.parametrize("name", ["bf16", "bf16-q4"])
@@ -152,7 +164,8 @@ def test_generate_step_equals_mlx_lm_past_the_wrap(models, name, prompt_len, chu
     exact = compare_runs(ours, theirs, window, prompt_len)
     if prompt_len < window:  # one-chunk prefill, then decode before the wrap: all bitwise
         assert exact == window - prompt_len + 1
-    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    if cpu():  # one summation order: every token agrees
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
     out = model(p[None], cache=muser_kv.make_prompt_cache(model, max_context=128))
     assert out.dtype == mx.bfloat16
 
@@ -180,25 +193,40 @@ def test_stream_generate_equals_mlx_lm(models, name, monkeypatch):
         mp.setattr(model, "make_cache", make_cache, raising=False)
         ours = tokens()
     assert made and made[0][0].plane.dtype == mx.bfloat16 and made[0][0].ring.wrapped
-    assert ours == theirs
+    if cpu():
+        assert ours == theirs
+    else:  # up to the first near tie (see the module doc)
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+        assert first >= model.args.sliding_window - 9  # equal at least until the wrap
 
 
 def test_speculative_decoding_with_bf16_planes(models):
     """mlx-lm's speculative_generate_step over bf16 planes yields the greedy
     tokens past the wrap (draft: a noisy copy, so blocks are both kept and undone)."""
     target = models["bf16"]
-    draft = tiny_model(mx.bfloat16, seed=3, num_hidden_layers=4)
+    draft = tiny_model(mx.bfloat16)  # the target's weights, perturbed: agrees some of the time
+    rng = np.random.default_rng(3)
+    draft.update(tree_unflatten([
+        (k, (v.astype(mx.float32) + mx.array(rng.standard_normal(v.shape), mx.float32) * 0.005)
+         .astype(v.dtype)) for k, v in tree_flatten(draft.parameters())]))
+    mx.eval(draft.parameters())
     p = prompt(20, seed=5)
     n = 4 * target.args.sliding_window
-    greedy = [t for t, _ in run(target, muser_kv.make_prompt_cache(target, 160), p, n, 2048)]
-    mlx_greedy = [t for t, _ in run(target, target.make_cache(), p, n, 2048)]
-    assert greedy == mlx_greedy
+    greedy = run(target, muser_kv.make_prompt_cache(target, 160), p, n, 2048)
     cache = muser_kv.make_prompt_cache(target, 160) + muser_kv.make_prompt_cache(draft, 160)
     assert {c.plane.dtype for c in cache} == {mx.bfloat16}
     out = list(speculative_generate_step(p, target, draft, prompt_cache=cache, max_tokens=n,
                                          num_draft_tokens=3, prefill_step_size=7))
-    assert [int(t) for t, _, _ in out] == greedy
+    tokens = [int(t) for t, _, _ in out]
+    assert any(a for _, _, a in out) and not all(a for _, _, a in out)
     assert cache[0].ring.wrapped
+    for step, (t, (g, lp)) in enumerate(zip(tokens, greedy)):
+        if t != g:  # only a near tie may flip (see the module doc); never on the CPU
+            assert not cpu() and near_tie(np.array(lp.astype(mx.float32))), (
+                f"step {step}: speculative token {t} != greedy {g} at a clear margin")
+            break
+    else:
+        assert len(tokens) == len(greedy)
 
 
 def test_checkpoint_rollback_restores_bf16_planes_bitwise(models):
