@@ -14,16 +14,20 @@ preallocated there: ``--max-context``, default the model's 131,072), then
 ``generate_step`` prefills in ``--prefill-step`` chunks (mlx-lm's default 2,048)
 and decodes ``--tokens`` more tokens.
 
-Printed per cell: TTFT (prompt in, first token out), decode tok/s after the
-first token, peak memory during the run minus the weights, cache bytes at the
-end, and the checks the issue asks for: decode ratio (muser-kv / mlx-lm tok/s)
-and peak difference against the difference in cache bytes (what muser-kv
+Per prompt, each system prefills (timed to its first token: TTFT; its peak
+memory above everything else held then, plus its own preallocated planes:
+"prefill peak"), both generators are kept, and decode is then timed in
+``--blocks`` alternating blocks of ``--tokens`` tokens per system, so clock and
+thermal drift fall on both alike (decode on this machine moves by +-15% from
+one minute to the next). Printed: TTFT, decode tok/s (all blocks), peak, cache
+bytes at the end, and the checks: decode ratio (muser-kv / mlx-lm tok/s), and
+the peak difference against the difference in cache bytes (what muser-kv
 preallocates beyond what mlx-lm has grown to). Greedy tokens are compared too;
 with random weights near-ties make exact equality a weak signal at this size,
 so the first differing index is printed, not asserted.
 
     python benchmarks/end_to_end.py                                   # H200: 8k, 32k, 130k; f16, bf16
-    python benchmarks/end_to_end.py --dtypes bfloat16 --prompts 130000 --tokens 128
+    python benchmarks/end_to_end.py --dtypes bfloat16 --prompts 130000 --tokens 128 --blocks 4
     .venv/bin/python benchmarks/end_to_end.py --layers 8 --hidden 256 --intermediate 512 \\
         --vocab 1024 --heads 4 --window 256 --prompts 1000,3000 --tokens 16      # CPU, reduced
 """
@@ -60,8 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model dtypes, one model each (default float16,bfloat16)")
     p.add_argument("--prompts", type=int_list, default=[8192, 32768, 130000],
                    help="prompt lengths (default 8192,32768,130000)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens decoded after the first (64)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per system per cell (default 1)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per decode block (default 64)")
+    p.add_argument("--blocks", type=int, default=3,
+                   help="alternating decode blocks per system (default 3)")
     p.add_argument("--prefill-step", type=int, default=2048,
                    help="generate_step's prefill_step_size (default 2048, mlx-lm's)")
     p.add_argument("--max-context", type=int, default=None,
@@ -112,32 +117,43 @@ def make_cache(system: str, model, args) -> List[Any]:
     return model.make_cache()
 
 
-def one_run(system: str, model, prompt: mx.array, args, weights: int,
-            progress: Optional[tqdm] = None) -> Dict[str, Any]:
-    cache = make_cache(system, model, args)
-    mx.eval([c.state for c in cache if getattr(c, "state", None) is not None])
-    settle()
-    mx.reset_peak_memory()
-    t0 = now()
-    tokens: List[int] = []
-    first = end = t0
-    for i, (tok, _) in enumerate(generate_step(prompt, model, prompt_cache=cache,
-                                               max_tokens=args.tokens + 1,
-                                               prefill_step_size=args.prefill_step)):
-        tokens.append(int(tok))
-        if i == 0:
-            first = now()
-        if progress is not None:
-            progress.update(1)
-    end = now()
-    peak = mx.get_peak_memory()
-    return {
-        "system": system, "prompt": int(prompt.size), "ttft_s": first - t0,
-        "decode_tok_s": (len(tokens) - 1) / (end - first) if end > first else float("nan"),
-        "peak_minus_weights_bytes": peak - weights,
-        "cache_bytes": sum(c.nbytes for c in cache), "tokens": tokens,
-        "plane_dtype": str(cache[0].plane.dtype) if system == "muser-kv" else None,
-    }
+class Run:
+    """One system's generation over one prompt: prefill to the first token, then
+    decode blocks on demand (the generator and its cache are kept in between)."""
+
+    def __init__(self, system: str, model, prompt: mx.array, args):
+        self.system = system
+        self.cache = make_cache(system, model, args)
+        mx.eval([c.state for c in self.cache if system == "muser-kv"])
+        settle()
+        own = sum(c.nbytes for c in self.cache)  # preallocated planes (0 for mlx-lm)
+        base = mx.get_active_memory() - own  # weights, and whatever else is held now
+        mx.reset_peak_memory()
+        total = args.tokens * args.blocks + 1
+        t0 = now()
+        self.gen = generate_step(prompt, model, prompt_cache=self.cache, max_tokens=total,
+                                 prefill_step_size=args.prefill_step)
+        self.tokens = [int(next(self.gen)[0])]
+        self.ttft = now() - t0
+        self.peak = mx.get_peak_memory() - base
+        self.decode_s = 0.0
+
+    def decode(self, n: int, progress: Optional[tqdm] = None) -> None:
+        t0 = now()
+        for _ in range(n):
+            self.tokens.append(int(next(self.gen)[0]))
+            if progress is not None:
+                progress.update(1)
+        self.decode_s += now() - t0
+
+    def result(self) -> Dict[str, Any]:
+        return {
+            "system": self.system, "ttft_s": self.ttft,
+            "decode_tok_s": (len(self.tokens) - 1) / self.decode_s if self.decode_s else float("nan"),
+            "prefill_peak_bytes": self.peak, "cache_bytes": sum(c.nbytes for c in self.cache),
+            "tokens": self.tokens,
+            "plane_dtype": str(self.cache[0].plane.dtype) if self.system == "muser-kv" else None,
+        }
 
 
 def first_difference(a: List[int], b: List[int]) -> Optional[int]:
@@ -165,42 +181,46 @@ def main(argv=None) -> Dict[str, Any]:
         if args.warmup:
             warm = mx.array(rng.integers(0, vocab, args.warmup), mx.uint32)
             for s in SYSTEMS:
-                one_run(s, model, warm, args, weights)
-        total = len(args.prompts) * args.repeats * len(SYSTEMS) * (args.tokens + 1)
-        with tqdm(total=total, desc=f"{dtype} tokens", unit="tok", file=sys.stderr) as bar:
+                w = Run(s, model, warm, args)
+                w.decode(2)
+                del w
+        total = len(args.prompts) * len(SYSTEMS) * args.tokens * args.blocks
+        with tqdm(total=total, desc=f"{dtype} decode", unit="tok", file=sys.stderr) as bar:
             for i, n in enumerate(args.prompts):
                 prompt = mx.array(rng.integers(0, vocab, n), mx.uint32)
-                runs: Dict[str, List[Dict[str, Any]]] = {s: [] for s in SYSTEMS}
-                for r in range(args.repeats):
-                    order = SYSTEMS if (i + r) % 2 == 0 else SYSTEMS[::-1]
-                    for s in order:
-                        bar.set_postfix_str(f"prompt {n} {s}")
-                        out = one_run(s, model, prompt, args, weights, bar)
-                        out.update(dtype=dtype, repeat=r)
-                        runs[s].append(out)
-                        results.append(out)
-                med = {s: {k: float(np.median([x[k] for x in runs[s]]))
-                           for k in ("ttft_s", "decode_tok_s", "peak_minus_weights_bytes",
-                                     "cache_bytes")} for s in SYSTEMS}
+                order = SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]
+                runs = {}
+                for s in order:
+                    bar.set_postfix_str(f"prompt {n}: {s} prefill")
+                    runs[s] = Run(s, model, prompt, args)
+                for blk in range(args.blocks):
+                    for s in (order if blk % 2 == 0 else order[::-1]):
+                        bar.set_postfix_str(f"prompt {n}: {s} decode")
+                        runs[s].decode(args.tokens, bar)
+                med = {}
                 for s in SYSTEMS:
-                    m = med[s]
-                    rows.append([dtype, n, s, m["ttft_s"], m["decode_tok_s"],
-                                 m["peak_minus_weights_bytes"] / GIB, m["cache_bytes"] / GIB])
+                    out = runs[s].result()
+                    out.update(dtype=dtype, prompt=n)
+                    results.append(out)
+                    med[s] = out
+                    rows.append([dtype, n, s, out["ttft_s"], out["decode_tok_s"],
+                                 out["prefill_peak_bytes"] / GIB, out["cache_bytes"] / GIB])
+                del runs
+                settle()
                 ours, theirs = med["muser-kv"], med["mlx-lm"]
-                peak_diff = ours["peak_minus_weights_bytes"] - theirs["peak_minus_weights_bytes"]
+                peak_diff = ours["prefill_peak_bytes"] - theirs["prefill_peak_bytes"]
                 cache_diff = ours["cache_bytes"] - theirs["cache_bytes"]
                 checks.append([dtype, n, ours["decode_tok_s"] / theirs["decode_tok_s"],
                                theirs["ttft_s"] / ours["ttft_s"], peak_diff / GIB,
                                cache_diff / GIB, "yes" if peak_diff <= cache_diff else "NO",
-                               first_difference(runs["muser-kv"][0]["tokens"],
-                                                runs["mlx-lm"][0]["tokens"])])
+                               first_difference(ours["tokens"], theirs["tokens"])])
         del model
         settle()
     print()
-    print_table(["dtype", "prompt", "cache", "TTFT s", "decode tok/s", "peak - weights GiB",
+    print_table(["dtype", "prompt", "cache", "TTFT s", "decode tok/s", "prefill peak GiB",
                  "cache GiB"], rows, digits=3)
-    print("peak - weights: peak memory during the run minus the model's weights (the cache, "
-          "activations and temporaries)")
+    print("prefill peak: peak memory during the prefill above everything else held then, "
+          "plus the system's own preallocated planes (its cache, activations and temporaries)")
     print()
     print_table(["dtype", "prompt", "decode muser/mlx-lm", "TTFT mlx-lm/muser", "peak diff GiB",
                  "cache diff GiB", "peak diff <= cache diff", "first token difference"],
