@@ -9,12 +9,21 @@ recomputed on demand (seeds Ch 15.2, 23.8).
 Continuity fails closed: a write at any position other than
 ``origin_logical + len`` raises ``CacheDiscontinuity`` and changes nothing, so a
 skipped or replayed position can never silently alias a live row.
+
+This module is the one place positions become rows. ``Ring.write`` answers,
+for ``n`` tokens at a position, everything the rest of the code needs (where
+the rows go, which old rows leave the window, whether the call reads the plane
+in place or through the staging shadow, which rows it returns and so which
+mask); ``Ring.trimmed`` answers the same for a rewind, ``Ring.installed`` for a
+restore, ``Ring.ahead`` for the rows about to be overwritten. Nothing else does
+modular arithmetic on positions.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 
 class CacheDiscontinuity(ValueError):
@@ -37,6 +46,64 @@ class Run:
     physical: int
     length: int
     source: int
+
+
+class Read(str, enum.Enum):
+    """How a write's rows are read back."""
+
+    #: rows ``[0, after.len)`` of the plane, in logical order (the ring has not
+    #: wrapped, or is a growing plane)
+    PREFIX = "prefix"
+    #: the whole ring as it lies, rotated (one token into a full ring: every
+    #: row is inside the window, order does not matter to attention)
+    RING = "ring"
+    #: the staging shadow: the old live rows in logical order, then the chunk
+    #: (a chunk that wraps, or one into a ring whose live rows are split)
+    SHADOW = "shadow"
+
+
+@dataclass(frozen=True)
+class Write:
+    """Everything a write of ``count`` tokens at ``before.end`` means for one ring.
+
+    ``runs`` place the chunk rows that stay live (``Run.source`` indexes the
+    chunk); ``evicted`` is the logical range ``[lo, hi)`` of old rows the write
+    overwrites; ``rows`` is how many rows the call returns and ``offset`` how
+    many of them precede the chunk's first query (the mask's offset)."""
+
+    before: "Ring"
+    after: "Ring"
+    count: int
+    runs: Tuple[Run, ...]
+    evicted: Tuple[int, int]
+    read: Read
+
+    @property
+    def rows(self) -> int:
+        if self.read is Read.SHADOW:
+            return self.before.len + self.count
+        return self.after.len
+
+    @property
+    def offset(self) -> int:
+        return self.rows - self.count
+
+    @property
+    def position(self) -> int:
+        return self.before.end
+
+
+@dataclass(frozen=True)
+class Trim:
+    """A rewind of ``count`` tokens: the ring it leaves and the logical range
+    ``[lo, hi)`` of overwritten rows that must be put back (from retained copies),
+    at ``runs`` (``Run.source`` counts from ``lo``)."""
+
+    before: "Ring"
+    after: "Ring"
+    count: int
+    restore: Tuple[int, int]
+    runs: Tuple[Run, ...]
 
 
 @dataclass
@@ -147,6 +214,66 @@ class Ring:
             self.len = self.capacity
         source_first = max(self.origin_logical - start, 0)
         return source_first, count - source_first
+
+    # -- plans: what an operation means, computed before anything changes -----
+
+    def write(self, position: int, count: int) -> Write:
+        """The plan for ``count`` tokens at ``position`` (continuity checked;
+        this ring is not changed: commit ``plan.after`` once the rows are placed)."""
+        self.check(position)
+        if count < 1:
+            raise ValueError(f"layer {self.layer}: a write needs at least one token, got {count}")
+        after = replace(self)
+        first, kept = after.append_batch(position, count)
+        runs = tuple(Run(r.physical, r.length, r.source + first)
+                     for r in after.runs(position + first, kept))
+        evicted = (self.origin_logical, min(after.origin_logical, self.end))
+        if count == 1 and self.len == self.capacity:
+            read = Read.RING
+        elif self.origin_physical == 0 and self.len + count <= self.capacity:
+            read = Read.PREFIX
+        else:
+            read = Read.SHADOW
+        return Write(self.copy(), after, count, runs, evicted, read)
+
+    def trimmable(self, first_retained: Optional[int]) -> int:
+        """How many newest tokens can be trimmed exactly, when every position
+        overwritten from ``first_retained`` up to ``origin_logical`` is held
+        (``None``: none is). Trimming to end ``e`` needs the positions
+        ``[max(0, e - capacity), origin_logical)`` back."""
+        if self.origin_logical == 0:
+            return self.len  # nothing was ever overwritten
+        if first_retained is None:
+            return max(0, self.len - self.capacity)
+        if first_retained == 0:
+            return self.end
+        return max(0, self.end - self.capacity - first_retained)
+
+    def trimmed(self, count: int) -> Trim:
+        """The plan for forgetting the newest ``count`` tokens (the caller has
+        checked ``trimmable``): the earlier ring, and which overwritten
+        positions come back (those at or past the new end were trimmed too)."""
+        if not 0 <= count <= self.end:
+            raise ValueError(f"layer {self.layer}: cannot trim {count} of {self.end} positions")
+        end = self.end - count
+        origin = max(0, end - self.capacity)
+        back = self.origin_logical - origin
+        after = Ring(self.capacity, end - origin, origin,
+                     (self.origin_physical - back) % self.capacity, self.layer)
+        lo, hi = origin, min(self.origin_logical, end)
+        runs = tuple(after.runs(lo, hi - lo)) if hi > lo else ()
+        return Trim(self.copy(), after, count, (lo, max(lo, hi)), runs)
+
+    @classmethod
+    def installed(cls, capacity: int, start: int, count: int, layer: int = 0) -> "Ring":
+        """The ring a sequential build leaves holding ``count`` rows from
+        ``start``: the rotation is ``start % capacity`` (design invariant 4)."""
+        return cls(capacity, count, start, start % capacity, layer)
+
+    def ahead(self, count: int) -> List[Run]:
+        """Physical runs of the next ``count`` rows a full ring will overwrite
+        (its oldest live rows), ``Run.source`` counting from ``origin_logical``."""
+        return self.runs(self.origin_logical, min(count, self.len))
 
     def rewind(self, count: int) -> None:
         """Forget the newest ``count`` rows; exact only while nothing they replaced

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muser_kv import CacheDiscontinuity, Ring
+from muser_kv import CacheDiscontinuity, Ring, Run
 
 
 def state(r: Ring):
@@ -127,3 +127,88 @@ def test_ring_module_does_not_import_mlx():
     names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
              for a in n.names} | {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(name.startswith("mlx") for name in names)
+
+
+# -- plans: the one place positions become rows ----------------------------------
+
+from muser_kv.ring import Read  # noqa: E402
+
+
+def test_write_plan_reads_and_runs():
+    r = Ring(8)
+    w = r.write(0, 5)
+    assert (w.read, w.rows, w.offset, w.runs, w.evicted) == (Read.PREFIX, 5, 0, (Run(0, 5, 0),), (0, 0))
+    assert state(r) == (0, 0, 0)  # a plan changes nothing
+    r = w.after
+    w = r.write(5, 3)  # fills the ring exactly: still read in place
+    assert (w.read, w.rows, w.offset) == (Read.PREFIX, 8, 5)
+    r = w.after
+    w = r.write(8, 1)  # one token into a full ring: the ring as it lies
+    assert (w.read, w.rows, w.runs, w.evicted) == (Read.RING, 8, (Run(0, 1, 0),), (0, 1))
+    r = w.after
+    w = r.write(9, 3)  # a chunk that wraps: the staging shadow, old rows first
+    assert (w.read, w.rows, w.offset) == (Read.SHADOW, 11, 8)
+    assert w.runs == (Run(1, 3, 0),) and w.evicted == (1, 4)
+    w = w.after.write(12, 20)  # wider than the ring: only its last 8 rows land
+    assert w.read is Read.SHADOW and w.evicted == (4, 12)
+    assert sum(x.length for x in w.runs) == 8 and w.runs[0].source == 12
+    with pytest.raises(CacheDiscontinuity):
+        w.after.write(31, 1)
+    with pytest.raises(ValueError):
+        w.after.write(32, 0)
+
+
+def test_trim_plan_puts_back_what_was_overwritten():
+    r = Ring(8)
+    r.append_batch(0, 13)  # live [5, 13), origin_physical 5
+    assert r.trimmable(None) == 0 and r.trimmable(2) == 3 and r.trimmable(0) == 13
+    t = r.trimmed(3)  # end 10: live [2, 10), rows 2..4 come back
+    assert state(t.after) == (8, 2, 2) and t.restore == (2, 5)
+    assert t.runs == (Run(2, 3, 0),)
+    t = r.trimmed(11)  # end 2: live [0, 2), both from retained copies
+    assert state(t.after) == (2, 0, 0) and t.restore == (0, 2)
+    fresh = Ring(8)
+    fresh.append_batch(0, 6)
+    assert fresh.trimmable(None) == 6 and fresh.trimmed(6).restore == (0, 0)
+
+
+def test_installed_and_ahead():
+    r = Ring.installed(8, 13, 8)
+    assert state(r) == (8, 13, 5)
+    assert r.ahead(3) == [Run(5, 3, 0)] and r.ahead(4) == [Run(5, 3, 0), Run(0, 1, 3)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12), st.lists(st.integers(1, 20), min_size=1, max_size=12), st.data())
+def test_write_and_trim_plans_match_a_list_oracle(capacity, chunks, data):
+    """Every plan against a plain list: which positions land where, which leave,
+    what a trim needs back -- the ring's answers are the only arithmetic."""
+    r, slots, pos = Ring(capacity), [None] * capacity, 0
+    for n in chunks:
+        w = r.write(pos, n)
+        live_before = set(s for s in slots if s is not None)
+        for run in w.runs:
+            for i in range(run.length):
+                slots[run.physical + i] = pos + run.source + i
+        live_after = set(s for s in slots if s is not None)
+        lo, hi = w.evicted
+        assert set(range(lo, hi)) == live_before - live_after
+        assert live_after == set(range(max(0, pos + n - capacity), pos + n))
+        r, pos = w.after, pos + n
+        assert [r.physical(p) for p in sorted(live_after)] == [slots.index(p) for p in sorted(live_after)]
+    k = data.draw(st.integers(0, pos))
+    first = data.draw(st.one_of(st.none(), st.integers(0, r.origin_logical)))
+    depth = r.trimmable(first)
+    if k <= depth:
+        t = r.trimmed(k)
+        end = pos - k
+        want = set(range(max(0, end - capacity), end))
+        assert set(range(t.after.origin_logical, t.after.end)) == want
+        lo, hi = t.restore
+        # what comes back is exactly what is live after but not in the ring now
+        assert set(range(lo, hi)) == want - set(range(r.origin_logical, r.end))
+        if first is not None and hi > lo:
+            assert lo >= first
+        for run in t.runs:
+            for i in range(run.length):
+                assert t.after.physical(lo + run.source + i) == run.physical + i
