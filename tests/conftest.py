@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import muse_glimmer  # noqa: E402
+
+import metal_plugin  # noqa: E402
+
+if os.environ.get(metal_plugin.EMULATOR_ENV):  # a child process of an emulated-Metal run
+    metal_plugin.install()
+
+
+def pytest_addoption(parser):
+    metal_plugin.addoption(parser)
+
+
+def pytest_configure(config):
+    metal_plugin.configure(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    metal_plugin.collection_modifyitems(config, items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    metal_plugin.sessionfinish(session)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    metal_plugin.terminal_summary(terminalreporter)
 
 
 def tiny_args(**kw) -> muse_glimmer.ModelArgs:
