@@ -35,6 +35,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     metal_plugin.terminal_summary(terminalreporter)
 
 
+@pytest.fixture(scope="session")
+def emulator():
+    """The Metal emulator (tests/metal_emulator.py). Without clang++ it skips on a
+    developer's machine and fails where MUSER_KV_REQUIRE_CLANG is set (CI)."""
+    import platform
+
+    from metal_emulator import REQUIRE_ENV, ClangMissing, default_emulator
+
+    if not (platform.system() == "Linux" and platform.machine() == "x86_64"):
+        pytest.skip("the Metal emulator runs on Linux x86-64")
+    try:
+        return default_emulator()
+    except ClangMissing as e:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(f"{e} ({REQUIRE_ENV} is set: CI must compile the Metal text)",
+                        pytrace=False)
+        pytest.skip(str(e))
+
+
 def tiny_args(**kw) -> muse_glimmer.ModelArgs:
     """Muse-Glimmer-shaped: real 2 x 128 KV geometry, tiny hidden size."""
     base = dict(hidden_size=64, num_hidden_layers=8, intermediate_size=128,

@@ -8,9 +8,9 @@ compares its results bitwise with the oracles. Child processes the tests start
 inherit ``MUSER_KV_METAL_EMULATOR=1`` and install the emulator the same way
 (``conftest`` does it at import).
 
-The kernel-form tests (host C++, NVRTC, the Metal module itself) drive each
-form directly rather than through the selected backend: they are deselected in
-this run, which the default run already covers. The session fails if no kernel
+The kernel-form tests (host C++, NVRTC, the Metal module itself, the selftest's)
+drive each form directly rather than through the selected backend: they are
+deselected in this run, which the default run already covers. The session fails if no kernel
 (or not every kernel) went through the emulator: the option cannot pass by
 running the reference path.
 
@@ -29,7 +29,8 @@ from muser_kv import kernels
 
 OPTION = "--metal-emulator"
 EMULATOR_ENV = "MUSER_KV_METAL_EMULATOR"
-DIRECT_KERNEL_TESTS = ("test_kernels_host.py", "test_kernels_nvrtc.py", "test_kernels_metal.py")
+DIRECT_KERNEL_TESTS = ("test_kernels_host.py", "test_kernels_nvrtc.py", "test_kernels_metal.py",
+                       "test_selftest.py")
 KERNELS = ("batch_store", "stage", "gather", "install")
 
 _installed = None

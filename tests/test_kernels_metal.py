@@ -9,11 +9,9 @@ are exactly the ones the package asks Metal for. Negative controls feed the same
 pipeline deliberately broken bodies and assert that each breakage is caught.
 
 clang++ (>= 17; CI installs clang-19) is needed: without it these tests skip on a
-developer's machine, and fail where MUSER_KV_REQUIRE_CLANG is set (.ci/run sets it).
+developer's machine, and fail where MUSER_KV_REQUIRE_CLANG is set (.ci/run sets
+it; the ``emulator`` fixture is in conftest).
 """
-
-import os
-import platform
 
 import mlx.core as mx
 import numpy as np
@@ -21,27 +19,13 @@ import pytest
 
 from kernel_cases import (CASES, DTYPES, H, KV, LAYOUTS, PLANES, RING_STATES, ROWS, D, bits16,
                           edge_values, model_kv, plane_buffer, ring)
-from metal_emulator import (REAL_METAL_KERNEL, REQUIRE_ENV, ClangMissing, MetalCompileError, MetalEmulatorError,
-                            MetalFault, MetalRunMismatch, default_emulator)
+from metal_emulator import (REAL_METAL_KERNEL, MetalCompileError, MetalEmulatorError, MetalFault,
+                            MetalRunMismatch)
 from metal_text import MetalTextError, jit_preamble, preamble_identifiers
 from muser_kv import kernels
 from muser_kv.kernels import HEAD_MAJOR, TOKEN_MAJOR, KernelBackend, ReferenceBackend
 
 REF = ReferenceBackend()
-EMULATED_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
-
-
-@pytest.fixture(scope="module")
-def emulator():
-    if not EMULATED_PLATFORM:
-        pytest.skip("the Metal emulator runs on Linux x86-64")
-    try:
-        return default_emulator()
-    except ClangMissing as e:
-        if os.environ.get(REQUIRE_ENV):
-            pytest.fail(f"{e} ({REQUIRE_ENV} is set: CI must compile the Metal text)",
-                        pytrace=False)
-        pytest.skip(str(e))
 
 
 @pytest.fixture
