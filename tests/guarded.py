@@ -4,11 +4,12 @@ An ``Arena`` lays out the buffers of one kernel run in one mapping, each
 between PROT_NONE guards at least as large as the buffer (and at least 64 KiB).
 Data sits flush against the guard above it (``Placement.END``: one element
 past the end faults) or the guard below (``Placement.START``: one element
-before the start faults); the rest of its pages holds a canary that is checked
-after the run, so a write into it is caught too. Inputs are read-only while the
-kernel runs: a write through an input pointer faults. Running once with each
-placement catches every access outside a buffer, in either direction, up to
-the guard's size.
+before the start faults); the rest of its pages holds a canary. The run itself
+(``runtime.cpp``: muser_kv_prepare / muser_kv_finish, given ``Arena.table``)
+fills the outputs, lays the canaries, makes inputs read-only -- a write
+through an input pointer faults -- and afterwards checks the canaries. Running
+once with each placement catches every access outside a buffer, in either
+direction, up to the guard's size.
 
 Arenas are reused for the next run with the same buffer sizes (``acquire``):
 mapping fresh pages for every run would cost more than the runs.
@@ -27,7 +28,6 @@ import numpy as np
 
 PAGE = mmap.PAGESIZE
 MIN_GUARD = 64 * 1024
-CANARY = 0xC3
 PROT_NONE = 0
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 POOL_SIZE = 64
@@ -55,6 +55,14 @@ def _protect(address: int, size: int, prot: int) -> None:
         raise OSError(ctypes.get_errno(), "mprotect failed")
 
 
+class BufferRecord(ctypes.Structure):
+    """runtime.cpp's muser_kv_buffer."""
+
+    _fields_ = [("pages", ctypes.c_uint64), ("size", ctypes.c_uint64),
+                ("address", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
+                ("output", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
 @dataclass
 class Buffer:
     """One guarded buffer: ``nbytes`` of data at ``address`` inside ``pages``."""
@@ -71,12 +79,6 @@ class Buffer:
         raw = (ctypes.c_char * max(self.nbytes, 1)).from_address(self.address)
         return np.frombuffer(raw, dtype=np.uint8, count=self.nbytes).view(dtype)
 
-    @property
-    def slack(self) -> List[Tuple[int, int]]:
-        """(address, nbytes) of the canary bytes beside the data."""
-        end = self.address + self.nbytes
-        return [(self.pages, self.address - self.pages), (end, self.pages + self.size - end)]
-
     def describe(self, address: int, guard: int) -> Optional[str]:
         """Where ``address`` lies relative to this buffer, if within a guard of it."""
         if not self.pages - guard <= address < self.pages + self.size + guard:
@@ -90,7 +92,8 @@ class Buffer:
 
 
 class Arena:
-    """The guarded buffers of one run layout: ``specs`` is [(name, kind, nbytes)]."""
+    """The guarded buffers of one run layout: ``specs`` is [(name, kind, nbytes)].
+    Between runs every data page is writable (the runtime restores that)."""
 
     def __init__(self, specs: Sequence[Tuple[str, str, int]], placement: Placement):
         self.placement = placement
@@ -108,20 +111,9 @@ class Arena:
             self.buffers.append(Buffer(name, kind, nbytes, pages, size, address))
             _protect(pages, size, PROT_RW)
             pages += size + self.guard
-
-    def prepare(self) -> None:
-        """Writable again, canaries fresh: ready to be filled for a run."""
-        for b in self.buffers:
-            if b.kind != "output":
-                _protect(b.pages, b.size, PROT_RW)
-            for address, n in b.slack:
-                ctypes.memset(address, CANARY, n)
-
-    def protect_inputs(self) -> None:
-        """Inputs and constants read-only: a kernel writes its outputs only."""
-        for b in self.buffers:
-            if b.kind != "output":
-                _protect(b.pages, b.size, mmap.PROT_READ)
+        self.table = (BufferRecord * max(len(specs), 1))(*[
+            BufferRecord(b.pages, b.size, b.address, b.nbytes, int(b.kind == "output"), 0)
+            for b in self.buffers])
 
     def inside(self, address: int):
         """(name, byte offset) when ``address`` is inside a non-output buffer's data."""
@@ -137,15 +129,6 @@ class Arena:
                 return where
         return f"address {address:#x}, in no buffer of this kernel"
 
-    def corrupted_slack(self) -> List[str]:
-        bad = []
-        for b in self.buffers:
-            for address, n in b.slack:
-                if n and ctypes.string_at(address, n) != bytes([CANARY]) * n:
-                    bad.append(b.name)
-                    break
-        return bad
-
     def close(self) -> None:
         if self.base:
             _libc.munmap(self.base, self.size)
@@ -156,7 +139,7 @@ _POOL: "OrderedDict[tuple, Arena]" = OrderedDict()
 
 
 def acquire(specs: Sequence[Tuple[str, str, int]], placement: Placement) -> Arena:
-    """An arena for this layout, prepared for a run (reused when it exists)."""
+    """An arena for this layout (the one of an earlier run when there is one)."""
     key = (placement, tuple(specs))
     arena = _POOL.pop(key, None)
     if arena is None:
@@ -164,5 +147,4 @@ def acquire(specs: Sequence[Tuple[str, str, int]], placement: Placement) -> Aren
         while len(_POOL) >= POOL_SIZE:
             _POOL.popitem(last=False)[1].close()
     _POOL[key] = arena
-    arena.prepare()
     return arena

@@ -65,7 +65,13 @@ CHECK = ("-std=c++14", "-fsyntax-only", "-Werror", "-Wall", "-Wextra", "-Wpedant
          "-Wimplicit-fallthrough", "-Wno-unknown-attributes")
 #: The run build: the same text, address spaces erased, MLX's CPU half/bfloat.
 RUN_FLAGS = ("-std=c++14", "-O1", "-fPIC", "-DMUSER_KV_MSL_RUN", "-w")
-RUN = RUN_FLAGS + ("-shared", "-fvisibility=hidden")
+#: Linked without the C runtime's start files (a kernel library needs none) and
+#: with gold where it exists: the link was most of a kernel's build time.
+#: -z defs: a symbol these libraries do not provide fails the link, not the load.
+LINK = (("-fuse-ld=gold",) if shutil.which("ld.gold") else ()) + (
+    "-shared", "-nostdlib", "-Wl,-z,defs")
+LIBS = ("-lstdc++", "-lm", "-lc")
+RUN = RUN_FLAGS + ("-fvisibility=hidden",) + LINK
 
 
 class MetalEmulatorError(RuntimeError):
@@ -168,9 +174,10 @@ class Compiler:
                 + '\n#line 1 "muser_kv_emulator_driver.cpp"\n' + driver(signature))
 
     def library(self, text: str, signature: Signature) -> Path:
-        """The kernel library for MLX's ``text``: first the check build (every
-        strict warning fatal; ``MetalCompileError`` carries clang's
-        diagnostics), then the run build of the same translation unit."""
+        """The kernel library for MLX's ``text``: the check build (every strict
+        warning fatal; ``MetalCompileError`` carries clang's diagnostics) and the
+        run build of the same translation unit, side by side; the library is
+        kept (and cached) only when both pass."""
         tu = self.translation_unit(text, signature)
         key = _digest(self.base, tu)
         target = self.dir / f"kernel_{key}.so"
@@ -179,19 +186,25 @@ class Compiler:
         src = self.dir / f"kernel_{key}.cpp"
         src.write_text(tu)
         what = f"the Metal text of {signature.name} ({src})"
-        check = subprocess.run([self.clang, *CHECK, *self.check_includes, str(src)],
-                               capture_output=True, text=True)
-        if check.returncode != 0 or check.stderr.strip():
-            raise MetalCompileError(f"clang++ rejected {what}:\n{check.stderr[:6000]}")
-        command = [self.clang, *RUN, *self.run_includes, str(src), str(self.runtime)]
-        try:
-            return self._build(target, command, what + " (run build)")
-        except MetalCompileError as e:
-            if "precompiled header" not in str(e):
-                raise
+        for attempt in range(2):
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            check = subprocess.Popen([self.clang, *CHECK, *self.check_includes, str(src)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            run = subprocess.run([self.clang, *RUN, *self.run_includes, str(src), str(self.runtime),
+                                  *LIBS, "-o", str(tmp)], capture_output=True, text=True)
+            diagnostics = check.communicate()[0]
+            if check.returncode != 0 or diagnostics.strip():
+                tmp.unlink(missing_ok=True)
+                raise MetalCompileError(f"clang++ rejected {what}:\n{diagnostics[:6000]}")
+            if run.returncode == 0:
+                tmp.replace(target)
+                return target
+            tmp.unlink(missing_ok=True)
+            if attempt or "precompiled header" not in run.stderr:
+                raise MetalCompileError(f"clang++ rejected {what} (run build):\n{run.stderr[:6000]}")
             self.pch.unlink(missing_ok=True)  # stale (its header was rewritten): rebuild once
             self._build(self.pch, self.pch_command, "MLX's preamble (run build)")
-            return self._build(target, command, what + " (run build)")
+        raise AssertionError("unreachable")
 
 
 # -- the driver: one call of the kernel per grid thread --------------------------------
@@ -295,9 +308,8 @@ _NUMPY = {mx.float16: np.float16, mx.float32: np.float32, mx.bfloat16: np.uint16
 
 
 def host_view(a: mx.array) -> np.ndarray:
-    """The array's memory as MLX holds it -- its data pointer (offset included)
-    and its strides -- as a numpy view; bf16 as uint16 bit patterns."""
-    mx.eval(a)
+    """The (evaluated) array's memory as MLX holds it -- its data pointer
+    (offset included) and its strides -- as a numpy view; bf16 as uint16 bits."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.array(a, copy=False)
@@ -339,6 +351,17 @@ class Compiled:
     signature: Signature
     text: str
     library: ctypes.CDLL
+    plans: Dict[tuple, "Plan"] = field(default_factory=dict)
+
+    @property
+    def inputs(self) -> Tuple[Tuple[str, str, str], ...]:
+        return tuple((p.name, p.ctype, p.space) for p in self.signature.params if p.kind == "input")
+
+    def plan(self, views: Sequence[np.ndarray], outputs) -> "Plan":
+        key = (tuple((v.shape, v.strides, v.dtype.str) for v in views), outputs)
+        if key not in self.plans:
+            self.plans[key] = make_plan(self.signature, views, outputs)
+        return self.plans[key]
 
 
 class EmulatedMetal:
@@ -383,6 +406,9 @@ class EmulatedMetal:
             lib.muser_kv_emulate.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                              ctypes.POINTER(ctypes.c_uint32), ctypes.c_int32,
                                              ctypes.POINTER(_Fault)]
+            lib.muser_kv_prepare.restype = lib.muser_kv_finish.restype = ctypes.c_int
+            lib.muser_kv_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+            lib.muser_kv_finish.argtypes = [ctypes.c_void_p, ctypes.c_int32]
             self.compiled[digest] = Compiled(sig, text, lib)
         return self.compiled[digest]
 
@@ -409,70 +435,90 @@ class EmulatedKernel:
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
         compiled = self.emulator.compile(text, self)
-        views = [host_view(x) for x in inputs]
-        group = tuple(min(t, g) for t, g in zip(threadgroup, grid))
-        if int(np.prod(threadgroup)) > MAX_THREADS_PER_THREADGROUP:
+        if threadgroup[0] * threadgroup[1] * threadgroup[2] > MAX_THREADS_PER_THREADGROUP:
             raise MetalEmulatorError(f"{self.name}: threadgroup {threadgroup} exceeds "
                                      f"{MAX_THREADS_PER_THREADGROUP} threads")
+        mx.eval(inputs)
+        views = [host_view(x) for x in inputs]
+        outputs = tuple((tuple(s), d) for s, d in zip(output_shapes, output_dtypes))
+        plan = compiled.plan(views, outputs)
+        group = tuple(min(t, g) for t, g in zip(threadgroup, grid))
         dims = (ctypes.c_uint32 * 6)(*grid, *group)
-        outputs = [(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
-        run_a = _run(compiled, views, outputs, dims, Placement.END, 0x00, 0x5A, reverse=False)
-        run_b = _run(compiled, views, outputs, dims, Placement.START, 0xFF, 0xA5, reverse=True)
+        run_a = _run(compiled, plan, views, dims, Placement.END, 0x00, 0x5A, reverse=False)
+        run_b = _run(compiled, plan, views, dims, Placement.START, 0xFF, 0xA5, reverse=True)
         for name, a, b in zip(self.output_names, run_a, run_b):
-            differ = np.any(_bytes(a) != _bytes(b), axis=1)
-            if differ.any():
+            if a.tobytes() != b.tobytes():
+                differ = np.any(_bytes(a) != _bytes(b), axis=1)
                 raise MetalRunMismatch(
                     f"{compiled.signature.name}: output `{name}` differs between run A (0x00 fill, "
                     f"forward) and run B (0xFF fill, reverse) at {int(differ.sum())} of {a.size} "
                     f"elements (first: flat index {int(np.argmax(differ))}): an element no thread "
                     "writes, a read outside every input view, or a thread-order dependence")
-        self.emulator.calls.append(Call(
-            self.name, compiled.signature.name, key,
-            tuple((p.name, p.ctype, p.space) for p in compiled.signature.params if p.kind == "input")))
+        self.emulator.calls.append(Call(self.name, compiled.signature.name, key, compiled.inputs))
         return [_to_mlx(a, d) for a, (_, d) in zip(run_a, outputs)]
 
 
-def _run(compiled: Compiled, views: Sequence[np.ndarray], outputs, dims, placement: Placement,
-         fill: int, hole: int, reverse: bool) -> List[np.ndarray]:
-    """One run over the whole grid in guarded buffers; its outputs."""
-    sig = compiled.signature
-    by_name = dict(zip([p.name for p in sig.params if p.kind == "input"], views))
+@dataclass
+class Plan:
+    """What each buffer of a run holds, in MLX's buffer order, for one set of
+    input layouts and output shapes: ``specs`` [(name, kind, nbytes)] and per
+    buffer ("input", view index, lo) / ("constant", array) / ("output", shape, dtype)."""
+
+    specs: List[Tuple[str, str, int]]
+    fills: List[tuple]
+
+
+def make_plan(sig: Signature, views: Sequence[np.ndarray], outputs) -> Plan:
+    index = {p.name: i for i, p in enumerate(p for p in sig.params if p.kind == "input")}
     out_iter = iter(outputs)
-    # what each buffer holds, in MLX's buffer order
-    plan = []
+    specs, fills = [], []
     for p in sig.params:
         if p.kind == "input":
-            v = by_name[p.name]
+            v = views[index[p.name]]
             lo, hi = _extent(v)
-            plan.append((p.name, "input", hi - lo, (v, lo)))
+            specs.append((p.name, "input", hi - lo))
+            fills.append(("input", index[p.name], lo))
         elif p.kind in ("shape", "strides", "ndim"):
-            v = by_name[p.of]
+            v = views[index[p.of]]
             data = {"shape": np.array(v.shape, np.int32),
                     "strides": np.array([s // v.itemsize for s in v.strides], np.int64),
                     "ndim": np.array([v.ndim], np.int32)}[p.kind]
-            plan.append((p.name, "constant", data.nbytes, data))
+            specs.append((p.name, "constant", data.nbytes))
+            fills.append(("constant", data))
         elif p.kind == "output":
             shape, dtype = next(out_iter)
             np_dtype = np.dtype(_NUMPY[dtype])
-            plan.append((p.name, "output", int(np.prod(shape)) * np_dtype.itemsize,
-                         (shape, np_dtype)))
-    arena = acquire([(name, kind, n) for name, kind, n, _ in plan], placement)
+            specs.append((p.name, "output", int(np.prod(shape)) * np_dtype.itemsize))
+            fills.append(("output", shape, np_dtype))
+    return Plan(specs, fills)
+
+
+def _run(compiled: Compiled, plan: Plan, views: Sequence[np.ndarray], dims, placement: Placement,
+         fill: int, hole: int, reverse: bool) -> List[np.ndarray]:
+    """One run over the whole grid in guarded buffers; its outputs."""
+    sig = compiled.signature
+    arena = acquire(plan.specs, placement)
     addresses, out_buffers = [], []
-    for buf, (_, kind, _, what) in zip(arena.buffers, plan):
-        if kind == "input":
-            addresses.append(_place_input(buf, *what, hole))
-        elif kind == "constant":
-            buf.array(what.dtype)[:] = what
+    for buf, what in zip(arena.buffers, plan.fills):
+        if what[0] == "input":
+            addresses.append(_place_input(buf, views[what[1]], what[2], hole))
+        elif what[0] == "constant":
+            buf.array(what[1].dtype)[:] = what[1]
             addresses.append(buf.address)
         else:
-            ctypes.memset(buf.address, fill, buf.nbytes)
-            out_buffers.append((buf, *what))
+            out_buffers.append((buf, what[1], what[2]))
             addresses.append(buf.address)
-    arena.protect_inputs()
+    lib, n = compiled.library, len(arena.buffers)
+    pointers = (ctypes.c_void_p * max(n, 1))(*addresses)
     fault = _Fault()
-    pointers = (ctypes.c_void_p * max(len(addresses), 1))(*addresses)
+    if lib.muser_kv_prepare(arena.table, n, fill) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect failed")
+    faulted = lib.muser_kv_emulate(pointers, dims, int(reverse), ctypes.byref(fault))
+    spoiled = lib.muser_kv_finish(arena.table, n)
+    if spoiled == -2:
+        raise OSError(ctypes.get_errno(), "mprotect failed")
     run = "B" if reverse else "A"
-    if compiled.library.muser_kv_emulate(pointers, dims, int(reverse), ctypes.byref(fault)):
+    if faulted:
         inside = arena.inside(fault.address)
         if inside is not None:  # in an input's (read-only) data: a write through an input
             name, offset = inside
@@ -481,9 +527,8 @@ def _run(compiled: Compiled, views: Sequence[np.ndarray], outputs, dims, placeme
         access = {1: "write", 0: "read"}.get(fault.write, "access")
         raise MetalFault(f"{sig.name}: {access} outside its buffers, at "
                          f"{arena.describe(fault.address)} (run {run})")
-    spoiled = arena.corrupted_slack()
-    if spoiled:
-        raise MetalFault(f"{sig.name}: wrote outside output(s) {spoiled} "
+    if spoiled >= 0:
+        raise MetalFault(f"{sig.name}: wrote outside output `{arena.buffers[spoiled].name}` "
                          f"(run {run}; canary overwritten)")
     return [buf.array(dt).reshape(shape).copy() for buf, shape, dt in out_buffers]
 
@@ -493,10 +538,13 @@ def _place_input(buf, v: np.ndarray, lo: int, hole: int) -> int:
     view spans, at the same strides; bytes between its elements hold ``hole``.
     Returns the address of its data pointer (MLX's offset included)."""
     if buf.nbytes:
-        ctypes.memset(buf.address, hole, buf.nbytes)
         raw = buf.array()
-        dst = np.ndarray(v.shape, v.dtype, buffer=raw, offset=-lo, strides=v.strides)
-        dst[...] = v
+        if v.flags.c_contiguous and lo == 0 and v.nbytes == buf.nbytes:
+            raw[:] = v.reshape(-1).view(np.uint8)
+        else:
+            ctypes.memset(buf.address, hole, buf.nbytes)
+            dst = np.ndarray(v.shape, v.dtype, buffer=raw, offset=-lo, strides=v.strides)
+            dst[...] = v
     return buf.address - lo
 
 

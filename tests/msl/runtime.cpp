@@ -1,12 +1,76 @@
 // The emulator's runtime, linked into every emulated Metal kernel library:
-// muser_kv_guarded runs a grid with SIGSEGV/SIGBUS caught, so an access to a
-// guard page (or a write to a read-only input) is reported with its address
-// instead of killing the test process.
+//
+//   * muser_kv_guarded runs a grid with SIGSEGV/SIGBUS caught, so an access to
+//     a guard page (or a write to a read-only input) is reported with its
+//     address instead of killing the test process;
+//   * muser_kv_prepare / muser_kv_finish do a run's per-buffer chores around
+//     it (fill the outputs, lay the canaries, make inputs read-only; then
+//     writable again and the canaries checked), in C because a Python loop
+//     over the buffers cost more than the kernels.
 #include <csetjmp>
 #include <csignal>
 #include <cstdint>
 #include <cstring>
+#include <sys/mman.h>
 #include <ucontext.h>
+
+// One guarded buffer of a run (tests/guarded.py lays them out).
+struct muser_kv_buffer {
+  uint64_t pages;    // first data page
+  uint64_t size;     // bytes of data pages
+  uint64_t address;  // first data byte
+  uint64_t nbytes;
+  int32_t output;    // 1: an output (written by the kernel); 0: input or constant
+  int32_t unused;
+};
+
+static const unsigned char kCanary = 0xC3;
+
+static void lay_canary(const muser_kv_buffer& b) {
+  std::memset(reinterpret_cast<void*>(b.pages), kCanary, b.address - b.pages);
+  std::memset(reinterpret_cast<void*>(b.address + b.nbytes), kCanary,
+              b.pages + b.size - b.address - b.nbytes);
+}
+
+static bool canary_intact(uint64_t from, uint64_t to) {
+  for (const unsigned char* p = reinterpret_cast<const unsigned char*>(from);
+       p < reinterpret_cast<const unsigned char*>(to); ++p) {
+    if (*p != kCanary) return false;
+  }
+  return true;
+}
+
+// Outputs filled with `fill`, canaries laid, inputs read-only. 0, or -1 if an
+// mprotect failed.
+extern "C" int muser_kv_prepare(const muser_kv_buffer* buffers, int32_t count, int32_t fill) {
+  for (int32_t i = 0; i < count; ++i) {
+    const muser_kv_buffer& b = buffers[i];
+    lay_canary(b);
+    if (b.output) {
+      std::memset(reinterpret_cast<void*>(b.address), fill, b.nbytes);
+    } else if (mprotect(reinterpret_cast<void*>(b.pages), b.size, PROT_READ) != 0) {
+      return -1;
+    }
+  }
+  return 0;
+}
+
+// Inputs writable again (for the arena's next run); returns the index of the
+// first buffer whose canary was overwritten, -1 if none, -2 if an mprotect failed.
+extern "C" int muser_kv_finish(const muser_kv_buffer* buffers, int32_t count) {
+  int spoiled = -1;
+  for (int32_t i = 0; i < count; ++i) {
+    const muser_kv_buffer& b = buffers[i];
+    if (!b.output && mprotect(reinterpret_cast<void*>(b.pages), b.size, PROT_READ | PROT_WRITE) != 0) {
+      return -2;
+    }
+    if (spoiled < 0 && !(canary_intact(b.pages, b.address) &&
+                         canary_intact(b.address + b.nbytes, b.pages + b.size))) {
+      spoiled = i;
+    }
+  }
+  return spoiled;
+}
 
 extern "C" {
 
