@@ -293,7 +293,10 @@ class KernelBackend(ReferenceBackend):
 
 
 def detect() -> str:
-    """The best backend this MLX can run: Metal, then CUDA, else the reference."""
+    """The best backend this MLX can run: Metal, then CUDA, else the reference.
+    Never Metal without ``mx.metal`` (Linux): there, ``MUSER_KV_BACKEND=metal``
+    fails at the first kernel with MLX's "No Metal back-end" (the tests' emulator
+    can stand in for ``mx.fast.metal_kernel``: ``pytest --metal-emulator``)."""
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():

@@ -93,7 +93,8 @@ def instantiations(emulator):
     return out
 
 
-def _key(call, geometry):
+def _key(call):
+    """(kernel, T, P, HEAD_MAJOR) of a recorded call (its text key holds the template)."""
     template = dict(call.key[8])
     plane = template["P"].replace("mlx.core.", "")
     t = template.get("T", template["P"]).replace("mlx.core.", "")
@@ -103,7 +104,7 @@ def _key(call, geometry):
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_backend_asks_for_every_instantiation(emulator, instantiations, geometry):
     """Each (kernel, T, P, layout) went through MLX's generator, clang and a run."""
-    got = {_key(c, geometry) for c in instantiations[geometry]}
+    got = {_key(c) for c in instantiations[geometry]}
     assert set(EXPECTED) <= got, sorted(set(EXPECTED) - got)
     texts = {c.function for c in instantiations[geometry]}
     assert len(texts) >= len(EXPECTED)
@@ -120,7 +121,7 @@ def test_backend_asks_for_every_instantiation(emulator, instantiations, geometry
 def test_generated_text_is_mlx_signature(emulator, instantiations, case):
     """What MLX generated for the Muse geometry: the template, the inputs in
     `device` memory with `params` in `constant`, MLX's element type names."""
-    call = next(c for c in instantiations["muse"] if _key(c, "muse") == case)
+    call = next(c for c in instantiations["muse"] if _key(c) == case)
     text = emulator.texts[call.key]
     kernel, t, p, hm = case
     header = kernels.kernel_header()
