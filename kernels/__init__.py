@@ -1,1 +1,1 @@
-"""Kernel sources (prelude.h + one *.inc body per kernel), shipped as package data."""
+"""Kernel sources (prelude.h, the convert.h header and one *.inc body per kernel), shipped as package data."""

@@ -9,25 +9,21 @@
 //                      namespace mlx::core::cu
 //   MUSER_KV_HOST      g++ on the CPU, in CI: the harness loops the grid and
 //                      defines the thread index and muser_kv_host_plane<P>
+//   (the header, convert.h, is file scope on all three)
 //
 // Bodies follow four rules so that all three agree bit for bit:
 //   * thread ids only through KIDX_GLOBAL_X; bounds-checked; no `return`
 //     (on the host the body is the inside of a loop);
 //   * runtime scalars arrive in an int32 `params` array, read as params[i];
 //   * element types: input `T`, plane `P` (float16 or bfloat16; templates);
-//     conversion only via TO_F32 / PLANE_FROM_F32, which rounds f32 to the
-//     plane type to nearest even on every backend, as MLX's astype does;
+//     conversion only via TO_PLANE (convert.h, the kernels' header): a copy
+//     when T is P, else one round to nearest even, as MLX's astype does;
 //   * fixed-width integers (uint32_t, int64_t), no `uint`.
 #if defined(__METAL_VERSION__)
 #define KIDX_GLOBAL_X ((uint32_t)thread_position_in_grid.x)
-#define TO_F32(x) static_cast<float>(x)
-#define PLANE_FROM_F32(x) static_cast<P>(x)
 #elif defined(MUSER_KV_HOST)
 #define KIDX_GLOBAL_X (muser_kv_tid)
-#define TO_F32(x) static_cast<float>(x)
-#define PLANE_FROM_F32(x) muser_kv_host_plane<P>(x)
 #else
 #define KIDX_GLOBAL_X ((uint32_t)(blockIdx.x * blockDim.x + threadIdx.x))
-#define TO_F32(x) static_cast<float>(x)
-#define PLANE_FROM_F32(x) static_cast<P>(x)
 #endif
+#define TO_PLANE(x) muser_kv_to_plane<P>(x)

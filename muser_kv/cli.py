@@ -1,4 +1,4 @@
-"""The ``muser-kv`` command."""
+"""The ``muser-kv`` command: footprint, inspect, selftest."""
 
 from __future__ import annotations
 
@@ -135,6 +135,13 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_selftest(ns: argparse.Namespace) -> int:
+    """Every kernel on this machine's GPU against the reference path, bit for bit."""
+    from .selftest import main as selftest
+
+    return selftest(ns.backend)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="muser-kv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="print a session file's header and verify its checksums")
     ins.add_argument("file", help="a session file written by muser_kv.save_session")
     ins.set_defaults(func=cmd_inspect)
+    st = sub.add_parser("selftest", help="build every kernel on this GPU (Metal or CUDA) and "
+                                         "check it bitwise against the reference path")
+    st.add_argument("--backend", choices=("metal", "cuda"),
+                    help="the kernel backend to test (default: the one this MLX has)")
+    st.set_defaults(func=cmd_selftest)
     return parser
 
 

@@ -188,6 +188,11 @@ def kernel_source(name: str) -> str:
     return src.joinpath("prelude.h").read_text() + "\n" + src.joinpath(f"{name}.inc").read_text()
 
 
+def kernel_header() -> str:
+    """The file-scope helpers every kernel shares (``convert.h``): each factory's ``header``."""
+    return resources.files("muser_kv.kernel_sources").joinpath("convert.h").read_text()
+
+
 def _params(*values: int) -> mx.array:
     return mx.array(values, dtype=mx.int32)
 
@@ -214,7 +219,7 @@ class KernelBackend(ReferenceBackend):
             factory = mx.fast.metal_kernel if self.name == "metal" else mx.fast.cuda_kernel
             self._built[name] = factory(
                 name=f"muser_kv_{name}", input_names=inputs, output_names=outputs,
-                source=kernel_source(name), ensure_row_contiguous=False,
+                source=kernel_source(name), header=kernel_header(), ensure_row_contiguous=False,
             )
         return self._built[name]
 
@@ -288,7 +293,10 @@ class KernelBackend(ReferenceBackend):
 
 
 def detect() -> str:
-    """The best backend this MLX can run: Metal, then CUDA, else the reference."""
+    """The best backend this MLX can run: Metal, then CUDA, else the reference.
+    Never Metal without ``mx.metal`` (Linux): there, ``MUSER_KV_BACKEND=metal``
+    fails at the first kernel with MLX's "No Metal back-end" (the tests' emulator
+    can stand in for ``mx.fast.metal_kernel``: ``pytest --metal-emulator``)."""
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():

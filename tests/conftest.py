@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,50 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import muse_glimmer  # noqa: E402
+
+import metal_plugin  # noqa: E402
+
+if os.environ.get(metal_plugin.EMULATOR_ENV):  # a child process of an emulated-Metal run
+    metal_plugin.install()
+
+
+def pytest_addoption(parser):
+    metal_plugin.addoption(parser)
+
+
+def pytest_configure(config):
+    metal_plugin.configure(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    metal_plugin.collection_modifyitems(config, items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    metal_plugin.sessionfinish(session)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    metal_plugin.terminal_summary(terminalreporter)
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    """The Metal emulator (tests/metal_emulator.py). Without clang++ it skips on a
+    developer's machine and fails where MUSER_KV_REQUIRE_CLANG is set (CI)."""
+    import platform
+
+    from metal_emulator import REQUIRE_ENV, ClangMissing, default_emulator
+
+    if not (platform.system() == "Linux" and platform.machine() == "x86_64"):
+        pytest.skip("the Metal emulator runs on Linux x86-64")
+    try:
+        return default_emulator()
+    except ClangMissing as e:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(f"{e} ({REQUIRE_ENV} is set: CI must compile the Metal text)",
+                        pytrace=False)
+        pytest.skip(str(e))
 
 
 def tiny_args(**kw) -> muse_glimmer.ModelArgs:

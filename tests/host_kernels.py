@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from muser_kv.kernels import THREADGROUP, kernel_source
+from muser_kv.kernels import THREADGROUP, kernel_header, kernel_source
 
 # bf16 has no host type: a 16-bit pattern whose float value is the top half of an
 # f32, converted from f32 exactly as MLX's CPU backend does (mlx/types/bf16.h).
@@ -118,7 +118,7 @@ class HostKernels:
 
     def __init__(self, kv_heads: int = 2, head_dim: int = 128):
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        funcs, texts = {}, [HOST_HEADER]
+        funcs, texts = {}, [HOST_HEADER, kernel_header()]
         for name in SIGNATURES:
             for plane in PLANE_TYPES:
                 inputs = TYPES if name in ("batch_store", "stage") else (plane,)

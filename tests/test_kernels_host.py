@@ -13,6 +13,7 @@ from muser_kv import Ring
 from muser_kv.geometry import allocated_rows
 from muser_kv.kernels import HEAD_MAJOR, TOKEN_MAJOR, ReferenceBackend
 from host_kernels import HostKernels
+from kernel_cases import edge_values
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (CI has it)")
 
@@ -198,3 +199,27 @@ def test_conversion_edges_match_mlx(host, plane):
               [a, strides, a, strides, params, out_k, out_v, np.zeros(n, np.int32)], n * KV,
               plane=plane)
     np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
+
+
+@pytest.mark.parametrize("plane", list(PLANES))
+@pytest.mark.parametrize("kernel", ["batch_store", "stage"])
+def test_input_of_the_plane_type_is_copied(host, kernel, plane):
+    """K/V already of the plane type keep their bits, NaN payloads included, as
+    MLX's astype keeps them; a round trip through f32 would not (MLX's CPU, like
+    a GPU, writes back the NaN of its choice)."""
+    n, dtype = 6, PLANES[plane]
+    k = edge_values((1, H, n, D), dtype, seed=1)
+    hk = to_host(k)
+    strides = np.array([H * n * D, n * D, D, 1], np.int64)
+    out_k, out_v = zeros_like_host((n, KV), plane), zeros_like_host((n, KV), plane)
+    if kernel == "batch_store":
+        params = np.array([0, n, 0, n, 0, 0], np.int32)
+        args = [hk, strides, hk, strides, params, out_k, out_v, np.zeros(n, np.int32)]
+    else:
+        empty = np.zeros((16, KV), np.uint16)
+        params = np.array([0, 0, 16, n, 16], np.int32)
+        args = [empty, empty, hk, strides, hk, strides, params, out_k, out_v]
+    host.call(kernel, plane, False, args, n * KV, plane=plane)
+    expect = bits16(to_host(k)[0].transpose(1, 0, 2).reshape(n, KV))
+    np.testing.assert_array_equal(out_k, expect)
+    np.testing.assert_array_equal(out_v, expect)

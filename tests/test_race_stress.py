@@ -59,12 +59,16 @@ def workload(seed=0):
 
 
 def run(steps, mode, backend):
+    selected = os.environ.get(kernels.BACKEND_ENV)
     os.environ[kernels.BACKEND_ENV] = backend
     try:
         caches = make_cache_for(MuseGeometry(num_layers=4, window=WINDOW, max_context=CONTEXT,
                                              num_heads=Q, kv_heads=H, head_dim=D))
-    finally:
-        del os.environ[kernels.BACKEND_ENV]
+    finally:  # the session's own selection (e.g. metal under --metal-emulator) stays
+        if selected is None:
+            del os.environ[kernels.BACKEND_ENV]
+        else:
+            os.environ[kernels.BACKEND_ENV] = selected
     sliding, nope = caches[0], caches[3]
     outs, pending = [], None
     for q, k, v in steps:
@@ -99,7 +103,7 @@ def baseline(steps):
 
 @pytest.mark.parametrize("mode", ["one_graph", "pipelined", "sync"])
 def test_stress_same_bits(steps, baseline, mode):
-    backend = kernels.detect()
+    backend = kernels.get_backend().name  # the selected one: detected, or $MUSER_KV_BACKEND
     outs, sliding, nope = run(steps, mode, backend)
     ref_outs, ref_sliding, ref_nope = baseline
     for i, (a, b) in enumerate(zip(outs, ref_outs)):

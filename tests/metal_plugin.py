@@ -1,0 +1,122 @@
+"""``--metal-emulator``: the whole suite on the Metal backend, on a machine without Metal.
+
+With the option, the session selects ``MUSER_KV_BACKEND=metal`` and replaces
+``mx.fast.metal_kernel`` with the emulator (``metal_emulator``): every cache,
+session, policy and model test then runs its kernels as MLX's own Metal text,
+compiled by clang behind the MSL shim and executed on the CPU, and still
+compares its results bitwise with the oracles. Child processes the tests start
+inherit ``MUSER_KV_METAL_EMULATOR=1`` and install the emulator the same way
+(``conftest`` does it at import).
+
+The kernel-form tests (host C++, NVRTC, the Metal module itself, the selftest's)
+drive each form directly rather than through the selected backend: they are
+deselected in this run, which the default run already covers. The session fails if no kernel
+(or not every kernel) went through the emulator: the option cannot pass by
+running the reference path.
+
+Without the option, ``MUSER_KV_BACKEND=metal`` on a machine without Metal is a
+usage error (it would only fail every test with "No Metal back-end").
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import pytest
+
+from muser_kv import kernels
+
+OPTION = "--metal-emulator"
+EMULATOR_ENV = "MUSER_KV_METAL_EMULATOR"
+DIRECT_KERNEL_TESTS = ("test_kernels_host.py", "test_kernels_nvrtc.py", "test_kernels_metal.py",
+                       "test_selftest.py")
+KERNELS = ("batch_store", "stage", "gather", "install")
+
+_installed = None
+
+
+def install():
+    """Route the Metal backend through the emulator in this process; returns it."""
+    global _installed
+    if _installed is None:
+        from metal_emulator import default_emulator
+
+        _installed = default_emulator()
+        os.environ[kernels.BACKEND_ENV] = "metal"
+        os.environ[EMULATOR_ENV] = "1"
+        mx.fast.metal_kernel = _installed
+        kernels._make.cache_clear()
+    return _installed
+
+
+def addoption(parser) -> None:
+    parser.addoption(OPTION, action="store_true",
+                     help="run the suite on MUSER_KV_BACKEND=metal with MLX's Metal text "
+                          "compiled by clang and executed on the CPU (needs clang++ >= 17)")
+
+
+def configure(config) -> None:
+    if config.getoption("metal_emulator") or os.environ.get(EMULATOR_ENV):
+        from metal_emulator import ClangMissing
+
+        try:
+            install()
+        except ClangMissing as e:
+            raise pytest.UsageError(f"{OPTION}: {e}") from e
+        return
+    if os.environ.get(kernels.BACKEND_ENV) == "metal" and not mx.metal.is_available():
+        raise pytest.UsageError(
+            f"{kernels.BACKEND_ENV}=metal needs Apple's Metal, which this MLX lacks; "
+            f"on Linux add {OPTION} to run MLX's Metal text through the clang emulator")
+
+
+def collection_modifyitems(config, items) -> None:
+    if _installed is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.path.name in DIRECT_KERNEL_TESTS else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _missing() -> list:
+    used = {call.kernel.removeprefix("muser_kv_") for call in _installed.calls}
+    return [k for k in KERNELS if k not in used]
+
+
+def _whole_suite(config) -> bool:
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and not config.getoption("keyword") and not config.getoption("markexpr"))
+
+
+def _failure(config) -> str:
+    """Why this emulated run must fail although its tests passed, or ''."""
+    if not _installed.calls:
+        return "no kernel went through the emulator"
+    if _missing() and _whole_suite(config):
+        return f"the whole suite never called {', '.join(_missing())}"
+    return ""
+
+
+def sessionfinish(session) -> None:
+    if _installed is not None and session.exitstatus == 0 and session.testscollected \
+            and _failure(session.config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def terminal_summary(terminalreporter) -> None:
+    if _installed is None:
+        return
+    used = {}
+    for call in _installed.calls:
+        name = call.kernel.removeprefix("muser_kv_")
+        used[name] = used.get(name, 0) + 1
+    failure = _failure(terminalreporter.config)
+    line = (f"emulated Metal: {len(_installed.calls)} kernel calls ("
+            + ", ".join(f"{k} {used.get(k, 0)}" for k in KERNELS)
+            + f"), {len(_installed.compiled)} distinct MLX texts compiled and run"
+            + (f"; FAILED: {failure}" if failure else ""))
+    terminalreporter.write_sep("=", line, red=bool(failure), green=not failure)
