@@ -6,7 +6,7 @@ for mlx-lm's ``model.make_cache()``.
 """
 
 from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
-from .geometry import Footprint, LayerKind, MuseGeometry, footprint
+from .geometry import Footprint, LayerKind, MuseGeometry, UnsupportedModel, footprint
 from .plane import ContextOverflow, KvPlane
 from .precision import attention_dtype, plane_dtype_for
 from .ring import CacheDiscontinuity, Ring, Run
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheDiscontinuity",
+    "UnsupportedModel",
     "DEFAULT_RETAIN",
     "MAX_BLOCK",
     "SpeculativeCheckpoint",

@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
+from .counts import count
 from .geometry import LayerKind, MuseGeometry
 from .kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
 from .plane import KvPlane
@@ -30,6 +31,8 @@ from .ring import Ring
 from .speculative import DEFAULT_RETAIN, RetainedRows
 
 Mask = Union[None, str, mx.array]
+
+_ONE = 1
 
 
 def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
@@ -224,12 +227,14 @@ class MuseKVCache:
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ) -> Mask:
         """The mask for the rows the next ``update_and_fetch(N tokens)`` returns."""
-        if N == 1 and not return_array and (
+        # ``N is _ONE``: the int 1 exactly (CPython keeps one object for it; any
+        # other 1 -- True, 1.0, numpy's -- takes the checked path below)
+        if N is _ONE and not return_array and (
             window_size is None or window_size == self.plane.window
         ):
             return None  # one token sees every row it is handed (at most the window)
-        if N < 1:
-            raise ValueError(f"make_mask needs N >= 1, got {N}")
+        if N.__class__ is not int or N < 1:
+            N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
         offset = self.ring.len
         if self.kind is LayerKind.GLOBAL:
             if window_size is not None:
@@ -313,6 +318,7 @@ class MuseKVCache:
 
         A growing plane rewinds its length. A ring also puts back the rows those
         tokens overwrote, from its retained rows, and moves both origins back."""
+        n = count(n, f"layer {self.layer}: trim count", minimum=None)
         if n < 0:
             raise ValueError(f"layer {self.layer}: cannot trim a negative count {n}")
         depth = self.trimmable_depth()
@@ -375,11 +381,11 @@ def make_prompt_cache(
     ``plane_dtype`` (f16 or bf16) overrides the planes' type, which otherwise
     follows the model: bf16 for a model whose attention runs in bf16, else f16
     (``muser_kv.precision``).
+
+    A model without the fields muser-kv needs, or with a layer type it does not
+    serve, raises ``UnsupportedModel`` naming the field.
     """
-    args = getattr(model, "args", None)
-    if args is None:
-        raise TypeError(f"make_prompt_cache needs an mlx-lm model with .args, got {type(model).__name__}")
-    geometry = MuseGeometry.from_model_args(args, max_context)
+    geometry = MuseGeometry.from_model(model, max_context)
     return make_cache_for(geometry, retain, sliding_layout, plane_dtype_for(model, plane_dtype))
 
 
@@ -388,6 +394,9 @@ def make_cache_for(
     plane_dtype: DtypeLike = PLANE_DTYPE,
 ) -> List[MuseKVCache]:
     """One cache per layer of ``geometry``, with planes of ``plane_dtype``."""
+    if not isinstance(geometry, MuseGeometry):
+        raise TypeError(f"make_cache_for needs a MuseGeometry, got {type(geometry).__name__}")
+    retain = count(retain, "retain")
     dtype = parse_plane_dtype(plane_dtype) or PLANE_DTYPE
     return [
         MuseKVCache(

@@ -45,6 +45,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import MuseKVCache, make_cache_for
+from .counts import count
 from .geometry import Footprint, MuseGeometry, footprint
 from .policy import (
     ChatTurns,
@@ -180,12 +181,12 @@ class SlotPool:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         self.model = model
-        self.geometry = MuseGeometry.from_model_args(args, max_context)
+        self.geometry = MuseGeometry.from_model(model, max_context)
         self.max_context = self.geometry.max_context
         self.policy = ContextPolicy(policy)
         self.output_reserve = self._reserve(output_reserve)
         self.prefill_chunk = prefill_chunk
-        self.retain = retain
+        self.retain = count(retain, "retain")
         self.plane_dtype = plane_dtype_for(model, plane_dtype)
         self.vocab_size = int(args.vocab_size)
         self.slots = slots

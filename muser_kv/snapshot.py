@@ -57,6 +57,7 @@ import numpy as np
 
 from . import tensorfile
 from .cache import make_prompt_cache
+from .counts import optional_count
 from .geometry import LayerKind, MuseGeometry
 from .plane import KvPlane
 from .precision import DtypeLike, plane_dtype_for
@@ -680,6 +681,7 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     and is refused, as is a model whose layers, window or heads differ. The
     planes are of the model's type (``plane_dtype`` overrides it, as in
     ``make_prompt_cache``); a file of another encoding needs ``convert=True``."""
+    max_context = optional_count(max_context, "max_context", minimum=1)
     snapshot = read_session(path)
     file_geometry = snapshot.geometry
     context = file_geometry.max_context if max_context is None else max_context
@@ -687,7 +689,7 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     if args is None:
         raise TypeError(
             f"load_session needs an mlx-lm model with .args, got {type(model).__name__}")
-    limit = int(getattr(args, "max_position_embeddings"))
+    limit = MuseGeometry.from_model_args(args).max_context
     if context > limit:
         raise SnapshotMismatch(
             f"geometry.max_context (expected: within the model's max_position_embeddings; "

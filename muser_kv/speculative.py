@@ -18,6 +18,8 @@ from typing import Deque, List, Sequence, Tuple
 
 import mlx.core as mx
 
+from .counts import count
+
 #: The longest draft block a checkpoint covers (seeds: DFlash blocks of up to 16).
 MAX_BLOCK = 16
 
@@ -39,9 +41,7 @@ class RetainedRows:
     """
 
     def __init__(self, limit: int):
-        if limit < 0:
-            raise ValueError(f"retain must be >= 0, got {limit}")
-        self.limit = limit
+        self.limit = count(limit, "retain")
         self._blocks: Deque[Tuple[int, mx.array]] = deque()
         self.start = self.end = 0
 
@@ -116,6 +116,7 @@ class SpeculativeCheckpoint:
     """
 
     def __init__(self, cache: Sequence, block_len: int):
+        block_len = count(block_len, "block_len")
         if not 1 <= block_len <= MAX_BLOCK:
             raise ValueError(f"block_len must be in [1, {MAX_BLOCK}], got {block_len}")
         offsets = {c.offset for c in cache}
@@ -148,18 +149,19 @@ class SpeculativeCheckpoint:
         n = {c.offset - self.start for c in self.cache}
         if len(n) != 1:
             raise RuntimeError(f"cache layers moved by different amounts since the checkpoint: {n}")
-        count = n.pop()
-        if not 0 <= count <= self.block_len:
+        written = n.pop()
+        if not 0 <= written <= self.block_len:
             raise RuntimeError(
-                f"{count} tokens were written since the checkpoint, more than its block of {self.block_len}"
+                f"{written} tokens were written since the checkpoint, more than its block of "
+                f"{self.block_len}"
             )
         for c in self.cache:
-            if c.trimmable_depth() < count:
-                raise RuntimeError(f"layer {c.layer} cannot undo {count} tokens exactly")
+            if c.trimmable_depth() < written:
+                raise RuntimeError(f"layer {c.layer} cannot undo {written} tokens exactly")
         for c in self.cache:
-            c.trim(count)
+            c.trim(written)
         self._end()
-        return count
+        return written
 
     @property
     def nbytes(self) -> int:
