@@ -62,7 +62,8 @@ class MuseKVCache:
 
     A sliding cache retains the newest ``retain`` rows its ring overwrote, so
     ``trim(n)`` (mlx-lm's speculative rewind) is exact for ``n <= retain`` even
-    after the window wrapped, and refused beyond that.
+    after the window wrapped, and refused beyond that; ``trimmable_depth()`` is
+    exactly how far it can go.
     """
 
     def __init__(self, plane: KvPlane, retain: int = DEFAULT_RETAIN):
@@ -219,6 +220,16 @@ class MuseKVCache:
         """The deepest speculative block this cache can always undo."""
         return self.retain if self.kind is LayerKind.SLIDING else self.plane.max_context
 
+    def undoable_block(self) -> int:
+        """The longest block of tokens written from here that ``trim`` can always
+        undo exactly: a growing plane any (up to its context); a ring the rows
+        it has free plus the overwritten rows it retains (the newest
+        ``retain``). A checkpoint opens only for blocks every layer can undo."""
+        if self.kind is LayerKind.GLOBAL:
+            return self.plane.max_context
+        ring = self.ring
+        return ring.capacity - ring.len + self.retain
+
     @property
     def retained_nbytes(self) -> int:
         return self._retained.nbytes
@@ -235,6 +246,10 @@ class MuseKVCache:
             return None  # one token sees every row it is handed (at most the window)
         if N.__class__ is not int or N < 1:
             N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
+        if N == 1 and not return_array and (
+            window_size is None or window_size == self.plane.window
+        ):
+            return None
         offset = self.ring.len
         if self.kind is LayerKind.GLOBAL:
             if window_size is not None:
@@ -300,14 +315,17 @@ class MuseKVCache:
     # -- trimming ------------------------------------------------------------
 
     def trimmable_depth(self) -> int:
-        """How many newest tokens ``trim`` can remove exactly."""
+        """How many newest tokens ``trim`` can remove exactly: every count up to
+        it trims exactly, one more is refused."""
         self._check_ring_owner()
         ring = self.ring
         if self.kind is LayerKind.GLOBAL:
             return ring.len
         first = self._retained.first(ring.origin_logical)
-        if first == 0:  # every row ever overwritten is held
-            return ring.len
+        if first == 0:  # every row ever overwritten is held: back to position 0
+            return ring.end
+        # trimming to position e puts back rows [e - capacity, origin_logical):
+        # exact while e - capacity >= first, the oldest row held
         return max(0, ring.end - ring.capacity - first)
 
     def is_trimmable(self) -> bool:

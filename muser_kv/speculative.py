@@ -113,22 +113,28 @@ class SpeculativeCheckpoint:
     ``rollback()`` returns every layer to the block's start (all or nothing:
     every layer is checked before any is touched); ``commit()`` keeps the block.
     Either ends the checkpoint.
+
+    A checkpoint is opened only for a block every layer can undo exactly.
     """
 
     def __init__(self, cache: Sequence, block_len: int):
         block_len = count(block_len, "block_len")
         if not 1 <= block_len <= MAX_BLOCK:
             raise ValueError(f"block_len must be in [1, {MAX_BLOCK}], got {block_len}")
+        cache = list(cache)
+        if not cache:
+            raise ValueError("checkpoint needs a cache list with at least one layer")
         offsets = {c.offset for c in cache}
         if len(offsets) != 1:
             raise ValueError(f"cache layers disagree on their position: {sorted(offsets)}")
         for c in cache:
-            if c.retain_depth < block_len:
+            if c.undoable_block() < block_len:
                 raise ValueError(
-                    f"layer {c.layer} retains {c.retain_depth} rows, a block of {block_len} "
-                    f"needs that many (make_prompt_cache(..., retain={block_len}))"
+                    f"layer {c.layer} retains {c.retain_depth} rows and can undo a block of at "
+                    f"most {c.undoable_block()} tokens from position {c.offset}, asked for "
+                    f"{block_len} (make_prompt_cache(..., retain={block_len}))"
                 )
-        self.cache = list(cache)
+        self.cache = cache
         self.block_len = block_len
         self.start = offsets.pop()
         self.open = True
