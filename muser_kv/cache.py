@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple, Union
 
+import weakref
+
 import mlx.core as mx
 
 from .counts import count
@@ -74,6 +76,7 @@ class MuseKVCache:
         # (rebuilt by from_state) will overwrite, as after an install
         self._ring_seen = None
         self._one_token = (1, plane.kv_heads, 1, plane.head_dim)
+        self._checkpoints: Optional["weakref.WeakSet"] = None  # open checkpoints over it
 
     # -- identity ------------------------------------------------------------
 
@@ -178,9 +181,12 @@ class MuseKVCache:
 
     def _check_ring_owner(self) -> None:
         """Retained rows describe this cache's own history: if the plane's ring was
-        replaced behind its back (a snapshot install), they are dropped."""
+        replaced behind its back (a snapshot install), they are dropped, and so is
+        every open checkpoint's claim on that history."""
         ring = self.plane.ring
         if ring is not self._ring_seen:
+            if self._ring_seen is not None:
+                self.replaced()
             self._retained.clear()
             self._ring_seen = ring
             if self.retain and ring.len == ring.capacity:
@@ -365,7 +371,30 @@ class MuseKVCache:
         # No evaluation here: a sync per layer would cost more than the one small
         # ring copy MLX may make at the next store.
         self._ring_seen = self.plane.ring
+        if self._checkpoints:
+            for cp in list(self._checkpoints):
+                cp._trimmed(self, self.offset)
         return n
+
+    # -- checkpoints (speculative.py) -------------------------------------------
+
+    def watch(self, checkpoint: Any) -> None:
+        """Tell ``checkpoint`` of every move that is not a write: a trim (its
+        ``_trimmed(cache, position)``) and a restore (``_replaced(cache)``)."""
+        if self._checkpoints is None:
+            self._checkpoints = weakref.WeakSet()
+        self._checkpoints.add(checkpoint)
+
+    def unwatch(self, checkpoint: Any) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.discard(checkpoint)
+
+    def replaced(self) -> None:
+        """The planes were restored from elsewhere (a snapshot install): the
+        history open checkpoints and a trim round describe is gone."""
+        if self._checkpoints:
+            for cp in list(self._checkpoints):
+                cp._replaced(self)
 
     # -- sizes ---------------------------------------------------------------
 

@@ -376,6 +376,10 @@ def _install(cache: Sequence[Any], ready: SessionSnapshot, *, rollback: bool) ->
         for plane, (keys, values, ring) in zip(planes[:done], previous[:done]):
             plane.keys, plane.values, plane.ring = keys, values, ring
         raise
+    for c in cache:  # what the caches' checkpoints and trim rounds knew is gone
+        replaced = getattr(c, "replaced", None)
+        if replaced is not None:
+            replaced()
 
 
 # -- the file -----------------------------------------------------------------

@@ -14,7 +14,7 @@ is exact up to the retained depth, and refused beyond it (never silently wrong).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -114,7 +114,13 @@ class SpeculativeCheckpoint:
     every layer is checked before any is touched); ``commit()`` keeps the block.
     Either ends the checkpoint.
 
-    A checkpoint is opened only for a block every layer can undo exactly.
+    A checkpoint is opened only for a block every layer can undo exactly, and a
+    rollback either restores the state at the checkpoint exactly or refuses with
+    the cache unchanged: it refuses once anything but writes moved the cache
+    since the checkpoint -- a trim below the block's start, or a restore from a
+    snapshot -- since the rows before the start are then no longer the
+    checkpoint's. (A trim inside the block is a rollback of part of it, and
+    keeps the checkpoint good.)
     """
 
     def __init__(self, cache: Sequence, block_len: int):
@@ -138,11 +144,27 @@ class SpeculativeCheckpoint:
         self.block_len = block_len
         self.start = offsets.pop()
         self.open = True
+        self._broken: Optional[str] = None
+        for c in cache:
+            c.watch(self)
+
+    # -- what the caches report (MuseKVCache.watch) -----------------------------
+
+    def _trimmed(self, cache, position: int) -> None:
+        if position < self.start and self._broken is None:
+            self._broken = (f"layer {cache.layer} was trimmed to position {position}, below the "
+                            f"checkpoint's start {self.start}")
+
+    def _replaced(self, cache) -> None:
+        if self._broken is None:
+            self._broken = f"layer {cache.layer} was restored from a snapshot"
 
     def _end(self) -> None:
         if not self.open:
             raise RuntimeError("this checkpoint was already committed or rolled back")
         self.open = False
+        for c in self.cache:
+            c.unwatch(self)
 
     def commit(self) -> None:
         """Keep the block."""
@@ -152,6 +174,11 @@ class SpeculativeCheckpoint:
         """Undo everything written since the checkpoint; returns the tokens undone."""
         if not self.open:
             raise RuntimeError("this checkpoint was already committed or rolled back")
+        depths = [c.trimmable_depth() for c in self.cache]  # also notices a restore
+        if self._broken is not None:
+            raise RuntimeError(
+                f"cannot roll back to position {self.start}: {self._broken} since the "
+                "checkpoint, so the state at the checkpoint is gone (the cache is unchanged)")
         n = {c.offset - self.start for c in self.cache}
         if len(n) != 1:
             raise RuntimeError(f"cache layers moved by different amounts since the checkpoint: {n}")
@@ -161,8 +188,8 @@ class SpeculativeCheckpoint:
                 f"{written} tokens were written since the checkpoint, more than its block of "
                 f"{self.block_len}"
             )
-        for c in self.cache:
-            if c.trimmable_depth() < written:
+        for c, depth in zip(self.cache, depths):
+            if depth < written:
                 raise RuntimeError(f"layer {c.layer} cannot undo {written} tokens exactly")
         for c in self.cache:
             c.trim(written)

@@ -277,3 +277,53 @@ def test_checkpoint_accepts_only_blocks_it_can_undo(window, retain, prefill, blo
     assert cp.rollback() == written
     assert_same_state(state_bits(cache), before)
 
+
+# -- issue #10, item 7: a rollback restores the checkpoint's state or refuses ------
+
+
+def prefilled(target, n=20):
+    cache = muser_kv.make_prompt_cache(target, CONTEXT)
+    target(mx.array(np.random.default_rng(2).integers(0, 256, n)[None], mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_rollback_refuses_after_a_trim_below_the_checkpoint(target):
+    """checkpoint at 20, trim_prompt_cache(cache, 2), 3 new tokens: rolling back
+    1 token would leave the new rows at 18 and 19 (it did, returning 1)."""
+    cache = prefilled(target)
+    cp = muser_kv.checkpoint(cache, 4)
+    assert trim_prompt_cache(cache, 2) == 2
+    target(mx.array([[7, 8, 9]]), cache=cache)
+    before = state_bits(cache)
+    with pytest.raises(RuntimeError, match=r"trimmed to position 18, below the checkpoint's "
+                                           r"start 20.*the cache is unchanged"):
+        cp.rollback()
+    assert_same_state(state_bits(cache), before)
+    assert cache[0].offset == 21
+
+
+def test_rollback_refuses_after_a_snapshot_restore(target):
+    """A restore replaces the session: rolling back would trim the other one."""
+    cache = prefilled(target)
+    other = prefilled(target, 22)
+    snap = muser_kv.SessionSnapshot.capture(other)
+    cp = muser_kv.checkpoint(cache, 4)
+    target(mx.array([[1, 2]]), cache=cache)
+    muser_kv.restore_into(cache, snap)
+    before = state_bits(cache)
+    with pytest.raises(RuntimeError, match="restored from a snapshot"):
+        cp.rollback()
+    assert_same_state(state_bits(cache), before)
+    assert_same_state(before, state_bits(other))
+
+
+def test_a_trim_inside_the_block_keeps_the_checkpoint_exact(target):
+    cache = prefilled(target)
+    before = state_bits(cache)
+    cp = muser_kv.checkpoint(cache, 4)
+    target(mx.array([[1, 2, 3]]), cache=cache)
+    assert trim_prompt_cache(cache, 1) == 1  # back to 22, inside the block
+    target(mx.array([[4, 5]]), cache=cache)
+    assert cp.rollback() == 4
+    assert_same_state(state_bits(cache), before)
