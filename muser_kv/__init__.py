@@ -6,6 +6,7 @@ for mlx-lm's ``model.make_cache()``.
 """
 
 from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
+from .cachelist import CacheList, CacheListMismatch, CacheOutOfStep
 from .geometry import Footprint, LayerKind, MuseGeometry, UnsupportedModel, footprint
 from .plane import ContextOverflow, KvPlane
 from .precision import attention_dtype, plane_dtype_for
@@ -16,6 +17,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheDiscontinuity",
+    "CacheList",
+    "CacheListMismatch",
+    "CacheOutOfStep",
     "UnsupportedModel",
     "DEFAULT_RETAIN",
     "MAX_BLOCK",

@@ -279,7 +279,8 @@ class SlotPool:
     # -- internals -------------------------------------------------------------
 
     def _allocate(self) -> Cache:
-        return tuple(make_cache_for(self.geometry, self.retain, plane_dtype=self.plane_dtype))
+        return tuple(make_cache_for(self.geometry, self.retain, plane_dtype=self.plane_dtype,
+                                    model=self.model))
 
     def _take_staging(self) -> Cache:
         """Move the staging cache out of the pool; pristine by construction."""
@@ -408,14 +409,18 @@ class SlotPool:
 
     @staticmethod
     def _roll_back(session: _Session, start: int) -> None:
+        """Trim the cache back to ``start``, exactly, or mark the session stale.
+        A failure part-way through a chunk leaves the layers it reached one chunk
+        ahead of the rest (a list is never in any other shape, ``cachelist``):
+        those are trimmed back to the rest first, then the whole list to ``start``
+        -- each a trim over the list, all or nothing."""
         try:
-            for c in session.cache:
-                extra = c.offset - start
-                if extra > 0:
-                    if c.trimmable_depth() < extra:
-                        session.stale = True
-                        continue
-                    c.trim(extra)
+            behind = min(c.offset for c in session.cache)
+            for target in (behind, start):
+                for c in session.cache:
+                    extra = c.offset - target
+                    if extra > 0:
+                        c.trim(extra)
             mx.eval([c.state for c in session.cache])
         except Exception:
             session.stale = True
