@@ -83,7 +83,7 @@ from .policy import (  # noqa: E402  (context policy: what a request keeps past 
     complete_chat_turns,
     shift_chat,
 )
-from .slots import MAX_SLOTS, Prefill, Slot, SlotPool, StaleSession  # noqa: E402
+from .slots import MAX_SLOTS, EmptySlot, Prefill, Slot, SlotPool, StaleSession  # noqa: E402
 
 __all__ += [
     "ChatShift",
@@ -91,6 +91,7 @@ __all__ += [
     "ContextPolicy",
     "ContextPolicyError",
     "ContextTooLong",
+    "EmptySlot",
     "LineageMismatch",
     "MAX_SLOTS",
     "Message",

@@ -87,6 +87,20 @@ class StaleSession(RuntimeError):
         return type(self), (self.slot,)
 
 
+class EmptySlot(RuntimeError):
+    """A slot that holds no conversation (never prefilled, or reset) was asked to
+    decode: there is no context for the token to follow."""
+
+    def __init__(self, slot: int):
+        self.slot = slot
+        super().__init__(
+            f"slot {slot} holds no conversation (never prefilled, or reset): prefill it before "
+            "decoding")
+
+    def __reduce__(self):
+        return type(self), (self.slot,)
+
+
 @dataclass
 class _Session:
     """One slot's serving state. Replaced wholesale on a rebuild or reset, so a
@@ -251,7 +265,9 @@ class SlotPool:
     def decode(self, slot: int, token: int) -> mx.array:
         """Feed one token to slot ``slot``; its logits ``[vocab]``. The token joins
         the slot's ``pending`` tokens. Never shifts: a full context raises
-        ``ContextTooLong``; a failed step is trimmed back exactly when possible."""
+        ``ContextTooLong``; a failed step is trimmed back exactly when possible.
+        A slot with no conversation (never prefilled, or reset) refuses
+        (``EmptySlot``): a token needs a context to follow."""
         token = self._check_token(token)
         with self._lock:
             i = self._index(slot)
@@ -259,6 +275,8 @@ class SlotPool:
             if session.stale:
                 raise StaleSession(i)
             position = session.cache[0].offset
+            if position == 0:
+                raise EmptySlot(i)
             if position + 1 > self.max_context:
                 raise ContextTooLong(position + 1, self.max_context, f"slot {i}: decoding one more token")
             logits = self._append(i, session, (token,))
