@@ -44,8 +44,10 @@ __all__ = [
 from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact restore)
     EncodingMismatch,
     LayerCut,
+    ModelMismatch,
     ProductionF16Required,
     SessionFileError,
+    SessionMetadataError,
     SessionSnapshot,
     SnapshotError,
     SnapshotMismatch,
@@ -53,13 +55,17 @@ from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact r
     read_session,
     restore_into,
     save_session,
+    tidy_temporaries,
 )
+from .fingerprint import model_fingerprint  # noqa: E402
 
 __all__ += [
     "EncodingMismatch",
     "LayerCut",
+    "ModelMismatch",
     "ProductionF16Required",
     "SessionFileError",
+    "SessionMetadataError",
     "SessionSnapshot",
     "SnapshotError",
     "SnapshotMismatch",
@@ -67,6 +73,8 @@ __all__ += [
     "read_session",
     "restore_into",
     "save_session",
+    "tidy_temporaries",
+    "model_fingerprint",
 ]
 
 from .policy import (  # noqa: E402  (context policy: what a request keeps past max_context)
