@@ -156,25 +156,41 @@ def build_model(ns: argparse.Namespace) -> Model:
 
 def decode(model: Model, cache: list, prompt: mx.array, ns: argparse.Namespace,
            label: str) -> DecodeRun:
-    """Prefill ``prompt`` in ``ns.chunk``-token steps (with a progress bar), then
-    decode ``ns.tokens`` tokens greedily, all through mlx-lm's ``generate_step``."""
+    """Prefill ``prompt`` in ``ns.chunk``-token steps, then decode ``ns.tokens``
+    tokens greedily, all through mlx-lm's ``generate_step``. Two progress bars,
+    each for what it names: the prefill bar counts prompt tokens and closes when
+    the first token comes out (the whole prompt is in the cache then), the decode
+    bar counts generated tokens from there."""
     total = prompt.size
-    with tqdm(total=total, desc=f"prefill ({label})", unit="tok", leave=False) as bar:
+    prefill = tqdm(total=total, desc=f"prefill ({label})", unit="tok", leave=False)
+    decoding: Optional[tqdm] = None
 
-        def progress(done: int, _total: int) -> None:
-            bar.update(done - bar.n)
+    def progress(done: int, _total: int) -> None:
+        if decoding is None:
+            prefill.update(done - prefill.n)
 
-        tokens: List[int] = []
-        logprobs: List[mx.array] = []
-        stamps: List[float] = []
+    tokens: List[int] = []
+    logprobs: List[mx.array] = []
+    stamps: List[float] = []
+    try:
         start = time.perf_counter()
         for token, lp in generate_step(
             prompt, model, prompt_cache=cache, max_tokens=ns.tokens,
             prefill_step_size=ns.chunk, prompt_progress_callback=progress,
         ):
+            stamps.append(time.perf_counter())
             tokens.append(int(token))
             logprobs.append(lp)
-            stamps.append(time.perf_counter())
+            if decoding is None:  # the first token: the prefill is done
+                prefill.update(total - prefill.n)
+                prefill.close()
+                decoding = tqdm(total=ns.tokens, desc=f"decode ({label})", unit="tok",
+                                leave=False)
+            decoding.update(1)
+    finally:
+        prefill.close()
+        if decoding is not None:
+            decoding.close()
     mx.eval([c.state for c in cache])
     return DecodeRun(label, tokens, logprobs, total, stamps[0] - start, stamps[-1] - stamps[0])
 

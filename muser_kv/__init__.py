@@ -6,7 +6,8 @@ for mlx-lm's ``model.make_cache()``.
 """
 
 from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
-from .geometry import Footprint, LayerKind, MuseGeometry, footprint
+from .cachelist import CacheList, CacheListMismatch, CacheOutOfStep
+from .geometry import Footprint, LayerKind, MuseGeometry, UnsupportedModel, footprint
 from .plane import ContextOverflow, KvPlane
 from .precision import attention_dtype, plane_dtype_for
 from .ring import CacheDiscontinuity, Ring, Run
@@ -16,6 +17,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheDiscontinuity",
+    "CacheList",
+    "CacheListMismatch",
+    "CacheOutOfStep",
+    "UnsupportedModel",
     "DEFAULT_RETAIN",
     "MAX_BLOCK",
     "SpeculativeCheckpoint",
@@ -39,8 +44,10 @@ __all__ = [
 from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact restore)
     EncodingMismatch,
     LayerCut,
+    ModelMismatch,
     ProductionF16Required,
     SessionFileError,
+    SessionMetadataError,
     SessionSnapshot,
     SnapshotError,
     SnapshotMismatch,
@@ -48,13 +55,17 @@ from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact r
     read_session,
     restore_into,
     save_session,
+    tidy_temporaries,
 )
+from .fingerprint import model_fingerprint  # noqa: E402
 
 __all__ += [
     "EncodingMismatch",
     "LayerCut",
+    "ModelMismatch",
     "ProductionF16Required",
     "SessionFileError",
+    "SessionMetadataError",
     "SessionSnapshot",
     "SnapshotError",
     "SnapshotMismatch",
@@ -62,6 +73,8 @@ __all__ += [
     "read_session",
     "restore_into",
     "save_session",
+    "tidy_temporaries",
+    "model_fingerprint",
 ]
 
 from .policy import (  # noqa: E402  (context policy: what a request keeps past max_context)
@@ -78,7 +91,7 @@ from .policy import (  # noqa: E402  (context policy: what a request keeps past 
     complete_chat_turns,
     shift_chat,
 )
-from .slots import MAX_SLOTS, Prefill, Slot, SlotPool, StaleSession  # noqa: E402
+from .slots import MAX_SLOTS, EmptySlot, Prefill, Slot, SlotPool, StaleSession  # noqa: E402
 
 __all__ += [
     "ChatShift",
@@ -86,6 +99,7 @@ __all__ += [
     "ContextPolicy",
     "ContextPolicyError",
     "ContextTooLong",
+    "EmptySlot",
     "LineageMismatch",
     "MAX_SLOTS",
     "Message",

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple, Union
 
+import weakref
+
 import mlx.core as mx
 
+from . import cachelist
+from .counts import count
 from .geometry import LayerKind, MuseGeometry
 from .kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
 from .plane import KvPlane
@@ -30,6 +34,11 @@ from .ring import Ring
 from .speculative import DEFAULT_RETAIN, RetainedRows
 
 Mask = Union[None, str, mx.array]
+
+#: ``INPUT_DTYPES`` as a set: the decode fast path's membership test (a tuple
+#: scan compares dtypes one by one, ~0.1 us more per layer)
+_INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
+_ONE = 1
 
 
 def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
@@ -59,7 +68,11 @@ class MuseKVCache:
 
     A sliding cache retains the newest ``retain`` rows its ring overwrote, so
     ``trim(n)`` (mlx-lm's speculative rewind) is exact for ``n <= retain`` even
-    after the window wrapped, and refused beyond that.
+    after the window wrapped, and refused beyond that; ``trimmable_depth()`` is
+    exactly how far it can go.
+
+    A cache is one layer of a list (``cachelist``): it writes only in step with
+    its neighbours, and a trim of it checks the whole list first.
     """
 
     def __init__(self, plane: KvPlane, retain: int = DEFAULT_RETAIN):
@@ -70,6 +83,14 @@ class MuseKVCache:
         # (rebuilt by from_state) will overwrite, as after an install
         self._ring_seen = None
         self._one_token = (1, plane.kv_heads, 1, plane.head_dim)
+        # its place in a list (cachelist.bind); alone, a cache is a list of one:
+        # its own predecessor, always in step with itself
+        self._list: Optional[cachelist.CacheList] = None
+        self._index = 0
+        self._prev = plane
+        self._lead = 0
+        self._first_of_kind = False
+        self._checkpoints: Optional["weakref.WeakSet"] = None  # open checkpoints over it
 
     # -- identity ------------------------------------------------------------
 
@@ -118,8 +139,10 @@ class MuseKVCache:
         if (ring is self._ring_seen and keys.shape == self._one_token
                 and values.shape == self._one_token):
             dtype = keys.dtype
-            if (dtype == values.dtype and dtype in INPUT_DTYPES
-                    and ring.origin_logical + ring.len < plane.max_context):
+            end = ring.origin_logical + ring.len
+            prev = self._prev.ring  # in step with the list (cachelist): one read
+            if (dtype == values.dtype and dtype in _INPUT_DTYPE_SET and end < plane.max_context
+                    and prev.origin_logical + prev.len == end + self._lead):
                 if ring.len == ring.capacity:
                     return self._decode_one(keys, values, dtype)
                 if ring.origin_physical == 0:  # filling from row 0
@@ -127,6 +150,7 @@ class MuseKVCache:
                     return self._copy_ahead(kv) if ring.len == ring.capacity else kv
         n = plane.check_input(keys, values)
         plane.check_write(self.offset, n)
+        self._check_in_step(n)
         self._check_ring_owner()
         ring = plane.ring
         # positions [origin_logical, origin_logical + lost) leave the window
@@ -161,22 +185,34 @@ class MuseKVCache:
         if not self.retain:
             return self.plane.write_one(keys, values, dtype)
         ring, retained = self.plane.ring, self._retained
-        if not retained.covers(ring.origin_logical):
+        # retained.covers(origin_logical), inlined (this runs once per layer per token)
+        if not retained.start <= ring.origin_logical < retained.end:
             row = self._retain_now(ring.origin_logical)
             kv = _evaluated_with(self.plane.write_one(keys, values, dtype), row)
         else:
             kv = self.plane.write_one(keys, values, dtype)
-        if not retained.covers(ring.origin_logical):
+        if not retained.start <= ring.origin_logical < retained.end:
             return self._copy_ahead(kv)
         return kv
+
+    def _check_in_step(self, n: int) -> None:
+        """Refuse a write of ``n`` tokens unless the list is where it belongs
+        (``cachelist``: layer 0 level with the last layer, layer i one write
+        behind layer i - 1)."""
+        ahead = self._prev.ring.end
+        if ahead != self.offset + (n if self._index else 0):
+            raise self._list.out_of_step(self, n)
 
     # -- retained rows (see speculative.py) ------------------------------------
 
     def _check_ring_owner(self) -> None:
         """Retained rows describe this cache's own history: if the plane's ring was
-        replaced behind its back (a snapshot install), they are dropped."""
+        replaced behind its back (a snapshot install), they are dropped, and so is
+        every open checkpoint's claim on that history."""
         ring = self.plane.ring
         if ring is not self._ring_seen:
+            if self._ring_seen is not None:
+                self.replaced()
             self._retained.clear()
             self._ring_seen = ring
             if self.retain and ring.len == ring.capacity:
@@ -216,6 +252,16 @@ class MuseKVCache:
         """The deepest speculative block this cache can always undo."""
         return self.retain if self.kind is LayerKind.SLIDING else self.plane.max_context
 
+    def undoable_block(self) -> int:
+        """The longest block of tokens written from here that ``trim`` can always
+        undo exactly: a growing plane any (up to its context); a ring the rows
+        it has free plus the overwritten rows it retains (the newest
+        ``retain``). A checkpoint opens only for blocks every layer can undo."""
+        if self.kind is LayerKind.GLOBAL:
+            return self.plane.max_context
+        ring = self.ring
+        return ring.capacity - ring.len + self.retain
+
     @property
     def retained_nbytes(self) -> int:
         return self._retained.nbytes
@@ -223,13 +269,25 @@ class MuseKVCache:
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ) -> Mask:
-        """The mask for the rows the next ``update_and_fetch(N tokens)`` returns."""
-        if N == 1 and not return_array and (
+        """The mask for the rows the next ``update_and_fetch(N tokens)`` returns.
+
+        A model asks its layer types' first caches before any layer writes: those
+        refuse a list that is out of step, and a model whose layers do not fit
+        the list (``cachelist``), before anything is written."""
+        # ``N is _ONE``: the int 1 exactly (CPython keeps one object for it; any
+        # other 1 -- True, 1.0, numpy's -- takes the checked path below)
+        if N is _ONE and not return_array and not self._first_of_kind and (
             window_size is None or window_size == self.plane.window
         ):
             return None  # one token sees every row it is handed (at most the window)
-        if N < 1:
-            raise ValueError(f"make_mask needs N >= 1, got {N}")
+        if N.__class__ is not int or N < 1:
+            N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
+        if self._first_of_kind:
+            self._before_forward(N)  # (the check in cachelist's module doc)
+        if N == 1 and not return_array and (
+            window_size is None or window_size == self.plane.window
+        ):
+            return None
         offset = self.ring.len
         if self.kind is LayerKind.GLOBAL:
             if window_size is not None:
@@ -249,6 +307,17 @@ class MuseKVCache:
             rows = min(offset + 1, self.ring.capacity)
             return mx.ones((1, rows), dtype=mx.bool_) if return_array else None
         return causal_mask(N, offset) if return_array else "causal"
+
+    def _before_forward(self, n: Any) -> None:
+        """A layer type's first cache, asked for a mask: the model must fit the
+        list, and the list must be in step (this layer level with its
+        predecessor, or one write of ``n`` behind it if that layer went first)."""
+        if not self._index:  # the model asks layer 0 first: once per forward
+            self._list.check_caller(3)  # 0 check_caller, 1 here, 2 make_mask, 3 its caller
+        prev, ring = self._prev.ring, self.plane.ring
+        ahead, here = prev.origin_logical + prev.len, ring.origin_logical + ring.len
+        if ahead != here and not (self._index and ahead == here + n):
+            raise self._list.out_of_step(self, n if self._index else 0)
 
     # -- state ---------------------------------------------------------------
 
@@ -295,14 +364,17 @@ class MuseKVCache:
     # -- trimming ------------------------------------------------------------
 
     def trimmable_depth(self) -> int:
-        """How many newest tokens ``trim`` can remove exactly."""
+        """How many newest tokens ``trim`` can remove exactly: every count up to
+        it trims exactly, one more is refused."""
         self._check_ring_owner()
         ring = self.ring
         if self.kind is LayerKind.GLOBAL:
             return ring.len
         first = self._retained.first(ring.origin_logical)
-        if first == 0:  # every row ever overwritten is held
-            return ring.len
+        if first == 0:  # every row ever overwritten is held: back to position 0
+            return ring.end
+        # trimming to position e puts back rows [e - capacity, origin_logical):
+        # exact while e - capacity >= first, the oldest row held
         return max(0, ring.end - ring.capacity - first)
 
     def is_trimmable(self) -> bool:
@@ -313,6 +385,7 @@ class MuseKVCache:
 
         A growing plane rewinds its length. A ring also puts back the rows those
         tokens overwrote, from its retained rows, and moves both origins back."""
+        n = count(n, f"layer {self.layer}: trim count", minimum=None)
         if n < 0:
             raise ValueError(f"layer {self.layer}: cannot trim a negative count {n}")
         depth = self.trimmable_depth()
@@ -322,6 +395,8 @@ class MuseKVCache:
             )
         if n == 0:
             return 0
+        if self._list is not None:
+            self._list.before_trim(self, n)  # the whole list can, or none changes
         ring = self.ring
         if self.kind is LayerKind.GLOBAL:
             ring = ring.copy()
@@ -341,7 +416,32 @@ class MuseKVCache:
         # No evaluation here: a sync per layer would cost more than the one small
         # ring copy MLX may make at the next store.
         self._ring_seen = self.plane.ring
+        if self._checkpoints:
+            for cp in list(self._checkpoints):
+                cp._trimmed(self, self.offset)
         return n
+
+    # -- checkpoints (speculative.py) -------------------------------------------
+
+    def watch(self, checkpoint: Any) -> None:
+        """Tell ``checkpoint`` of every move that is not a write: a trim (its
+        ``_trimmed(cache, position)``) and a restore (``_replaced(cache)``)."""
+        if self._checkpoints is None:
+            self._checkpoints = weakref.WeakSet()
+        self._checkpoints.add(checkpoint)
+
+    def unwatch(self, checkpoint: Any) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.discard(checkpoint)
+
+    def replaced(self) -> None:
+        """The planes were restored from elsewhere (a snapshot install): the
+        history open checkpoints and a trim round describe is gone."""
+        if self._checkpoints:
+            for cp in list(self._checkpoints):
+                cp._replaced(self)
+        if self._list is not None:
+            self._list.forget_round()
 
     # -- sizes ---------------------------------------------------------------
 
@@ -375,21 +475,29 @@ def make_prompt_cache(
     ``plane_dtype`` (f16 or bf16) overrides the planes' type, which otherwise
     follows the model: bf16 for a model whose attention runs in bf16, else f16
     (``muser_kv.precision``).
+
+    The caches form one list (``muser_kv.cachelist``): drive them together, in
+    list order, as mlx-lm does; a layer written alone puts the list out of step.
+    A model without the fields muser-kv needs, or with a layer type it does not
+    serve, raises ``UnsupportedModel`` naming the field.
     """
-    args = getattr(model, "args", None)
-    if args is None:
-        raise TypeError(f"make_prompt_cache needs an mlx-lm model with .args, got {type(model).__name__}")
-    geometry = MuseGeometry.from_model_args(args, max_context)
-    return make_cache_for(geometry, retain, sliding_layout, plane_dtype_for(model, plane_dtype))
+    geometry = MuseGeometry.from_model(model, max_context)
+    return make_cache_for(geometry, retain, sliding_layout, plane_dtype_for(model, plane_dtype),
+                          model=model)
 
 
 def make_cache_for(
     geometry: MuseGeometry, retain: int = DEFAULT_RETAIN, sliding_layout: str = "token_major",
-    plane_dtype: DtypeLike = PLANE_DTYPE,
+    plane_dtype: DtypeLike = PLANE_DTYPE, *, model: Any = None,
 ) -> List[MuseKVCache]:
-    """One cache per layer of ``geometry``, with planes of ``plane_dtype``."""
+    """One cache per layer of ``geometry``, with planes of ``plane_dtype``, bound
+    into one list (``muser_kv.cachelist``); ``model``, when given, is the model
+    the list serves (a session saved from it records that model's fingerprint)."""
+    if not isinstance(geometry, MuseGeometry):
+        raise TypeError(f"make_cache_for needs a MuseGeometry, got {type(geometry).__name__}")
+    retain = count(retain, "retain")
     dtype = parse_plane_dtype(plane_dtype) or PLANE_DTYPE
-    return [
+    caches = [
         MuseKVCache(
             KvPlane(
                 geometry.layer_kind(i),
@@ -405,3 +513,5 @@ def make_cache_for(
         )
         for i in range(geometry.num_layers)
     ]
+    cachelist.bind(caches, model)
+    return caches

@@ -66,7 +66,8 @@ def _plot(g: MuseGeometry, context: int, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the extra
-        raise SystemExit("--plot needs matplotlib: pip install 'muser-kv[plot]'") from e
+        raise SystemExit("--plot needs matplotlib: from the muser-kv checkout, "
+                         "pip install -e '.[plot]' (or pip install matplotlib)") from e
     xs = sorted(set(range(1, context + 1, max(context // 512, 1))) | {min(g.window, context), context})
     swa = [footprint(g, c).swa_bytes / 1e9 for c in xs]
     nope = [footprint(g, c).nope_bytes / 1e9 for c in xs]
@@ -89,14 +90,24 @@ _ENCODING_NAMES = {"f16le": "float16 planes", "bf16le": "bfloat16 planes",
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
     """Print a session file's header and layers and verify every checksum.
-    Exit 0 when everything verifies, 1 on any mismatch, 2 when unreadable."""
-    from .snapshot import SnapshotError, open_session, tensor_names
+    Exit 0 when everything verifies, 1 on any mismatch, 2 when unreadable (one
+    line on stderr says why; inspect never removes or changes a file)."""
+    from .snapshot import SnapshotError, open_session
 
     try:
-        session = open_session(ns.file)
+        session = open_session(ns.file, tidy=False)
     except (OSError, SnapshotError) as e:
         print(f"muser-kv inspect: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a reader bug: still one line, and still a refusal
+        print(f"muser-kv inspect: {ns.file}: unreadable ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return 2
+    return _report(session)
+
+
+def _report(session) -> int:
+    from .snapshot import SnapshotError, tensor_names
     h, g = session.header, session.header.geometry
     print(f"file: {session.path}")
     print(f"format: {h.format}  version: {h.version}")
@@ -107,6 +118,11 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     )
     print(f"position: {h.position}  encoding: {h.encoding} ({_ENCODING_NAMES[h.encoding]})")
     print(f"user: {json.dumps(h.user, sort_keys=True)}")
+    if h.model is None:
+        print("model: not recorded (a load needs allow_other_model=True)")
+    else:
+        print(f"model: config sha256 {h.model['config']}, weights sha256 {h.model['weights']} "
+              f"({h.model['scheme']})")
     checks = {c.name: c for c in session.verify()}
     bad = sum(not c.ok for c in checks.values())
     print(f"{'layer':>5}  {'kind':17}  {'start':>7}  {'rows':>7}  {'tensor':18}  "
@@ -155,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     fp.add_argument("--head-dim", type=int, default=d.head_dim)
     fp.add_argument("--plane-dtype", choices=("float16", "bfloat16"), default="float16",
                     help="the planes' type (both are 2 bytes: the bytes do not change)")
-    fp.add_argument("--plot", metavar="FILE.png", help="draw the two curves (needs matplotlib)")
+    fp.add_argument("--plot", metavar="FILE.png",
+                    help="draw the two curves (needs matplotlib: the plot extra)")
     fp.set_defaults(func=cmd_footprint)
     ins = sub.add_parser("inspect", help="print a session file's header and verify its checksums")
     ins.add_argument("file", help="a session file written by muser_kv.save_session")

@@ -19,8 +19,11 @@ which is the formula exactly whenever the row counts are multiples of 256
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Tuple
+from typing import Any, Tuple
+
+from .counts import count, optional_count
 
 #: Bytes per stored element: the live planes are f16 or bf16 on every backend.
 PLANE_ITEMSIZE = 2
@@ -41,6 +44,51 @@ class LayerKind(str, enum.Enum):
     SLIDING = "sliding_attention"
     #: Global NoPE layer: a growing, head-major plane of ``max_context`` rows.
     GLOBAL = "full_attention"
+
+
+#: The ``layer_types`` values muser-kv serves, one per storage regime.
+LAYER_TYPES = tuple(k.value for k in LayerKind)
+
+#: The integer model fields ``from_model_args`` cannot do without.
+_REQUIRED = ("num_hidden_layers", "num_attention_heads", "sliding_window", "max_position_embeddings")
+
+
+class UnsupportedModel(TypeError):
+    """A model muser-kv cannot build a cache for: names the field that is missing
+    or the layer type it does not serve."""
+
+
+def _args_name(args: Any) -> str:
+    kind = getattr(args, "model_type", None)
+    return f"the model's args ({type(args).__name__}{f', model_type {kind!r}' if kind else ''})"
+
+
+def _model_int(args: Any, name: str) -> int | None:
+    """An integer field of the model's args; None when absent or None; a field
+    of another type is refused by name."""
+    value = getattr(args, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise UnsupportedModel(f"{_args_name(args)}: {name} expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _layer_kinds(args: Any, num_layers: int) -> Tuple[LayerKind, ...]:
+    """``layer_types`` as layer kinds (Muse Glimmer's pattern when the args have none)."""
+    types = getattr(args, "layer_types", None)
+    if not types:
+        return ()
+    types = list(types)
+    unknown = sorted({str(t) for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise UnsupportedModel(
+            f"{_args_name(args)}: layer_types has {unknown}; muser-kv serves sliding-window "
+            f"and global attention layers only (layer_types {' / '.join(LAYER_TYPES)})")
+    if len(types) != num_layers:
+        raise UnsupportedModel(
+            f"{_args_name(args)}: {len(types)} layer_types for {num_layers} layers")
+    return tuple(LayerKind(t) for t in types)
 
 
 def _default_layer_kinds(num_layers: int) -> Tuple[LayerKind, ...]:
@@ -91,29 +139,62 @@ class MuseGeometry:
 
         ``max_context`` overrides ``max_position_embeddings`` (a smaller cache for a
         shorter session); it may not exceed it, since positions past the model's
-        limit are not positions the model was built for.
+        limit are not positions the model was built for. Args that lack a field
+        muser-kv needs, or name a layer type it does not serve, raise
+        ``UnsupportedModel`` naming the field.
         """
-        limit = int(getattr(args, "max_position_embeddings"))
+        fields = {name: _model_int(args, name) for name in _REQUIRED}
+        missing = [name for name, value in fields.items() if value is None]
+        if missing:
+            raise UnsupportedModel(
+                f"{_args_name(args)} has no {' / '.join(missing)} (missing or None): muser-kv "
+                f"serves models with sliding-window and global attention layers, and needs "
+                f"{', '.join(_REQUIRED)} and layer_types ({' / '.join(LAYER_TYPES)}) from the "
+                "model's args")
+        limit = fields["max_position_embeddings"]
+        max_context = optional_count(max_context, "max_context", minimum=1)
         if max_context is None:
             max_context = limit
         elif max_context > limit:
             raise ValueError(
                 f"max_context {max_context} exceeds the model's max_position_embeddings {limit}"
             )
-        num_layers = int(args.num_hidden_layers)
-        layer_types: Sequence[str] | None = getattr(args, "layer_types", None)
-        kinds = tuple(LayerKind(t) for t in layer_types) if layer_types else ()
-        num_heads = int(args.num_attention_heads)
-        head_dim = getattr(args, "head_dim", None) or int(args.hidden_size) // num_heads
+        num_layers = fields["num_hidden_layers"]
+        kinds = _layer_kinds(args, num_layers)
+        num_heads = fields["num_attention_heads"]
+        head_dim = _model_int(args, "head_dim")
+        if head_dim is None:
+            hidden = _model_int(args, "hidden_size")
+            if hidden is None:
+                raise UnsupportedModel(f"{_args_name(args)} has neither head_dim nor hidden_size")
+            head_dim = hidden // num_heads
         return cls(
             num_layers=num_layers,
-            window=int(args.sliding_window),
-            max_context=int(max_context),
+            window=fields["sliding_window"],
+            max_context=max_context,
             num_heads=num_heads,
-            kv_heads=int(getattr(args, "num_key_value_heads", None) or num_heads),
-            head_dim=int(head_dim),
+            kv_heads=_model_int(args, "num_key_value_heads") or num_heads,
+            head_dim=head_dim,
             layer_kinds=kinds,
         )
+
+    @classmethod
+    def from_model(cls, model: Any, max_context: int | None = None) -> "MuseGeometry":
+        """``from_model_args(model.args)``, for a model whose layer list agrees
+        with its args (``UnsupportedModel`` otherwise)."""
+        args = getattr(model, "args", None)
+        if args is None:
+            raise UnsupportedModel(
+                f"muser-kv needs an mlx-lm model with .args, got {type(model).__name__}: it "
+                "serves models with sliding-window and global attention layers "
+                f"(layer_types {' / '.join(LAYER_TYPES)})")
+        geometry = cls.from_model_args(args, max_context)
+        layers = getattr(model, "layers", None)
+        if layers is not None and len(layers) != geometry.num_layers:
+            raise UnsupportedModel(
+                f"{type(model).__name__} has {len(layers)} layers but its args say "
+                f"num_hidden_layers {geometry.num_layers}")
+        return geometry
 
     def layer_kind(self, layer: int) -> LayerKind:
         if not 0 <= layer < self.num_layers:
@@ -175,8 +256,8 @@ class Footprint:
 def footprint(geometry: MuseGeometry, context: int, slots: int = 1) -> Footprint:
     """The seeds' formula, ``(n_swa * min(C, W) + n_nope * C) * row_bytes`` per
     slot, over allocated rows (each row count rounded up to ``ROW_GRANULE``)."""
-    if context <= 0 or slots <= 0:
-        raise ValueError(f"footprint needs context > 0 and slots > 0, got {context}, {slots}")
+    context = count(context, "footprint context", minimum=1)
+    slots = count(slots, "footprint slots", minimum=1)
     row = geometry.row_bytes
     ring = min(context, geometry.window)
     return Footprint(

@@ -45,6 +45,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import MuseKVCache, make_cache_for
+from .counts import count
 from .geometry import Footprint, MuseGeometry, footprint
 from .policy import (
     ChatTurns,
@@ -81,6 +82,20 @@ class StaleSession(RuntimeError):
             f"slot {slot}: an earlier append failed and could not be undone exactly; "
             "prefill the conversation again to rebuild it"
         )
+
+    def __reduce__(self):
+        return type(self), (self.slot,)
+
+
+class EmptySlot(RuntimeError):
+    """A slot that holds no conversation (never prefilled, or reset) was asked to
+    decode: there is no context for the token to follow."""
+
+    def __init__(self, slot: int):
+        self.slot = slot
+        super().__init__(
+            f"slot {slot} holds no conversation (never prefilled, or reset): prefill it before "
+            "decoding")
 
     def __reduce__(self):
         return type(self), (self.slot,)
@@ -180,12 +195,12 @@ class SlotPool:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         self.model = model
-        self.geometry = MuseGeometry.from_model_args(args, max_context)
+        self.geometry = MuseGeometry.from_model(model, max_context)
         self.max_context = self.geometry.max_context
         self.policy = ContextPolicy(policy)
         self.output_reserve = self._reserve(output_reserve)
         self.prefill_chunk = prefill_chunk
-        self.retain = retain
+        self.retain = count(retain, "retain")
         self.plane_dtype = plane_dtype_for(model, plane_dtype)
         self.vocab_size = int(args.vocab_size)
         self.slots = slots
@@ -250,7 +265,9 @@ class SlotPool:
     def decode(self, slot: int, token: int) -> mx.array:
         """Feed one token to slot ``slot``; its logits ``[vocab]``. The token joins
         the slot's ``pending`` tokens. Never shifts: a full context raises
-        ``ContextTooLong``; a failed step is trimmed back exactly when possible."""
+        ``ContextTooLong``; a failed step is trimmed back exactly when possible.
+        A slot with no conversation (never prefilled, or reset) refuses
+        (``EmptySlot``): a token needs a context to follow."""
         token = self._check_token(token)
         with self._lock:
             i = self._index(slot)
@@ -258,6 +275,8 @@ class SlotPool:
             if session.stale:
                 raise StaleSession(i)
             position = session.cache[0].offset
+            if position == 0:
+                raise EmptySlot(i)
             if position + 1 > self.max_context:
                 raise ContextTooLong(position + 1, self.max_context, f"slot {i}: decoding one more token")
             logits = self._append(i, session, (token,))
@@ -278,7 +297,8 @@ class SlotPool:
     # -- internals -------------------------------------------------------------
 
     def _allocate(self) -> Cache:
-        return tuple(make_cache_for(self.geometry, self.retain, plane_dtype=self.plane_dtype))
+        return tuple(make_cache_for(self.geometry, self.retain, plane_dtype=self.plane_dtype,
+                                    model=self.model))
 
     def _take_staging(self) -> Cache:
         """Move the staging cache out of the pool; pristine by construction."""
@@ -407,14 +427,18 @@ class SlotPool:
 
     @staticmethod
     def _roll_back(session: _Session, start: int) -> None:
+        """Trim the cache back to ``start``, exactly, or mark the session stale.
+        A failure part-way through a chunk leaves the layers it reached one chunk
+        ahead of the rest (a list is never in any other shape, ``cachelist``):
+        those are trimmed back to the rest first, then the whole list to ``start``
+        -- each a trim over the list, all or nothing."""
         try:
-            for c in session.cache:
-                extra = c.offset - start
-                if extra > 0:
-                    if c.trimmable_depth() < extra:
-                        session.stale = True
-                        continue
-                    c.trim(extra)
+            behind = min(c.offset for c in session.cache)
+            for target in (behind, start):
+                for c in session.cache:
+                    extra = c.offset - target
+                    if extra > 0:
+                        c.trim(extra)
             mx.eval([c.state for c in session.cache])
         except Exception:
             session.stale = True

@@ -28,10 +28,22 @@ Invariants, each with a test (``tests/test_snapshot.py``):
 * **Atomic save.** A session file is written to a temporary file in the target's
   directory, fsynced, then ``os.replace``-d onto the target and the directory
   fsynced: a reader sees the old file or the new one, never a torn one, and a
-  failed save leaves the old file untouched and no temporary behind.
-* **Verified load.** Every tensor carries a sha256 of its little-endian bytes in
-  the header; format, version, encoding, geometry, tensor set and dtypes are all
-  checked before a single row is trusted.
+  failed save leaves the old file untouched and removes its temporary. A save
+  killed outright cannot clean up, so the next save or load of the same target
+  removes that target's stale temporaries (those of no live process; never any
+  other file).
+* **Verified load.** The header carries a sha256 over every other header field
+  (``header_sha256``), checked before any field is trusted, and every tensor a
+  sha256 of its little-endian bytes; format, version, encoding, geometry, tensor
+  set and dtypes are all checked before a single row is trusted. Whatever is
+  wrong with a file -- truncated, bit-flipped, nested past reason, of an
+  unknown dtype -- the error is a ``SnapshotError`` naming what was expected
+  and what came, never a parser's own exception.
+* **A session knows its model.** The header records the fingerprint of the
+  model whose cache was saved (``muser_kv.fingerprint``: its config and a few
+  small slices of every weight); a load into a model with another fingerprint,
+  or from a file that records none, is refused (``ModelMismatch``) unless the
+  caller passes ``allow_other_model=True``.
 
 The file records the *KV geometry*: every ``MuseGeometry`` field that shapes the
 stored state (layer count and kinds, window, max_context, KV heads, head_dim).
@@ -42,10 +54,14 @@ a snapshot normalizes ``num_heads`` to ``kv_heads`` and comparisons ignore it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import re
 import secrets
+import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -57,12 +73,16 @@ import numpy as np
 
 from . import tensorfile
 from .cache import make_prompt_cache
+from .counts import optional_count
+from .fingerprint import check_fingerprint, differs, model_fingerprint
 from .geometry import LayerKind, MuseGeometry
 from .plane import KvPlane
 from .precision import DtypeLike, plane_dtype_for
 
 FORMAT = "muser-kv-session"
-VERSION = "1"
+#: Version 2 added the header checksum and the model fingerprint; version 1
+#: files (with neither) are refused: their header cannot be verified.
+VERSION = "2"
 F16LE = "f16le"
 BF16LE = "bf16le"
 F32LE = "f32le"
@@ -81,9 +101,11 @@ def plane_encoding(dtype: Any) -> str:
     return PLANE_ENCODINGS[dtype]
 #: The geometry fields that shape the stored KV state (``num_heads`` does not).
 KV_FIELDS = ("num_layers", "layer_kinds", "window", "max_context", "kv_heads", "head_dim")
-#: Header keys every session file carries (``__metadata__``, str -> str).
+#: The header field holding the sha256 over every other header field.
+HEADER_CHECKSUM = "header_sha256"
+#: Header keys every session file carries (``__metadata__``, str -> str), and no others.
 HEADER_KEYS = ("format", "version", "geometry", "position", "encoding", "starts", "checksums",
-               "user")
+               "user", "model", HEADER_CHECKSUM)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -136,6 +158,19 @@ class ProductionF16Required(EncodingMismatch):
 
     def __init__(self, encoding: str, expected: str = F16LE):
         super().__init__(encoding, F16LE)
+
+
+class ModelMismatch(SnapshotMismatch):
+    """A session offered to a model other than the one it was saved from (by
+    fingerprint), or one that records no model: ``allow_other_model=True``
+    loads it anyway."""
+
+    def __reduce__(self):
+        return type(self), (self.field, self.expected, self.got, self.layer, self.kind)
+
+
+class SessionMetadataError(SnapshotError, TypeError):
+    """User metadata that cannot be stored as JSON, exactly."""
 
 
 def _encoding_mismatch(encoding: str, expected: str) -> EncodingMismatch:
@@ -266,13 +301,17 @@ class SessionSnapshot:
     position: int
     encoding: str
     layers: Tuple[LayerCut, ...]
+    #: the fingerprint of the model the session came from (None: not known)
+    model: Optional[Dict[str, str]] = None
 
     # -- building -------------------------------------------------------------
 
     @classmethod
-    def capture(cls, cache: Sequence[Any]) -> "SessionSnapshot":
+    def capture(cls, cache: Sequence[Any], model: Any = None) -> "SessionSnapshot":
         """Cut a live cache list. Every layer must be at the same position and hold
-        exactly its contract rows; the rows are evaluated now (a point-in-time copy)."""
+        exactly its contract rows; the rows are evaluated now (a point-in-time copy).
+        The snapshot records the fingerprint of ``model``, or of the model the
+        list was built for (``make_prompt_cache(model)``), if either is known."""
         geometry = cache_geometry(cache)
         offsets = [c.offset for c in cache]
         if len(set(offsets)) != 1:
@@ -284,7 +323,10 @@ class SessionSnapshot:
             start, keys, values = c.plane.snapshot()
             cuts.append(LayerCut(int(start), keys, values))
         mx.eval([a for cut in cuts for a in (cut.keys, cut.values)])
-        snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].plane.dtype), tuple(cuts))
+        model = model if model is not None else _list_model(cache)
+        fingerprint = model_fingerprint(model) if model is not None else None
+        snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].plane.dtype), tuple(cuts),
+                       fingerprint)
         snapshot.check(geometry)
         return snapshot
 
@@ -333,16 +375,22 @@ class SessionSnapshot:
 
     # -- restore ------------------------------------------------------------------
 
-    def install(self, cache: Sequence[Any], *, convert: bool = False) -> None:
+    def install(self, cache: Sequence[Any], *, convert: bool = False,
+                allow_other_model: bool = False) -> None:
         """Restore into a live cache list, all layers or none.
 
         Gate and convert every layer first; then install each at rotation
         ``start % capacity``. Should a plane still refuse mid-way (nothing the gate
         knows about), the layers already installed get their previous planes and
         rings back, so the cache is as it was. That costs holding the replaced
-        planes until the last layer is in (peak: two copies of the cache)."""
+        planes until the last layer is in (peak: two copies of the cache).
+        When the list knows its model, the snapshot must come from that model
+        (``ModelMismatch`` otherwise, unless ``allow_other_model``)."""
         target = cache_geometry(cache)
         ready = self._installable(target, plane_encoding(cache[0].plane.dtype), convert)
+        model = _list_model(cache)
+        if model is not None and not allow_other_model:
+            check_model(self.model, model_fingerprint(model), "the cache list's model")
         _install(cache, ready, rollback=True)
 
     def _installable(self, target: MuseGeometry, encoding: str,
@@ -357,9 +405,36 @@ class SessionSnapshot:
         return sum(c.keys.nbytes + c.values.nbytes for c in self.layers)
 
 
-def restore_into(cache: Sequence[Any], snapshot: SessionSnapshot, *, convert: bool = False) -> None:
-    """``snapshot.install(cache, convert=convert)``."""
-    snapshot.install(cache, convert=convert)
+def restore_into(cache: Sequence[Any], snapshot: SessionSnapshot, *, convert: bool = False,
+                 allow_other_model: bool = False) -> None:
+    """``snapshot.install(cache, convert=convert, allow_other_model=allow_other_model)``."""
+    snapshot.install(cache, convert=convert, allow_other_model=allow_other_model)
+
+
+def _list_model(cache: Sequence[Any]) -> Any:
+    """The model a cache list was built for, when every layer belongs to one
+    list that knows it (``make_prompt_cache(model)``)."""
+    lists = {id(getattr(c, "_list", None)): getattr(c, "_list", None) for c in cache}
+    if len(lists) != 1:
+        return None
+    group = next(iter(lists.values()))
+    return group.model if group is not None else None
+
+
+def check_model(recorded: Optional[Mapping[str, str]], fingerprint: Mapping[str, str],
+                target: str) -> None:
+    """Refuse a session whose recorded model fingerprint is not ``fingerprint``
+    (``ModelMismatch``; the caller's ``allow_other_model=True`` skips this)."""
+    if recorded is None:
+        raise ModelMismatch(
+            f"model fingerprint (the session records none; {target} is known: pass "
+            "allow_other_model=True to restore it anyway)", dict(fingerprint), None)
+    part = differs(recorded, fingerprint)
+    if part is not None:
+        raise ModelMismatch(
+            f"model fingerprint {part} (the session was saved from another model than "
+            f"{target}: other weights or config; pass allow_other_model=True to restore it "
+            "anyway)", fingerprint.get(part), recorded.get(part))
 
 
 def _install(cache: Sequence[Any], ready: SessionSnapshot, *, rollback: bool) -> None:
@@ -375,6 +450,10 @@ def _install(cache: Sequence[Any], ready: SessionSnapshot, *, rollback: bool) ->
         for plane, (keys, values, ring) in zip(planes[:done], previous[:done]):
             plane.keys, plane.values, plane.ring = keys, values, ring
         raise
+    for c in cache:  # what the caches' checkpoints and trim rounds knew is gone
+        replaced = getattr(c, "replaced", None)
+        if replaced is not None:
+            replaced()
 
 
 # -- the file -----------------------------------------------------------------
@@ -409,12 +488,43 @@ def geometry_to_json(geometry: MuseGeometry) -> str:
     return json.dumps(g, sort_keys=True, separators=(",", ":"))
 
 
-def _geometry_from_json(text: str, path: PathLike) -> MuseGeometry:
+def header_digest(metadata: Mapping[str, str]) -> str:
+    """The ``header_sha256`` of a header: sha256 (hex) of the compact, ASCII
+    JSON array of ``[key, value]`` pairs of every other field, sorted by key.
+    It covers every byte of every field's key and value, so no field can change
+    -- nor one appear or go -- without it changing."""
+    pairs = sorted([k, v] for k, v in metadata.items() if k != HEADER_CHECKSUM)
+    text = json.dumps(pairs, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _show(value: Any) -> str:
+    """A short repr of a value read from a file, safe at any nesting depth."""
+    return tensorfile.show(value)
+
+
+def _json(metadata: Mapping[str, str], key: str, path: PathLike) -> Any:
+    """A header field's JSON value; anything that does not parse (malformed,
+    nested past what the parser takes, numbers past its limits) is refused."""
     try:
-        g = json.loads(text)
+        return json.loads(metadata[key])
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise SessionFileError(path, f"header field {key!r}: expected JSON, got text that is "
+                                     f"not ({why})") from None
+
+
+def _geometry_from_json(metadata: Mapping[str, str], path: PathLike) -> MuseGeometry:
+    g = _json(metadata, "geometry", path)
+    try:
         if not isinstance(g, dict) or set(g) != set(KV_FIELDS):
             raise ValueError(f"fields expected {sorted(KV_FIELDS)}, got "
-                             f"{sorted(g) if isinstance(g, dict) else type(g).__name__}")
+                             f"{_show(sorted(g)) if isinstance(g, dict) else type(g).__name__}")
+        if not isinstance(g["layer_kinds"], list):
+            raise ValueError(f"layer_kinds expected a list, got {type(g['layer_kinds']).__name__}")
         g = dict(g, num_heads=g["kv_heads"], layer_kinds=tuple(g["layer_kinds"]))
         return MuseGeometry(**g)
     except (ValueError, TypeError, KeyError) as e:
@@ -433,49 +543,71 @@ class SessionHeader:
     starts: Tuple[int, ...]
     checksums: Dict[str, str]
     user: Dict[str, Any]
+    model: Optional[Dict[str, str]] = None
 
     @property
     def tensor_names(self) -> List[str]:
         return [n for i in range(self.geometry.num_layers) for n in tensor_names(i)]
 
 
-def _json(metadata: Mapping[str, str], key: str, path: PathLike) -> Any:
-    try:
-        return json.loads(metadata[key])
-    except ValueError as e:
-        raise SessionFileError(path, f"header field {key!r} is not JSON: {e}") from None
-
-
 def parse_header(metadata: Optional[Mapping[str, str]], path: PathLike) -> SessionHeader:
-    """Check and parse a session file's header; ``SessionFileError`` names what is wrong."""
+    """Check and parse a session file's header; ``SessionFileError`` names what is wrong.
+
+    Format and version are compared with constants first (so a file that is
+    not a session, or of another version, says so); then the header checksum
+    is verified, before any other field is read."""
     metadata = metadata or {}
     fmt = metadata.get("format")
     if fmt != FORMAT:
-        raise SessionFileError(path, f"format expected {FORMAT!r}, got {fmt!r}")
+        raise SessionFileError(path, f"format expected {FORMAT!r}, got {_show(fmt)}")
     version = metadata.get("version")
     if version != VERSION:
-        raise SessionFileError(path, f"unsupported version: expected {VERSION!r}, got {version!r}")
+        why = (" (version 1 files carry no header checksum and no model fingerprint, so "
+               "their header cannot be verified: rebuild the session from its prompt)"
+               if version == "1" else "")
+        raise SessionFileError(path, f"unsupported version: expected {VERSION!r}, got "
+                                     f"{_show(version)}{why}")
+    recorded = metadata.get(HEADER_CHECKSUM)
+    if not isinstance(recorded, str) or not _HEX64.fullmatch(recorded):
+        raise SessionFileError(path, f"header checksum ({HEADER_CHECKSUM}) expected 64 lowercase "
+                                     f"hex digits, got {_show(recorded)}")
+    computed = header_digest(metadata)
+    if computed != recorded:
+        raise SessionFileError(path, f"corrupted header (checksum mismatch): {HEADER_CHECKSUM} "
+                                     f"expected {recorded}, got {computed}")
     missing = [k for k in HEADER_KEYS if k not in metadata]
     if missing:
         raise SessionFileError(path, f"header fields missing: {missing}")
+    extra = sorted(set(metadata) - set(HEADER_KEYS))
+    if extra:
+        raise SessionFileError(path, f"header fields expected {list(HEADER_KEYS)}, got also "
+                                     f"{_show(extra)}")
     encoding = metadata["encoding"]
     if encoding not in ENCODINGS:
         raise SessionFileError(path, f"unknown encoding: expected one of {sorted(ENCODINGS)}, "
-                                     f"got {encoding!r}")
-    geometry = _geometry_from_json(metadata["geometry"], path)
+                                     f"got {_show(encoding)}")
+    geometry = _geometry_from_json(metadata, path)
     position = _json(metadata, "position", path)
     if not isinstance(position, int) or isinstance(position, bool) or position < 0:
-        raise SessionFileError(path, f"position expected a non-negative int, got {position!r}")
+        raise SessionFileError(path, f"position expected a non-negative int, got {_show(position)}")
     starts = _json(metadata, "starts", path)
     if (not isinstance(starts, list) or len(starts) != geometry.num_layers
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts)):
-        raise SessionFileError(path, f"starts expected {geometry.num_layers} ints, got {starts!r}")
+        raise SessionFileError(path, f"starts expected {geometry.num_layers} ints, got "
+                                     f"{_show(starts)}")
     checksums = _json(metadata, "checksums", path)
     if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
-        raise SessionFileError(path, "checksums expected a JSON object of hex strings")
+        raise SessionFileError(path, f"checksums expected a JSON object of hex strings, got "
+                                     f"{_show(checksums)}")
     user = _json(metadata, "user", path)
+    if not isinstance(user, dict):
+        raise SessionFileError(path, f"user metadata expected a JSON object, got {_show(user)}")
+    try:
+        model = check_fingerprint(_json(metadata, "model", path))
+    except ValueError as e:
+        raise SessionFileError(path, f"model fingerprint: {e}") from None
     return SessionHeader(fmt, version, geometry, position, encoding, tuple(starts),
-                         checksums, user)
+                         checksums, user, model)
 
 
 def _read_raw(path: PathLike) -> Tuple[Dict[str, str], Dict[str, tensorfile.Tensor]]:
@@ -558,7 +690,7 @@ class SessionFile:
             k, v = (_to_mlx(self.tensors[n].data, dtype) for n in tensor_names(i))
             cuts.append(LayerCut(start, k, v))
         mx.eval([a for c in cuts for a in (c.keys, c.values)])
-        snapshot = SessionSnapshot(h.geometry, h.position, h.encoding, tuple(cuts))
+        snapshot = SessionSnapshot(h.geometry, h.position, h.encoding, tuple(cuts), h.model)
         snapshot.check(h.geometry)
         return snapshot
 
@@ -578,8 +710,11 @@ def _to_numpy(x: mx.array) -> np.ndarray:
     return np.asarray(x)
 
 
-def open_session(path: PathLike) -> SessionFile:
-    """Read a session file and parse its header (tensors are not yet verified)."""
+def open_session(path: PathLike, *, tidy: bool = True) -> SessionFile:
+    """Read a session file and parse its header (tensors are not yet verified).
+    ``tidy`` removes the target's stale temporaries first (see ``tidy_temporaries``)."""
+    if tidy:
+        tidy_temporaries(path)
     metadata, tensors = _read_raw(path)
     return SessionFile(Path(path), metadata, parse_header(metadata, path), tensors)
 
@@ -589,9 +724,34 @@ def read_session(path: PathLike) -> SessionSnapshot:
     return open_session(path).snapshot()
 
 
+def user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``metadata`` as the header stores it: a mapping with string keys of JSON
+    values (what comes back is ``json.loads(json.dumps(metadata))``: tuples come
+    back as lists), or ``SessionMetadataError`` naming what cannot be stored."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise SessionMetadataError(
+            f"session metadata expected a mapping (str -> JSON value), got "
+            f"{type(metadata).__name__}")
+    user = dict(metadata)
+    odd = [k for k in user if not isinstance(k, str)]
+    if odd:
+        raise SessionMetadataError(
+            f"session metadata keys expected strings (JSON turns others into strings), got "
+            f"{tensorfile.show(odd)}")
+    try:
+        json.dumps(user, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise SessionMetadataError(f"session metadata expected JSON values, got one that is "
+                                   f"not ({why})") from None
+    return user
+
+
 def _header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
             user: Mapping[str, Any]) -> Dict[str, str]:
-    return {
+    header = {
         "format": FORMAT,
         "version": VERSION,
         "geometry": geometry_to_json(snapshot.geometry),
@@ -599,8 +759,11 @@ def _header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
         "encoding": snapshot.encoding,
         "starts": json.dumps([c.start for c in snapshot.layers]),
         "checksums": json.dumps(tensor_digests(arrays), sort_keys=True),
-        "user": json.dumps(dict(user), sort_keys=True),
+        "user": json.dumps(dict(user), sort_keys=True, allow_nan=False),
+        "model": json.dumps(snapshot.model, sort_keys=True),
     }
+    header[HEADER_CHECKSUM] = header_digest(header)
+    return header
 
 
 def _arrays(snapshot: SessionSnapshot) -> Dict[str, np.ndarray]:
@@ -633,37 +796,127 @@ def _fsync_path(path: PathLike, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
-    """Temp file beside ``path`` -> written and closed by safetensors -> fsync (its
-    bytes are on disk) -> ``os.replace`` (atomic rename) -> fsync the directory (the
-    rename is on disk). Any failure before the rename removes the temp file and
-    leaves ``path`` as it was."""
-    directory = path.parent
-    tmp = directory / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
+#: Temporaries this process is writing now (never stale, whatever their name says).
+_IN_FLIGHT: set = set()
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _temporary_pattern(path: Path) -> "re.Pattern[str]":
+    """Names of ``path``'s temporaries: ``.NAME.<pid>-<16 hex>.tmp`` (and the
+    ``.NAME.<16 hex>.tmp`` earlier versions wrote, which name no process)."""
+    return re.compile(rf"\.{re.escape(path.name)}\.(?:(\d+)-)?[0-9a-f]{{16}}\.tmp")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
-        _write_tensors(tmp, arrays, header)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(OSError):
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError, OSError):
+        return True  # exists (someone else's), or cannot tell: keep its file
+    return True
+
+
+def tidy_temporaries(path: PathLike) -> List[Path]:
+    """Remove the stale temporaries of the session file ``path`` -- those a save
+    that was killed outright left behind -- and return them. A temporary is
+    stale when the process its name records is gone (or, for this process, when
+    no save of this process is writing it). Only regular files named as this
+    target's temporaries are touched, never any other file; failures to list
+    or remove are ignored (tidying is best effort, never a reason to fail)."""
+    target = Path(path)
+    directory = target.parent
+    pattern = _temporary_pattern(target)
+    removed = []
+    try:
+        names = os.listdir(directory if str(directory) else ".")
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        tmp = directory / name
+        with _IN_FLIGHT_LOCK:
+            if str(tmp) in _IN_FLIGHT:
+                continue
+        pid = m.group(1)
+        if pid is not None and int(pid) != os.getpid() and _alive(int(pid)):
+            continue
+        try:
+            if not stat.S_ISREG(os.lstat(tmp).st_mode):
+                continue
             os.unlink(tmp)
-        raise
+            removed.append(tmp)
+        except OSError:
+            pass
+    return removed
+
+
+def _saving(path: Path, e: OSError) -> OSError:
+    """``e`` restated about the caller's ``path`` (not our temporary)."""
+    if e.errno is None:
+        return e
+    return OSError(e.errno, f"cannot save the session to {os.fspath(path)}: "
+                            f"{e.strerror or e}", os.fspath(path))
+
+
+def _atomic_write(path: Path, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
+    """Temp file beside ``path`` -> written and closed -> fsync (its bytes are on
+    disk) -> ``os.replace`` (atomic rename) -> fsync the directory (the rename
+    is on disk). Any failure before the rename removes the temp file and leaves
+    ``path`` as it was; stale temporaries of ``path`` (killed saves) go first."""
+    directory = path.parent
+    if not directory.is_dir():
+        raise OSError(errno.ENOENT, f"cannot save the session to {os.fspath(path)}: directory "
+                                    f"{os.fspath(directory)} does not exist", os.fspath(path))
+    tidy_temporaries(path)
+    tmp = directory / f".{path.name}.{os.getpid()}-{secrets.token_hex(8)}.tmp"
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.add(str(tmp))
+    try:
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
+        except OSError as e:
+            raise _saving(path, e) from e
+        try:
+            _write_tensors(tmp, arrays, header)
+            _fsync_path(tmp)
+            os.replace(tmp, path)
+        except BaseException as e:
+            with suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(e, OSError):
+                raise _saving(path, e) from e
+            raise
+    finally:
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(str(tmp))
     _fsync_path(directory, directory=True)
 
 
 def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
                  metadata: Optional[Mapping[str, Any]] = None, *,
-                 encoding: Optional[str] = None) -> SessionSnapshot:
+                 encoding: Optional[str] = None, model: Any = None) -> SessionSnapshot:
     """Write a session (a live cache list, or a snapshot) to ``path``, atomically.
 
     The file carries the planes' own encoding (``f16le`` or ``bf16le``) unless
     ``encoding`` says otherwise: ``"f32le"`` writes an f32 interchange file (an
     exact widening); installing it later needs ``convert=True``. ``metadata`` is
-    any JSON-serializable mapping, stored under ``user``. Returns what was written."""
-    user = dict(metadata or {})
-    json.dumps(user)  # refuse unserializable metadata before touching the disk
-    snapshot = cache if isinstance(cache, SessionSnapshot) else SessionSnapshot.capture(cache)
+    a mapping of string keys to JSON values, stored under ``user``
+    (``SessionMetadataError`` otherwise, before the disk is touched). The file
+    records the fingerprint of ``model``, else of the model the cache list was
+    built for, else the snapshot's (none, for a list built from a bare
+    geometry). Returns what was written."""
+    user = user_metadata(metadata)  # refused before touching the disk
+    if isinstance(cache, SessionSnapshot):
+        snapshot = cache
+        if model is not None:
+            snapshot = dataclasses.replace(snapshot, model=model_fingerprint(model))
+    else:
+        snapshot = SessionSnapshot.capture(cache, model)
     snapshot = snapshot.encoded(encoding or snapshot.encoding)
     snapshot.check(snapshot.geometry)
     arrays = _arrays(snapshot)
@@ -672,14 +925,19 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
 
 
 def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, *,
-                 convert: bool = False, plane_dtype: DtypeLike = None) -> List[Any]:
+                 convert: bool = False, plane_dtype: DtypeLike = None,
+                 allow_other_model: bool = False) -> List[Any]:
     """A new cache list for ``model`` holding the session in ``path``, restored
     bit for bit, or an exception (never a partially restored cache).
 
     ``max_context`` defaults to the file's; any other value is another geometry
     and is refused, as is a model whose layers, window or heads differ. The
     planes are of the model's type (``plane_dtype`` overrides it, as in
-    ``make_prompt_cache``); a file of another encoding needs ``convert=True``."""
+    ``make_prompt_cache``); a file of another encoding needs ``convert=True``.
+    The session must come from ``model`` itself (by fingerprint: its config and
+    a sample of its weights); a file from another model, or one that records no
+    model, is refused (``ModelMismatch``) unless ``allow_other_model=True``."""
+    max_context = optional_count(max_context, "max_context", minimum=1)
     snapshot = read_session(path)
     file_geometry = snapshot.geometry
     context = file_geometry.max_context if max_context is None else max_context
@@ -687,7 +945,7 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     if args is None:
         raise TypeError(
             f"load_session needs an mlx-lm model with .args, got {type(model).__name__}")
-    limit = int(getattr(args, "max_position_embeddings"))
+    limit = MuseGeometry.from_model_args(args).max_context
     if context > limit:
         raise SnapshotMismatch(
             f"geometry.max_context (expected: within the model's max_position_embeddings; "
@@ -698,6 +956,8 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"{e.field} (expected: the model's; got: file {os.fspath(path)})",
                                e.expected, e.got) from None
+    if not allow_other_model:
+        check_model(snapshot.model, model_fingerprint(model), f"the model ({type(model).__name__})")
     dtype = plane_dtype_for(model, plane_dtype)
     ready = snapshot._installable(kv_geometry(target), plane_encoding(dtype), convert)
     cache = make_prompt_cache(model, context, plane_dtype=dtype)

@@ -14,9 +14,11 @@ is exact up to the retained depth, and refused beyond it (never silently wrong).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from .counts import count
 
 #: The longest draft block a checkpoint covers (seeds: DFlash blocks of up to 16).
 MAX_BLOCK = 16
@@ -39,9 +41,7 @@ class RetainedRows:
     """
 
     def __init__(self, limit: int):
-        if limit < 0:
-            raise ValueError(f"retain must be >= 0, got {limit}")
-        self.limit = limit
+        self.limit = count(limit, "retain")
         self._blocks: Deque[Tuple[int, mx.array]] = deque()
         self.start = self.end = 0
 
@@ -113,29 +113,58 @@ class SpeculativeCheckpoint:
     ``rollback()`` returns every layer to the block's start (all or nothing:
     every layer is checked before any is touched); ``commit()`` keeps the block.
     Either ends the checkpoint.
+
+    A checkpoint is opened only for a block every layer can undo exactly, and a
+    rollback either restores the state at the checkpoint exactly or refuses with
+    the cache unchanged: it refuses once anything but writes moved the cache
+    since the checkpoint -- a trim below the block's start, or a restore from a
+    snapshot -- since the rows before the start are then no longer the
+    checkpoint's. (A trim inside the block is a rollback of part of it, and
+    keeps the checkpoint good.)
     """
 
     def __init__(self, cache: Sequence, block_len: int):
+        block_len = count(block_len, "block_len")
         if not 1 <= block_len <= MAX_BLOCK:
             raise ValueError(f"block_len must be in [1, {MAX_BLOCK}], got {block_len}")
+        cache = list(cache)
+        if not cache:
+            raise ValueError("checkpoint needs a cache list with at least one layer")
         offsets = {c.offset for c in cache}
         if len(offsets) != 1:
             raise ValueError(f"cache layers disagree on their position: {sorted(offsets)}")
         for c in cache:
-            if c.retain_depth < block_len:
+            if c.undoable_block() < block_len:
                 raise ValueError(
-                    f"layer {c.layer} retains {c.retain_depth} rows, a block of {block_len} "
-                    f"needs that many (make_prompt_cache(..., retain={block_len}))"
+                    f"layer {c.layer} retains {c.retain_depth} rows and can undo a block of at "
+                    f"most {c.undoable_block()} tokens from position {c.offset}, asked for "
+                    f"{block_len} (make_prompt_cache(..., retain={block_len}))"
                 )
-        self.cache = list(cache)
+        self.cache = cache
         self.block_len = block_len
         self.start = offsets.pop()
         self.open = True
+        self._broken: Optional[str] = None
+        for c in cache:
+            c.watch(self)
+
+    # -- what the caches report (MuseKVCache.watch) -----------------------------
+
+    def _trimmed(self, cache, position: int) -> None:
+        if position < self.start and self._broken is None:
+            self._broken = (f"layer {cache.layer} was trimmed to position {position}, below the "
+                            f"checkpoint's start {self.start}")
+
+    def _replaced(self, cache) -> None:
+        if self._broken is None:
+            self._broken = f"layer {cache.layer} was restored from a snapshot"
 
     def _end(self) -> None:
         if not self.open:
             raise RuntimeError("this checkpoint was already committed or rolled back")
         self.open = False
+        for c in self.cache:
+            c.unwatch(self)
 
     def commit(self) -> None:
         """Keep the block."""
@@ -145,21 +174,27 @@ class SpeculativeCheckpoint:
         """Undo everything written since the checkpoint; returns the tokens undone."""
         if not self.open:
             raise RuntimeError("this checkpoint was already committed or rolled back")
+        depths = [c.trimmable_depth() for c in self.cache]  # also notices a restore
+        if self._broken is not None:
+            raise RuntimeError(
+                f"cannot roll back to position {self.start}: {self._broken} since the "
+                "checkpoint, so the state at the checkpoint is gone (the cache is unchanged)")
         n = {c.offset - self.start for c in self.cache}
         if len(n) != 1:
             raise RuntimeError(f"cache layers moved by different amounts since the checkpoint: {n}")
-        count = n.pop()
-        if not 0 <= count <= self.block_len:
+        written = n.pop()
+        if not 0 <= written <= self.block_len:
             raise RuntimeError(
-                f"{count} tokens were written since the checkpoint, more than its block of {self.block_len}"
+                f"{written} tokens were written since the checkpoint, more than its block of "
+                f"{self.block_len}"
             )
+        for c, depth in zip(self.cache, depths):
+            if depth < written:
+                raise RuntimeError(f"layer {c.layer} cannot undo {written} tokens exactly")
         for c in self.cache:
-            if c.trimmable_depth() < count:
-                raise RuntimeError(f"layer {c.layer} cannot undo {count} tokens exactly")
-        for c in self.cache:
-            c.trim(count)
+            c.trim(written)
         self._end()
-        return count
+        return written
 
     @property
     def nbytes(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import struct
 from dataclasses import dataclass
 from typing import Dict, Mapping, Tuple, Union
@@ -40,6 +41,17 @@ MAX_HEADER = 100_000_000
 
 class TensorFileError(ValueError):
     """The file is not a well-formed safetensors file of the types we store."""
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+_SHORT.maxlist = _SHORT.maxdict = 8
+
+
+def show(value: object) -> str:
+    """A short repr of a value read from a file: a few levels and items deep,
+    whatever its nesting (a plain repr of a deeply nested value recurses)."""
+    return _SHORT.repr(value)
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,30 +119,30 @@ def read(path: PathLike) -> Tuple[Dict[str, str], Dict[str, Tensor]]:
         spans = []
         for name, entry in header.items():
             if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-                raise TensorFileError(f"tensor {name!r}: entry expected dtype, shape and "
-                                      f"data_offsets, got {entry!r:.80}")
+                raise TensorFileError(f"tensor {show(name)}: entry expected dtype, shape and "
+                                      f"data_offsets, got {show(entry)}")
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if dtype not in STORAGE:
-                raise TensorFileError(f"tensor {name!r}: dtype expected one of {sorted(STORAGE)}, "
-                                      f"got {dtype!r:.40}")
+            if not isinstance(dtype, str) or dtype not in STORAGE:
+                raise TensorFileError(f"tensor {show(name)}: dtype expected one of {sorted(STORAGE)}, "
+                                      f"got {show(dtype)}")
             if not (isinstance(shape, list) and all(
                     type(d) is int and d >= 0 for d in shape)):
-                raise TensorFileError(f"tensor {name!r}: shape expected a list of sizes, "
-                                      f"got {shape!r:.80}")
+                raise TensorFileError(f"tensor {show(name)}: shape expected a list of sizes, "
+                                      f"got {show(shape)}")
             if not (isinstance(offsets, list) and len(offsets) == 2 and all(
                     type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
-                raise TensorFileError(f"tensor {name!r}: data_offsets expected [begin, end], "
-                                      f"got {offsets!r:.80}")
+                raise TensorFileError(f"tensor {show(name)}: data_offsets expected [begin, end], "
+                                      f"got {show(offsets)}")
             nbytes = math.prod(shape) * STORAGE[dtype].itemsize
             if offsets[1] - offsets[0] != nbytes:
-                raise TensorFileError(f"tensor {name!r}: {dtype} {shape} needs {nbytes} bytes, "
+                raise TensorFileError(f"tensor {show(name)}: {dtype} {shape} needs {nbytes} bytes, "
                                       f"data_offsets span {offsets[1] - offsets[0]}")
             spans.append((offsets[0], offsets[1], name, dtype, shape))
         spans.sort()
         end = 0
         for begin, stop, name, _, _ in spans:
             if begin != end:
-                raise TensorFileError(f"tensor {name!r}: data starts at byte {begin}, "
+                raise TensorFileError(f"tensor {show(name)}: data starts at byte {begin}, "
                                       f"expected {end} (tensors must tile the data)")
             end = stop
         if end != data_len:
@@ -141,7 +153,7 @@ def read(path: PathLike) -> Tuple[Dict[str, str], Dict[str, Tensor]]:
             f.seek(8 + n + begin)
             data = np.fromfile(f, dtype=storage, count=(stop - begin) // storage.itemsize)
             if data.nbytes != stop - begin:
-                raise TensorFileError(f"truncated: tensor {name!r} short by "
+                raise TensorFileError(f"truncated: tensor {show(name)} short by "
                                       f"{stop - begin - data.nbytes} bytes")
             tensors[name] = Tensor(dtype, data.reshape(shape))
     order = [name for name in header]  # the header's own order

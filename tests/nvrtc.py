@@ -64,7 +64,7 @@ def find_toolkit() -> Toolkit:
     if missing:
         raise NvrtcUnavailable(
             "NVRTC toolchain not installed: missing " + ", ".join(missing)
-            + "; pip install -e '.[test]' installs it on Linux x86-64"
+            + "; pip install -e '.[nvrtc]' installs it on Linux x86-64"
         )
     cccl = found[_CCCL / "cuda" / "std" / "array"] / _CCCL
     headers = found[_HEADERS / "cuda_fp16.h"] / _HEADERS

@@ -23,6 +23,16 @@ def caches(window=8, max_context=64, layers=4, retain=16, layout="token_major"):
                                        num_heads=4, kv_heads=H, head_dim=D), retain, layout)
 
 
+def lone(layer=0, window=8, max_context=64, retain=16, layout="token_major"):
+    """Layer ``layer``'s kind of cache (3 of every 4 sliding), alone: a list of
+    one layer, which a test may drive by itself (a layer of a longer list must
+    be driven with its list)."""
+    kind = LayerKind.GLOBAL if layer % 4 == 3 else LayerKind.SLIDING
+    return make_cache_for(MuseGeometry(num_layers=1, window=window, max_context=max_context,
+                                       num_heads=4, kv_heads=H, head_dim=D, layer_kinds=(kind,)),
+                          retain, layout)[0]
+
+
 def mask_as_array(mask, n, rows):
     if mask is None:
         return np.ones((n, rows), bool)
@@ -63,7 +73,7 @@ def check_step(cache: MuseKVCache, oracle: FullHistory, n: int, seed: int):
 @settings(max_examples=60, deadline=None)
 @given(chunks=st.lists(st.integers(1, 21), min_size=1, max_size=10), layer=st.sampled_from([0, 3]))
 def test_mask_and_rows_agree(layout, chunks, layer):
-    cache = caches(layout=layout)[layer]
+    cache = lone(layer, layout=layout)
     oracle = FullHistory(cache.window)
     for i, n in enumerate(chunks):
         if cache.offset + n > 64:
@@ -72,7 +82,7 @@ def test_mask_and_rows_agree(layout, chunks, layer):
 
 
 def test_decode_on_full_ring_needs_no_mask_and_reads_in_place():
-    c = caches()[0]
+    c = lone(0)
     c.update_and_fetch(*kv(11, seed=1))  # wrapped by a chunk
     assert c.make_mask(1, window_size=8) is None
     k, _ = c.update_and_fetch(*kv(1, seed=2))
@@ -82,8 +92,7 @@ def test_decode_on_full_ring_needs_no_mask_and_reads_in_place():
 
 
 def test_protocol_surface():
-    cs = caches()
-    c, g = cs[0], cs[3]
+    c, g = lone(0), lone(3)
     assert c.kind is LayerKind.SLIDING and g.kind is LayerKind.GLOBAL
     assert c.offset == 0 and c.empty() and c.size() == 0
     # rings of 8 and planes of 64 rows allocate one 256-row granule each
@@ -117,7 +126,7 @@ def test_state_round_trip_is_exact():
 
 
 def test_trim_exact_or_refused_without_retention():
-    c, g = caches(retain=0)[0], caches(retain=0)[3]
+    c, g = lone(0, retain=0), lone(3, retain=0)
     for x in (c, g):
         x.update_and_fetch(*kv(6, seed=1))
         assert x.is_trimmable()
@@ -138,8 +147,7 @@ def test_trim_exact_or_refused_without_retention():
 
 
 def test_discontinuity_through_the_protocol_changes_nothing():
-    cs = caches()
-    c = cs[0]
+    c = lone(0)
     c.update_and_fetch(*kv(3))
     c.plane.ring.layer  # same object the error reports
     state = (bits(c.plane.keys).copy(), c.meta_state)
@@ -174,7 +182,7 @@ def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(layout, ops, 
     """Random writes and trims: every trim is exact (contents, origins and the
     physical placement equal a fresh cache fed the surviving history) or refused
     with nothing changed."""
-    cache = caches(retain=retain, layout=layout)[layer]
+    cache = lone(layer, retain=retain, layout=layout)
     history = []  # (k, v) one token each, as written
     seed = 0
     for op, n in ops:
@@ -196,7 +204,7 @@ def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(layout, ops, 
             continue
         assert cache.trim(n) == n
         del history[len(history) - n:]
-        fresh = caches(retain=retain, layout=layout)[layer]
+        fresh = lone(layer, retain=retain, layout=layout)
         for k, v in history:
             fresh.update_and_fetch(k, v)
         assert cache.meta_state == fresh.meta_state
@@ -214,7 +222,7 @@ def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(layout, ops, 
 
 
 def test_trim_depth_is_the_retained_rows():
-    c = caches(retain=4)[0]
+    c = lone(0, retain=4)
     c.update_and_fetch(*kv(20, seed=1))  # wide chunk: 12 rows lost, last 4 retained
     assert c.trimmable_depth() == 4
     for i in range(3):  # the rows these overwrite were copied ahead, 4 at a time

@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import mlx.core as mx
+import numpy as np
 import pytest
+
+import muser_kv
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "decode.py"
 
@@ -68,3 +72,62 @@ def test_first_difference(example: ModuleType) -> None:
 def test_refuses_a_run_past_max_context(example: ModuleType) -> None:
     with pytest.raises(SystemExit):
         example.main(["--prompt", "250", "--tokens", "8", "--max-context", "256"])
+
+
+def test_progress_bars_show_prefill_and_decode_as_what_they_are(example, monkeypatch):
+    """The prefill bar read 160/160 [00:20] while the prefill took 8.62 s: it
+    ran on through the decode. Now the prefill bar closes when the first token
+    comes out, and a decode bar counts the generated tokens from there."""
+    import time as clock
+
+    events = []
+
+    class Bar:
+        def __init__(self, total=None, desc="", **kwargs):
+            self.total, self.desc, self.n, self.closed = total, desc, 0, False
+            self.opened = clock.perf_counter()
+            events.append(("open", desc, total))
+
+        def update(self, k=1):
+            self.n += k
+            events.append(("update", self.desc, self.n))
+
+        def close(self):
+            if not self.closed:
+                self.closed = True
+                self.lifetime = clock.perf_counter() - self.opened
+                bars[self.desc] = self
+                events.append(("close", self.desc, self.n))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    bars = {}
+    real = example.generate_step
+
+    def recorded(*args, **kwargs):
+        for i, out in enumerate(real(*args, **kwargs)):
+            events.append(("token", i, None))
+            yield out
+
+    monkeypatch.setattr(example, "tqdm", Bar)
+    monkeypatch.setattr(example, "generate_step", recorded)
+    flags = [f for f in FLAGS if f != "--compare"]
+    ns = example.parse_args(flags)
+    model = example.build_model(ns)
+    prompt = mx.array(np.random.default_rng(0).integers(0, ns.vocab, ns.prompt), mx.int32)
+    cache = muser_kv.make_prompt_cache(model, max_context=ns.max_context)
+    run = example.decode(model, cache, prompt, ns, "muser-kv")
+
+    assert [e[1:] for e in events if e[0] == "open"] == [("prefill (muser-kv)", 70),
+                                                        ("decode (muser-kv)", 8)]
+    order = [(e[0], e[1]) for e in events if e[0] in ("open", "close", "token")]
+    assert order.index(("close", "prefill (muser-kv)")) < order.index(("token", 1))
+    assert order.index(("close", "prefill (muser-kv)")) < order.index(("open", "decode (muser-kv)"))
+    assert bars["prefill (muser-kv)"].n == 70 and bars["decode (muser-kv)"].n == 8
+    # each bar's elapsed time is its phase's
+    assert bars["prefill (muser-kv)"].lifetime == pytest.approx(run.prefill_s, abs=0.25)
+    assert bars["decode (muser-kv)"].lifetime == pytest.approx(run.decode_s, abs=0.25)

@@ -95,3 +95,55 @@ def test_cli_footprint_off_the_granule_shows_allocated_and_formula(capsys):
     assert "one slot:               1,414,266,880 B" in out
     assert "one slot by the formula (rows not rounded): 1,412,988,928 B" in out
     assert "global planes 100,096 for 100,000" in out and "bfloat16 planes" in out
+
+
+# -- issue #10, item 9: a model muser-kv does not serve says why --------------------
+
+
+def _llama(**kw):
+    from mlx_lm.models import llama
+
+    base = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=64)
+    base.update(kw)
+    return llama.Model(llama.ModelArgs(**base))
+
+
+def test_a_model_without_the_fields_muser_kv_needs_is_named_clearly():
+    """make_prompt_cache(llama) failed with int(None) deep inside; it must say
+    which field is missing and what kind of model muser-kv serves."""
+    import muser_kv
+
+    with pytest.raises(muser_kv.UnsupportedModel) as e:
+        muser_kv.make_prompt_cache(_llama())
+    text = str(e.value)
+    assert "has no sliding_window / max_position_embeddings (missing or None)" in text
+    assert "sliding-window and global attention layers" in text
+    assert "sliding_attention / full_attention" in text
+    assert isinstance(e.value, TypeError)  # what a model of the wrong kind has always raised
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"has no sliding_window \(missing"):
+        muser_kv.make_prompt_cache(_llama(max_position_embeddings=128))
+
+
+def test_a_layer_type_muser_kv_does_not_serve_is_named():
+    import muser_kv
+
+    model = _llama(max_position_embeddings=128, sliding_window=16,
+                   layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(muser_kv.UnsupportedModel,
+                       match=r"layer_types has \['linear_attention'\]; muser-kv serves "
+                             r"sliding-window and global attention layers only"):
+        muser_kv.make_prompt_cache(model)
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"needs an mlx-lm model with \.args"):
+        muser_kv.make_prompt_cache(object())
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"sliding_window expected a positive int"):
+        muser_kv.make_prompt_cache(_llama(max_position_embeddings=128, sliding_window=16.5))
+
+
+def test_a_model_with_the_fields_is_served_whatever_its_family():
+    import muser_kv
+
+    model = _llama(max_position_embeddings=128, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"])
+    cache = muser_kv.make_prompt_cache(model)
+    assert [c.kind.value for c in cache] == ["sliding_attention", "full_attention"]

@@ -90,8 +90,11 @@ def test_plane_dtype_override(models):
 def test_bf16_planes_store_the_models_bits_and_round_other_inputs(models):
     """bf16 K/V land unchanged; f32 K/V round to bf16 (nearest even), f16 K/V
     widen then round: checked against the numpy oracle after every write."""
-    cache = muser_kv.make_prompt_cache(models["bf16"], max_context=64)
-    c = cache[0]
+    # one sliding layer, a list of its own (a layer of a longer list is driven with it)
+    geometry = muser_kv.MuseGeometry(num_layers=1, window=16, max_context=64, num_heads=2,
+                                     kv_heads=2, head_dim=128,
+                                     layer_kinds=(muser_kv.LayerKind.SLIDING,))
+    c = muser_kv.make_cache_for(geometry, plane_dtype="bfloat16")[0]
     oracle = FullHistory(c.window, mx.bfloat16)
     rng = np.random.default_rng(1)
     for n, dtype in ((5, mx.bfloat16), (9, mx.float32), (3, mx.float16), (1, mx.float32),
@@ -291,12 +294,13 @@ def test_bf16_session_round_trip_and_encoding_refusals(models, tmp_path, capsys)
     f16(prompt(41, seed=8)[None], cache=f16_live)
     f16_path = tmp_path / "f16.safetensors"
     muser_kv.save_session(f16_path, f16_live)
+    # (another model's file: the fingerprint check is waived to reach the encoding's)
     with pytest.raises(muser_kv.EncodingMismatch, match="f16le.*bfloat16.*convert=True"):
-        muser_kv.load_session(f16_path, bf16)
+        muser_kv.load_session(f16_path, bf16, allow_other_model=True)
     target = muser_kv.make_prompt_cache(bf16, max_context=128)
     before = [bits16(c.state[0]) for c in target]
     with pytest.raises(muser_kv.EncodingMismatch):
-        muser_kv.read_session(f16_path).install(target)
+        muser_kv.read_session(f16_path).install(target, allow_other_model=True)
     for c, b in zip(target, before):  # refused: nothing changed
         np.testing.assert_array_equal(bits16(c.state[0]), b)
         assert c.offset == 0

@@ -448,3 +448,20 @@ def test_shifts_release_the_demoted_session(model):
     assert pool.nbytes == pool.footprint.total_bytes
     assert pool.slot(0).epoch == 6
     assert mx.get_active_memory() - baseline < pool.footprint.slot_bytes // 2
+
+
+# -- issue #10, item 12: a slot with no conversation refuses to decode ----------------
+
+
+def test_decode_on_a_slot_never_prefilled_is_refused(model):
+    """It returned logits, as if a token could follow nothing."""
+    pool = muser_kv.SlotPool(model, slots=2, max_context=64)
+    with pytest.raises(muser_kv.EmptySlot, match=r"slot 1 holds no conversation.*prefill it"):
+        pool.decode(1, 5)
+    assert pool.slot(1).position == 0 and pool.slot(1).pending == ()
+    convo = Conversation(1)
+    pool.prefill(0, [convo("user", 6)])
+    assert pool.decode(0, 5).shape == (model.args.vocab_size,)
+    pool.reset(0)  # an ended conversation is empty again
+    with pytest.raises(muser_kv.EmptySlot):
+        pool.decode(0, 5)

@@ -4,6 +4,7 @@ rotation-preserving, all-or-nothing restore (seeds Ch 23.4)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -83,12 +84,26 @@ def next_logits(model, cache, token: int = 5) -> np.ndarray:
 # -- file surgery for the refusal tests ------------------------------------------
 
 
-def rewrite(path: Path, *, header=None, drop=(), add=None, arrays=None) -> None:
-    """Rewrite a session file with header fields changed / tensors dropped or added."""
+def resign(metadata: dict) -> dict:
+    """Recompute the header checksum the way the README states it (sha256 of
+    the sorted [key, value] pairs of every other field, compact ASCII JSON),
+    as someone editing a header on purpose would."""
+    pairs = sorted([k, v] for k, v in metadata.items() if k != "header_sha256")
+    text = json.dumps(pairs, separators=(",", ":"), ensure_ascii=True)
+    metadata["header_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    return metadata
+
+
+def rewrite(path: Path, *, header=None, drop=(), add=None, arrays=None, sign=True) -> None:
+    """Rewrite a session file with header fields changed / tensors dropped or
+    added; the header is re-signed (``sign``) so the gates behind its checksum
+    are what refuses."""
     with safe_open(str(path), framework="numpy") as f:
         metadata = dict(f.metadata())
         tensors = {n: f.get_tensor(n) for n in f.keys()}
     metadata.update(header or {})
+    if sign:
+        resign(metadata)
     tensors.update(arrays or {})
     for n in drop:
         del tensors[n]
@@ -231,7 +246,7 @@ def test_logical_cut_contract_on_disk(model, tmp_path, position):
             ek, ev = unrotated(c.plane)  # logical order, never rotated
             np.testing.assert_array_equal(bits(k), bits(ek))
             np.testing.assert_array_equal(bits(v), bits(ev))
-    assert meta["format"] == "muser-kv-session" and meta["version"] == "1"
+    assert meta["format"] == "muser-kv-session" and meta["version"] == "2"
     assert json.loads(meta["position"]) == position
     assert json.loads(meta["geometry"])["window"] == WINDOW
 
@@ -243,8 +258,9 @@ def test_capture_refuses_layers_at_different_positions():
     k = mx.ones((1, 2, 3, 16), mx.float16)
     for c in cache:
         c.update_and_fetch(k, k)
-    cache[2].update_and_fetch(k[:, :, :1], k[:, :, :1])
-    with pytest.raises(SnapshotMismatch, match=r"layer 2 .*position.* expected 3, got 4"):
+    for c in cache[:2]:  # a write that reached layers 0 and 1 only
+        c.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    with pytest.raises(SnapshotMismatch, match=r"layer 2 .*position.* expected 4, got 3"):
         SessionSnapshot.capture(cache)
 
 
@@ -375,9 +391,12 @@ def test_load_refuses_another_geometry(saved):
 
 def test_load_refuses_unknown_format_and_version(saved, model):
     path, _ = saved
-    rewrite(path, header={"version": "2"})
-    refuse(path, model, SessionFileError, r"unsupported version: expected '1', got '2'")
-    rewrite(path, header={"version": "1", "format": "kvpack"})
+    rewrite(path, header={"version": "3"})
+    refuse(path, model, SessionFileError, r"unsupported version: expected '2', got '3'")
+    rewrite(path, header={"version": "1"})
+    refuse(path, model, SessionFileError,
+           r"unsupported version: expected '2', got '1' \(version 1 files carry no header checksum")
+    rewrite(path, header={"version": "2", "format": "kvpack"})
     refuse(path, model, SessionFileError, r"format expected 'muser-kv-session', got 'kvpack'")
 
 
@@ -506,7 +525,7 @@ def test_inspect_prints_the_header_and_verifies(saved, capsys):
     path, _ = saved
     assert muser_kv.cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    for text in ("format: muser-kv-session", "version: 1", "position: 40", "encoding: f16le",
+    for text in ("format: muser-kv-session", "version: 2", "position: 40", "encoding: f16le",
                  '"prompt": "hello"', "window 16", "max_context 128", "2 KV heads x 128",
                  "gate: OK", "result: OK"):
         assert text in out, text

@@ -5,6 +5,8 @@ checkpoint API undoes a block bit for bit without copying a plane."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import trim_prompt_cache
 
@@ -120,7 +122,9 @@ def test_checkpoint_refusals_change_nothing(target):
     with pytest.raises(ValueError, match=r"block_len must be in \[1, 16\]"):
         muser_kv.checkpoint(cache, 17)
     short = muser_kv.make_prompt_cache(target, CONTEXT, retain=2)
-    with pytest.raises(ValueError, match="retains 2 rows"):
+    muser_kv.checkpoint(short, 3).commit()  # nothing to overwrite yet: undoable
+    target(mx.array([list(range(30))]), cache=short)  # full rings: 3 tokens overwrite 3 rows
+    with pytest.raises(ValueError, match="retains 2 rows and can undo a block of at most 2"):
         muser_kv.checkpoint(short, 3)
     cp = muser_kv.checkpoint(cache, 2)
     target(mx.array([[1, 2, 3]]), cache=cache)  # wrote more than the block
@@ -170,3 +174,158 @@ def test_rows_retained_from_a_chunk_hold_no_shadow():
     shadow = (2048 + 8) * h * d * 2 * 2  # one ring's K and V shadows
     assert sum(c.ring.len for c in cache) == 3 * 2048 + 2048 + 8
     assert held < retained + sum(o.nbytes for o in outs) + shadow // 2, (held, retained)
+
+
+# -- issue #10, item 6: the depth is exact when the window is smaller than retain --
+
+
+def ring_cache(window=8, retain=16, max_context=64):
+    geo = muser_kv.MuseGeometry(num_layers=1, window=window, max_context=max_context,
+                                num_heads=2, kv_heads=2, head_dim=16,
+                                layer_kinds=(muser_kv.LayerKind.SLIDING,))
+    return muser_kv.make_cache_for(geo, retain)
+
+
+def token(i, n=1):
+    rng = np.random.default_rng(100 + i)
+    return mx.array(rng.standard_normal((1, 2, n, 16)).astype(np.float16))
+
+
+def fed(tokens, **kw):
+    cache = ring_cache(**kw)
+    for t in tokens:
+        cache[0].update_and_fetch(t, t)
+    return cache
+
+
+def same_rows(a, b):
+    assert a[0].meta_state == b[0].meta_state
+    for x, y in zip(a[0].plane.snapshot()[1:], b[0].plane.snapshot()[1:]):
+        np.testing.assert_array_equal(bits(x), bits(y))
+    ring = a[0].ring
+    if ring.len == ring.capacity:  # every row live: the rotation is data too
+        rows = ring.capacity
+        np.testing.assert_array_equal(bits(a[0].plane.keys[:rows]), bits(b[0].plane.keys[:rows]))
+
+
+def test_depth_is_exact_when_the_window_is_smaller_than_retain():
+    """Window 8, retain 16, 20 single tokens: every row overwritten is held, so
+    all 20 can be trimmed; before the fix the depth said 8, trim(12) was
+    refused, and checkpoint(cache, 12) was accepted but could not roll back."""
+    toks = [token(i) for i in range(40)]
+    cache = fed(toks[:20])
+    assert cache[0].trimmable_depth() == 20
+    assert cache[0].trim(12) == 12
+    same_rows(cache, fed(toks[:8]))
+    # a block of 12 from position 10 (rows free, then retained): undone exactly
+    cache = fed(toks[:10])
+    before = state_bits(cache)
+    cp = muser_kv.checkpoint(cache, 12)
+    for t in toks[10:22]:
+        cache[0].update_and_fetch(t, t)
+    assert cp.rollback() == 12
+    assert_same_state(state_bits(cache), before)
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.sampled_from([4, 8, 16]), retain=st.sampled_from([1, 4, 16]),
+       chunks=st.lists(st.integers(1, 20), min_size=1, max_size=8))
+def test_the_depth_covers_retain_after_any_writes(window, retain, chunks):
+    """README: trim(n) is exact for n <= retain even after the window wrapped.
+    So after writes alone the depth is at least min(retain, position), and a
+    trim that deep equals a cache that never saw the trimmed tokens."""
+    cache, toks = ring_cache(window, retain), []
+    for i, n in enumerate(chunks):
+        if len(toks) + n > 64:
+            break
+        x = token(200 + i, n)
+        cache[0].update_and_fetch(x, x)
+        toks += [x[:, :, j:j + 1] for j in range(n)]
+    n = min(retain, len(toks))
+    assert cache[0].trimmable_depth() >= n
+    cache[0].trim(n)
+    same_rows(cache, fed(toks[:len(toks) - n], window=window, retain=retain))
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.sampled_from([4, 8, 16]), retain=st.sampled_from([0, 2, 8, 16]),
+       prefill=st.integers(0, 40), block=st.integers(1, 16),
+       chunks=st.lists(st.integers(1, 6), min_size=1, max_size=6))
+def test_checkpoint_accepts_only_blocks_it_can_undo(window, retain, prefill, block, chunks):
+    """Whatever the window, retention, position and block: a checkpoint either
+    refuses up front, or its rollback restores every bit (written one token at
+    a time or in chunks, up to the block)."""
+    toks = [token(i) for i in range(prefill)]
+    cache = fed(toks, window=window, retain=retain)
+    before = state_bits(cache)
+    try:
+        cp = muser_kv.checkpoint(cache, block)
+    except ValueError as e:
+        assert "can undo a block of at most" in str(e)
+        assert_same_state(state_bits(cache), before)
+        return
+    written = 0
+    for i, n in enumerate(chunks):
+        n = min(n, block - written)
+        if n == 0:
+            break
+        x = token(1000 + i, n)
+        cache[0].update_and_fetch(x, x)
+        written += n
+        # the depth never under-reports what the checkpoint promises
+        assert cache[0].trimmable_depth() >= written
+    assert cp.rollback() == written
+    assert_same_state(state_bits(cache), before)
+
+
+# -- issue #10, item 7: a rollback restores the checkpoint's state or refuses ------
+
+
+def prefilled(target, n=20):
+    cache = muser_kv.make_prompt_cache(target, CONTEXT)
+    target(mx.array(np.random.default_rng(2).integers(0, 256, n)[None], mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_rollback_refuses_after_a_trim_below_the_checkpoint(target):
+    """checkpoint at 20, trim_prompt_cache(cache, 2), 3 new tokens: rolling back
+    1 token would leave the new rows at 18 and 19 (it did, returning 1)."""
+    cache = prefilled(target)
+    cp = muser_kv.checkpoint(cache, 4)
+    assert trim_prompt_cache(cache, 2) == 2
+    target(mx.array([[7, 8, 9]]), cache=cache)
+    before = state_bits(cache)
+    with pytest.raises(RuntimeError, match=r"trimmed to position 18, below the checkpoint's "
+                                           r"start 20.*the cache is unchanged"):
+        cp.rollback()
+    assert_same_state(state_bits(cache), before)
+    assert cache[0].offset == 21
+
+
+@pytest.mark.parametrize("at", [6, 20])  # rings not wrapped yet / wrapped
+def test_rollback_refuses_after_a_snapshot_restore(target, at):
+    """A restore replaces the session: rolling back would trim the other one
+    (it did: 2 tokens off the other session, reporting success)."""
+    cache = prefilled(target, at)
+    other = prefilled(target, at + 2)
+    snap = muser_kv.SessionSnapshot.capture(other)
+    cp = muser_kv.checkpoint(cache, 4)
+    target(mx.array([[1, 2]]), cache=cache)
+    muser_kv.restore_into(cache, snap)
+    before = state_bits(cache)
+    with pytest.raises(RuntimeError, match="restored from a snapshot"):
+        cp.rollback()
+    assert_same_state(state_bits(cache), before)
+    assert_same_state(before, state_bits(other))
+
+
+def test_a_trim_inside_the_block_keeps_the_checkpoint_exact(target):
+    cache = prefilled(target)
+    before = state_bits(cache)
+    cp = muser_kv.checkpoint(cache, 4)
+    target(mx.array([[1, 2, 3]]), cache=cache)
+    assert trim_prompt_cache(cache, 1) == 1  # back to 22, inside the block
+    target(mx.array([[4, 5]]), cache=cache)
+    assert cp.rollback() == 4
+    assert_same_state(state_bits(cache), before)
