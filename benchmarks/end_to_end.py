@@ -152,7 +152,7 @@ class Run:
             "decode_tok_s": (len(self.tokens) - 1) / self.decode_s if self.decode_s else float("nan"),
             "prefill_peak_bytes": self.peak, "cache_bytes": sum(c.nbytes for c in self.cache),
             "tokens": self.tokens,
-            "plane_dtype": str(self.cache[0].plane.dtype) if self.system == "muser-kv" else None,
+            "plane_dtype": str(self.cache[0].dtype) if self.system == "muser-kv" else None,
         }
 
 

@@ -37,10 +37,10 @@ def build(ns):
 
 def fill_ours(cache, depth, rng):
     for c in cache:
-        rows = min(depth, c.plane.capacity)
+        rows = min(depth, c.capacity)
         start = depth - rows
         k = mx.array(rng.standard_normal((rows, 2, 128)).astype(np.float16))
-        c.plane.install(start, k, k)
+        c.install(start, k, k)
     mx.eval([c.state for c in cache])
 
 

@@ -131,7 +131,7 @@ def geometry(args, max_context: int) -> muser_kv.MuseGeometry:
 
 
 def planes(cache: Sequence[Any]) -> List[mx.array]:
-    return [p for c in cache for p in (c.plane.keys, c.plane.values)]
+    return [p for c in cache for p in (c.keys, c.values)]
 
 
 def fill_installed(cache: Sequence[Any], position: int) -> None:
@@ -139,22 +139,22 @@ def fill_installed(cache: Sequence[Any], position: int) -> None:
     (the rows a sequential fill would leave, at the rotation it would leave them)."""
     for c in cache:
         if c.kind is muser_kv.LayerKind.SLIDING:
-            rows = min(position, c.plane.capacity)
+            rows = min(position, c.capacity)
         else:
             rows = position
         start = position - rows
-        shape = (rows, c.plane.kv_heads, c.plane.head_dim)
+        shape = (rows, c.kv_heads, c.head_dim)
         k = mx.random.normal(shape).astype(mx.float16)
         v = mx.random.normal(shape).astype(mx.float16)
-        c.plane.install(start, k, v)
-        mx.eval(c.plane.keys, c.plane.values)
+        c.install(start, k, v)
+        mx.eval(c.keys, c.values)
         del k, v
     assert all(c.offset == position for c in cache), [c.offset for c in cache]
 
 
 def one_token_steps(cache: Sequence[Any], n: int, dtype) -> None:
     """``n`` decode-like single-token writes to every layer, each evaluated."""
-    c0 = cache[0].plane
+    c0 = cache[0]
     for _ in range(n):
         x = mx.random.normal((1, c0.kv_heads, 1, c0.head_dim)).astype(dtype)
         outs = [c.update_and_fetch(x, x) for c in cache]
@@ -411,9 +411,9 @@ def state_equals(cache, ref: Sequence[mx.array], metas) -> bool:
         k, v = ref[2 * i], ref[2 * i + 1]
         if c.kind is muser_kv.LayerKind.GLOBAL:
             n = c.ring.len
-            pairs = ((c.plane.keys[:, :n], k[:, :n]), (c.plane.values[:, :n], v[:, :n]))
+            pairs = ((c.keys[:, :n], k[:, :n]), (c.values[:, :n], v[:, :n]))
         else:
-            pairs = ((c.plane.keys, k), (c.plane.values, v))
+            pairs = ((c.keys, k), (c.values, v))
         if not all(mx.array_equal(a, b).item() for a, b in pairs):
             return False
     return True

@@ -8,7 +8,10 @@ for mlx-lm's ``model.make_cache()``.
 from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
 from .cachelist import CacheList, CacheListMismatch, CacheOutOfStep
 from .geometry import Footprint, LayerKind, MuseGeometry, UnsupportedModel, footprint
-from .plane import ContextOverflow, KvPlane
+from .cache import ContextOverflow
+from .growing import GlobalKVCache
+from .planes import Planes
+from .sliding import SlidingKVCache
 from .precision import attention_dtype, plane_dtype_for
 from .ring import CacheDiscontinuity, Ring, Run
 from .speculative import DEFAULT_RETAIN, MAX_BLOCK, SpeculativeCheckpoint, checkpoint
@@ -27,7 +30,9 @@ __all__ = [
     "checkpoint",
     "ContextOverflow",
     "Footprint",
-    "KvPlane",
+    "GlobalKVCache",
+    "Planes",
+    "SlidingKVCache",
     "LayerKind",
     "MuseGeometry",
     "MuseKVCache",

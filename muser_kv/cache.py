@@ -1,44 +1,66 @@
 """Per-layer caches with mlx-lm's cache protocol, and ``make_prompt_cache``.
 
+Two regimes, one class each, shaped like mlx-lm's ``KVCache`` /
+``RotatingKVCache``: ``GlobalKVCache`` (``growing.py``: a plane that fills from
+row 0 and never wraps) and ``SlidingKVCache`` (``sliding.py``: a ring with its
+staging shadow and retained rows). ``MuseKVCache`` is what they share: the
+protocol members, the list and checkpoint hooks, state and sessions.
+
 A Muse model asks each layer type's first cache for ``make_mask(N, window_size)``
 before any layer runs, then every layer calls ``update_and_fetch``. So the mask
-must describe exactly the rows ``update_and_fetch`` will return, decided from
-the same ring state:
+must describe exactly the rows ``update_and_fetch`` will return; both come from
+the ring's answer for the write (``Ring.read_for`` / ``Ring.write``):
 
-* global (NoPE) layer: rows ``[0, len + N)`` in order -> causal, offset ``len``;
-* sliding layer, chunk that fits without overwriting: rows ``[0, len + N)`` read
-  in place -> causal;
-* sliding layer, one token on a full ring: the whole ring, rotated; every row is
+* rows ``[0, len + N)`` in order (``Read.PREFIX``: a global plane, or a ring that
+  has not wrapped) -> causal, offset ``len``;
+* one token on a full ring (``Read.RING``): the whole ring, rotated; every row is
   inside the window -> no mask;
-* sliding layer, any other chunk (one that wraps, or is wider than the ring):
-  the staging shadow, ``len`` old rows in logical order + the chunk ->
-  causal with the window, offset ``len``. The chunk is committed only after the
-  shadow is taken (attend before overwrite).
+* any other chunk (``Read.SHADOW``): ``len`` old rows in logical order + the chunk
+  -> causal with the window, offset ``len``. The chunk is committed only after
+  the shadow is taken (attend before overwrite).
+
+Every cache belongs to a list (``cachelist``): it writes only in step with its
+neighbours, and a trim of it checks the whole list first. A cache's ``ring`` is
+one object for the cache's life (plans are committed into it with
+``Ring.assign``), which is what its neighbour reads.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple, Union
-
 import weakref
+from typing import Any, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from . import cachelist
+from . import cachelist, kernels
 from .counts import count
 from .geometry import LayerKind, MuseGeometry
 from .kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
-from .plane import KvPlane
+from .planes import Planes
 from .precision import DtypeLike, parse_plane_dtype, plane_dtype_for
 from .ring import Ring
-from .speculative import DEFAULT_RETAIN, RetainedRows
+from .speculative import DEFAULT_RETAIN
 
 Mask = Union[None, str, mx.array]
+Pair = Tuple[mx.array, mx.array]
 
-#: ``INPUT_DTYPES`` as a set: the decode fast path's membership test (a tuple
-#: scan compares dtypes one by one, ~0.1 us more per layer)
-_INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
+#: ``INPUT_DTYPES`` as a set: the decode fast path's membership test
+INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
 _ONE = 1
+
+
+class ContextOverflow(ValueError):
+    """A write past the cache's ``max_context``. The cache never shifts on its
+    own; deciding what to keep is the context policy's job."""
+
+    def __init__(self, layer: int, end: int, max_context: int):
+        self.layer = layer
+        self.end = end
+        self.max_context = max_context
+        super().__init__(
+            f"KV cache for layer {layer}: writing up to position {end} exceeds "
+            f"max_context {max_context}"
+        )
 
 
 def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
@@ -52,223 +74,149 @@ def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
     return mask
 
 
-def _evaluated_with(kv: Tuple[mx.array, mx.array], copy: mx.array) -> Tuple[mx.array, mx.array]:
+def evaluated_with(kv: Pair, copy: mx.array) -> Pair:
     """``kv`` with ``copy`` made part of what evaluating it computes (``mx.depends``:
-    an edge, no kernel). A retained copy left lazy would keep what it reads (the
-    plane before the store, or a whole staging shadow) alive, and hold the plane
-    at the next store, where MLX would then copy it instead of donating it."""
+    an edge, no kernel). A copy left lazy would keep what it reads (the plane
+    before the store, or a whole staging shadow) alive, and hold the plane at
+    the next store, where MLX would then copy it instead of donating it."""
     return tuple(mx.depends(list(kv), [copy]))
 
 
 class MuseKVCache:
-    """One layer's cache: a ``KvPlane`` behind mlx-lm's cache protocol.
+    """One layer's cache for one sequence: planes, a ``Ring``, mlx-lm's protocol.
 
-    Batch size 1 only. ``offset`` is the logical position of the next token and
-    is read-only: only ``update_and_fetch``, ``trim`` and a snapshot install move it.
+    ``offset`` is the logical position of the next token and is read-only: only
+    ``update_and_fetch``, ``trim`` and ``install`` move it. Batch size 1; ``merge``
+    makes a batch of several sequences (``batch.py``). A cache may own its
+    planes or be one slot of planes shared with other sequences (``slot``).
 
-    A sliding cache retains the newest ``retain`` rows its ring overwrote, so
-    ``trim(n)`` (mlx-lm's speculative rewind) is exact for ``n <= retain`` even
-    after the window wrapped, and refused beyond that; ``trimmable_depth()`` is
-    exactly how far it can go.
-
-    A cache is one layer of a list (``cachelist``): it writes only in step with
-    its neighbours, and a trim of it checks the whole list first.
+    Each regime provides ``update_and_fetch``, ``_mask`` (the rows its next write
+    returns), ``trimmable_depth`` (every count up to it trims exactly, one more is
+    refused), ``undoable_block`` (the longest block written from here that a trim
+    can always undo: a checkpoint opens only for blocks every layer can undo),
+    ``is_trimmable`` and ``_rewind`` (a trim plan, committed).
     """
 
-    def __init__(self, plane: KvPlane, retain: int = DEFAULT_RETAIN):
-        self.plane = plane
-        self.retain = retain if plane.kind is LayerKind.SLIDING else 0
-        self._retained = RetainedRows(self.retain)
-        # no ring seen yet: the first update settles the rows a full ring
-        # (rebuilt by from_state) will overwrite, as after an install
-        self._ring_seen = None
-        self._one_token = (1, plane.kv_heads, 1, plane.head_dim)
+    kind: LayerKind
+
+    def __init__(self, planes: Planes, *, capacity: int, window: int, max_context: int,
+                 layer: int = 0, slot: int = 0):
+        self.planes = planes
+        self.slot = slot
+        self.ring = Ring(capacity, layer=layer)
+        self.layer = layer
+        self.max_context = max_context
+        self._window = window
+        self.backend = kernels.get_backend()
+        self._one_token = (1, planes.kv_heads, 1, planes.head_dim)
         # its place in a list (cachelist.bind); alone, a cache is a list of one:
         # its own predecessor, always in step with itself
         self._list: Optional[cachelist.CacheList] = None
         self._index = 0
-        self._prev = plane
+        self._prev: Ring = self.ring
         self._lead = 0
         self._first_of_kind = False
         self._checkpoints: Optional["weakref.WeakSet"] = None  # open checkpoints over it
 
-    # -- identity ------------------------------------------------------------
-
-    @property
-    def kind(self) -> LayerKind:
-        return self.plane.kind
-
-    @property
-    def layer(self) -> int:
-        return self.plane.layer
-
-    @property
-    def ring(self) -> Ring:
-        return self.plane.ring
+    # -- identity -------------------------------------------------------------------
 
     @property
     def offset(self) -> int:
-        return self.plane.ring.end
+        return self.ring.end
 
     @property
     def window(self) -> Optional[int]:
-        return self.plane.window if self.kind is LayerKind.SLIDING else None
+        """The sliding window (``None`` for a global layer)."""
+        return self._window if self.kind is LayerKind.SLIDING else None
+
+    @property
+    def capacity(self) -> int:
+        return self.ring.capacity
+
+    @property
+    def kv_heads(self) -> int:
+        return self.planes.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.planes.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.planes.kv_dim
+
+    @property
+    def layout(self) -> str:
+        return self.planes.layout
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.planes.dtype
 
     def __repr__(self) -> str:
         r = self.ring
         return (
-            f"MuseKVCache(layer={self.layer}, kind={self.kind.value}, capacity={r.capacity}, "
-            f"len={r.len}, origin_logical={r.origin_logical}, origin_physical={r.origin_physical})"
+            f"{type(self).__name__}(layer={self.layer}, kind={self.kind.value}, capacity="
+            f"{r.capacity}, len={r.len}, origin_logical={r.origin_logical}, "
+            f"origin_physical={r.origin_physical})"
         )
 
-    # -- the protocol mlx-lm's models call -----------------------------------
+    # -- input checks -----------------------------------------------------------------
 
-    def _reads_in_place(self, n: int) -> bool:
-        """True when this chunk is attended straight from the plane after it is
-        stored; False when it needs the staging shadow."""
-        if self.kind is LayerKind.GLOBAL:
-            return True
-        ring = self.ring
-        if n == 1 and ring.len == ring.capacity:
-            return True
-        return ring.origin_physical == 0 and ring.len + n <= ring.capacity
+    def check_input(self, keys: mx.array, values: mx.array) -> int:
+        """Validate model-shaped ``[1, kv_heads, N, head_dim]`` K/V; return N."""
+        where = f"KV cache for layer {self.layer}"
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, mx.array):
+                raise TypeError(f"{where}: {name} must be an mx.array, got {type(x).__name__}")
+            if x.dtype not in INPUT_DTYPES:
+                raise TypeError(
+                    f"{where}: {name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
+            if x.ndim != 4:
+                raise ValueError(f"{where}: {name} must be [batch, kv_heads, tokens, head_dim], "
+                                 f"got shape {tuple(x.shape)}")
+            b, h, n, d = x.shape
+            if b != 1:
+                raise ValueError(f"{where}: batch size must be 1, got {b} (merge caches to batch)")
+            if h != self.kv_heads:
+                raise ValueError(f"{where}: expected {self.kv_heads} KV heads, got {h}")
+            if d != self.head_dim:
+                raise ValueError(f"{where}: expected head_dim {self.head_dim}, got {d}")
+            if n < 1:
+                raise ValueError(f"{where}: expected at least one token, got {n}")
+        if tuple(keys.shape) != tuple(values.shape) or keys.dtype != values.dtype:
+            raise ValueError(f"{where}: keys {keys.dtype} {tuple(keys.shape)} and values "
+                             f"{values.dtype} {tuple(values.shape)} differ")
+        return keys.shape[2]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        plane = self.plane
-        ring = plane.ring
-        if (ring is self._ring_seen and keys.shape == self._one_token
-                and values.shape == self._one_token):
-            dtype = keys.dtype
-            end = ring.origin_logical + ring.len
-            prev = self._prev.ring  # in step with the list (cachelist): one read
-            if (dtype == values.dtype and dtype in _INPUT_DTYPE_SET and end < plane.max_context
-                    and prev.origin_logical + prev.len == end + self._lead):
-                if ring.len == ring.capacity:
-                    return self._decode_one(keys, values, dtype)
-                if ring.origin_physical == 0:  # filling from row 0
-                    kv = plane.write_one(keys, values, dtype)
-                    return self._copy_ahead(kv) if ring.len == ring.capacity else kv
-        n = plane.check_input(keys, values)
-        plane.check_write(self.offset, n)
-        self._check_in_step(n)
-        self._check_ring_owner()
-        ring = plane.ring
-        # positions [origin_logical, origin_logical + lost) leave the window
-        lost = max(0, ring.len + n - ring.capacity) if self.retain else 0
-        if self._reads_in_place(n):
-            row = None
-            if lost and not self._retained.covers(ring.origin_logical):
-                row = self._retain_now(ring.origin_logical)  # one token overwrites the oldest row
-            plane.write_checked(ring.end, keys, values, n)
-            out = plane.view()
-            if row is not None:
-                out = _evaluated_with(out, row)
-        else:
-            k_rows, v_rows = plane.shadow_rows(keys, values)
-            plane.write_checked(ring.end, keys, values, n)
-            if lost:  # the shadow starts at origin_logical: its first rows are the lost ones
-                keep = mx.arange(lost - min(lost, self.retain), lost)
-                rows = mx.stack([mx.take(k_rows, keep, axis=0), mx.take(v_rows, keep, axis=0)], 1)
-                self._retained.add(ring.origin_logical + lost - keep.size, rows,
-                                   plane.ring.origin_logical)
-            out = plane.shadow_view(k_rows), plane.shadow_view(v_rows)
-            if lost:  # left lazy, the copy would hold the shadow
-                out = _evaluated_with(out, rows)
-        self._ring_seen = plane.ring
-        return self._copy_ahead(out)
-
-    def _decode_one(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> Tuple[mx.array, mx.array]:
-        """One token into a full ring, read in place: the decode hot path, with
-        the input checks settled by the caller and the least host work per layer
-        (this is where a decode step's time goes: dispatch and Python, not bytes).
-        The row it overwrites was copied ahead, so retention costs nothing here."""
-        if not self.retain:
-            return self.plane.write_one(keys, values, dtype)
-        ring, retained = self.plane.ring, self._retained
-        # retained.covers(origin_logical), inlined (this runs once per layer per token)
-        if not retained.start <= ring.origin_logical < retained.end:
-            row = self._retain_now(ring.origin_logical)
-            kv = _evaluated_with(self.plane.write_one(keys, values, dtype), row)
-        else:
-            kv = self.plane.write_one(keys, values, dtype)
-        if not retained.start <= ring.origin_logical < retained.end:
-            return self._copy_ahead(kv)
-        return kv
-
-    def _check_in_step(self, n: int) -> None:
-        """Refuse a write of ``n`` tokens unless the list is where it belongs
-        (``cachelist``: layer 0 level with the last layer, layer i one write
-        behind layer i - 1)."""
-        ahead = self._prev.ring.end
+    def check_write(self, n: int) -> None:
+        """Room for ``n`` more tokens below ``max_context``, and the list in step."""
+        if self.offset + n > self.max_context:
+            raise ContextOverflow(self.layer, self.offset + n, self.max_context)
+        ahead = self._prev.end
         if ahead != self.offset + (n if self._index else 0):
             raise self._list.out_of_step(self, n)
 
-    # -- retained rows (see speculative.py) ------------------------------------
+    def _plane_rows(self, keys: mx.array, values: mx.array) -> Pair:
+        """One model-shaped token ``[1, H, 1, D]`` of another dtype in the planes'
+        dtype (the store kernel: one rounding to nearest even)."""
+        k, v = self.backend.store(keys, values, self.layout, 0, 1, None, 0, self.dtype)
+        return k.reshape(keys.shape), v.reshape(values.shape)
 
-    def _check_ring_owner(self) -> None:
-        """Retained rows describe this cache's own history: if the plane's ring was
-        replaced behind its back (a snapshot install), they are dropped, and so is
-        every open checkpoint's claim on that history."""
-        ring = self.plane.ring
-        if ring is not self._ring_seen:
-            if self._ring_seen is not None:
-                self.replaced()
-            self._retained.clear()
-            self._ring_seen = ring
-            if self.retain and ring.len == ring.capacity:
-                # Copy ahead now and settle it (once per install): taken in the same
-                # graph as the next store, it would make MLX copy the ring.
-                mx.eval(self._take_ahead())
+    def _store(self, keys: mx.array, values: mx.array, plan) -> None:
+        """Place a write's surviving rows along its runs (the store kernel converts
+        and lays them out; MLX's updates place them)."""
+        first = plan.runs[0].source
+        kept = sum(r.length for r in plan.runs)
+        k_rows, v_rows = self.backend.store(keys, values, self.layout, first, kept, plan.after,
+                                            plan.position, self.dtype)
+        runs = [type(r)(r.physical, r.length, r.source - first) for r in plan.runs]
+        self.planes.place(k_rows, v_rows, runs, self.slot)
 
-    def _retain_now(self, position: int) -> mx.array:
-        """Copy the row about to be overwritten in the same graph as the store (only
-        when no copy was taken ahead: MLX then copies this ring once). The caller
-        evaluates the copy with attention (``mx.depends``): left lazy, it would
-        keep the whole pre-store ring alive until it is let go."""
-        row = self.plane.copy_rows(position, 1)
-        self._retained.add(position, row, position)
-        return row
+    # -- masks --------------------------------------------------------------------------
 
-    def _copy_ahead(self, kv: Tuple[mx.array, mx.array]) -> Tuple[mx.array, mx.array]:
-        """On a full ring whose next victim has no copy yet, copy the next
-        ``retain`` rows to be overwritten now, while this step reads the plane
-        anyway, and make the copy part of what attention evaluates
-        (``mx.depends``: an edge, no kernel). Left pending, it would still hold the
-        plane at the next store, and MLX would copy the plane instead of donating it."""
-        ring = self.plane.ring
-        if not self.retain or ring.len < ring.capacity or self._retained.covers(ring.origin_logical):
-            return kv
-        return _evaluated_with(kv, self._take_ahead())
-
-    def _take_ahead(self) -> mx.array:
-        """Retain copies of the next ``retain`` rows a full ring will overwrite."""
-        ring = self.plane.ring
-        ahead = self.plane.copy_rows(ring.origin_logical, min(self.retain, ring.len))
-        self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
-        return ahead
-
-    @property
-    def retain_depth(self) -> int:
-        """The deepest speculative block this cache can always undo."""
-        return self.retain if self.kind is LayerKind.SLIDING else self.plane.max_context
-
-    def undoable_block(self) -> int:
-        """The longest block of tokens written from here that ``trim`` can always
-        undo exactly: a growing plane any (up to its context); a ring the rows
-        it has free plus the overwritten rows it retains (the newest
-        ``retain``). A checkpoint opens only for blocks every layer can undo."""
-        if self.kind is LayerKind.GLOBAL:
-            return self.plane.max_context
-        ring = self.ring
-        return ring.capacity - ring.len + self.retain
-
-    @property
-    def retained_nbytes(self) -> int:
-        return self._retained.nbytes
-
-    def make_mask(
-        self, N: int, window_size: Optional[int] = None, return_array: bool = False
-    ) -> Mask:
+    def make_mask(self, N: int, window_size: Optional[int] = None,
+                  return_array: bool = False) -> Mask:
         """The mask for the rows the next ``update_and_fetch(N tokens)`` returns.
 
         A model asks its layer types' first caches before any layer writes: those
@@ -277,151 +225,163 @@ class MuseKVCache:
         # ``N is _ONE``: the int 1 exactly (CPython keeps one object for it; any
         # other 1 -- True, 1.0, numpy's -- takes the checked path below)
         if N is _ONE and not return_array and not self._first_of_kind and (
-            window_size is None or window_size == self.plane.window
-        ):
+                window_size is None or window_size == self._window):
             return None  # one token sees every row it is handed (at most the window)
         if N.__class__ is not int or N < 1:
             N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
         if self._first_of_kind:
-            self._before_forward(N)  # (the check in cachelist's module doc)
-        if N == 1 and not return_array and (
-            window_size is None or window_size == self.plane.window
-        ):
-            return None
-        offset = self.ring.len
-        if self.kind is LayerKind.GLOBAL:
-            if window_size is not None:
-                return causal_mask(N, offset, window_size)
-            if return_array:
-                return causal_mask(N, offset)
-            return None if N == 1 else "causal"
-        if window_size is not None and window_size != self.plane.window:
-            raise ValueError(
-                f"layer {self.layer}: sliding cache built for window {self.plane.window}, "
-                f"asked for a mask with window {window_size}"
-            )
-        if not self._reads_in_place(N):
-            return causal_mask(N, offset, self.plane.window)
-        if N == 1:
-            # One token: every returned row (at most the whole ring) is visible.
-            rows = min(offset + 1, self.ring.capacity)
-            return mx.ones((1, rows), dtype=mx.bool_) if return_array else None
-        return causal_mask(N, offset) if return_array else "causal"
+            self._before_forward(N)
+        return self._mask(N, window_size, return_array)
 
-    def _before_forward(self, n: Any) -> None:
+    def _before_forward(self, n: int) -> None:
         """A layer type's first cache, asked for a mask: the model must fit the
         list, and the list must be in step (this layer level with its
         predecessor, or one write of ``n`` behind it if that layer went first)."""
         if not self._index:  # the model asks layer 0 first: once per forward
             self._list.check_caller(3)  # 0 check_caller, 1 here, 2 make_mask, 3 its caller
-        prev, ring = self._prev.ring, self.plane.ring
-        ahead, here = prev.origin_logical + prev.len, ring.origin_logical + ring.len
+        ahead, here = self._prev.end, self.ring.end
         if ahead != here and not (self._index and ahead == here + n):
             raise self._list.out_of_step(self, n if self._index else 0)
 
-    # -- state ---------------------------------------------------------------
+    # -- state -----------------------------------------------------------------------------
 
     @property
-    def state(self) -> Tuple[mx.array, mx.array]:
+    def keys(self) -> mx.array:
+        """The key plane of this sequence as rows: ``[rows, H*D]`` token-major,
+        ``[H, rows, D]`` head-major, the whole allocation (a view; holding it
+        keeps MLX from donating the plane to the next store)."""
+        return self.planes.physical(self.slot)[0]
+
+    @property
+    def values(self) -> mx.array:
+        return self.planes.physical(self.slot)[1]
+
+    @property
+    def state(self) -> Pair:
         """The live planes, physical (rotated) layout: what ``meta_state`` describes."""
-        return self.plane.keys, self.plane.values
+        return self.planes.physical(self.slot)
 
     @property
     def meta_state(self) -> Tuple[str, ...]:
-        p, r = self.plane, self.ring
-        return tuple(
-            str(x)
-            for x in (
-                p.kind.value, p.layout, p.layer, p.kv_heads, p.head_dim, p.window,
-                p.max_context, r.capacity, r.len, r.origin_logical, r.origin_physical,
-            )
-        )
+        r = self.ring
+        return tuple(str(x) for x in (
+            self.kind.value, self.layout, self.layer, self.kv_heads, self.head_dim, self._window,
+            self.max_context, r.capacity, r.len, r.origin_logical, r.origin_physical))
 
     @classmethod
-    def from_state(cls, state: Tuple[mx.array, mx.array], meta_state: Tuple[str, ...]) -> "MuseKVCache":
+    def from_state(cls, state: Pair, meta_state: Tuple[str, ...]) -> "MuseKVCache":
         """Rebuild a cache from ``state`` and ``meta_state`` (both are required:
         the planes are meaningless without their ring origins)."""
         if meta_state is None or len(meta_state) != 11:
-            raise ValueError(f"MuseKVCache.from_state needs the 11-field meta_state, got {meta_state!r}")
+            raise ValueError(
+                f"MuseKVCache.from_state needs the 11-field meta_state, got {meta_state!r}")
         kind, layout = LayerKind(meta_state[0]), meta_state[1]
         layer, heads, dim, window, max_context, capacity, length, ol, op = map(int, meta_state[2:])
-        plane = KvPlane(kind, kv_heads=heads, head_dim=dim, window=window, max_context=max_context,
-                        layer=layer, sliding_layout=layout, allocate=False)
         keys, values = state
+        planes = Planes(kv_heads=heads, head_dim=dim, capacity=capacity, layout=layout,
+                        dtype=keys.dtype if keys.dtype in PLANE_DTYPES else PLANE_DTYPE,
+                        allocate=False)
+        physical = planes.memory_shape[1:]
         for name, x in (("keys", keys), ("values", values)):
-            if x.dtype not in PLANE_DTYPES or x.dtype != keys.dtype or tuple(x.shape) != plane.shape:
+            if (x.dtype not in PLANE_DTYPES or x.dtype != keys.dtype
+                    or tuple(x.shape) != physical):
                 raise ValueError(
-                    f"layer {layer}: state {name} must be float16 or bfloat16 {plane.shape} "
-                    f"(keys and values alike), got {x.dtype} {tuple(x.shape)}"
-                )
-        if capacity != plane.capacity:
-            raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {plane.capacity}")
-        plane.dtype = keys.dtype
-        plane.ring = Ring(capacity, length, ol, op, layer)
-        plane.keys, plane.values = keys, values
-        return cls(plane)
+                    f"layer {layer}: state {name} must be float16 or bfloat16 {physical} "
+                    f"(keys and values alike), got {x.dtype} {tuple(x.shape)}")
+        expected = min(max_context, window) if kind is LayerKind.SLIDING else max_context
+        if capacity != expected:
+            raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {expected}")
+        planes.set(keys.reshape(planes.memory_shape), values.reshape(planes.memory_shape))
+        from .growing import GlobalKVCache
+        from .sliding import SlidingKVCache
 
-    # -- trimming ------------------------------------------------------------
+        regime = SlidingKVCache if kind is LayerKind.SLIDING else GlobalKVCache
+        cache = regime(planes, window=window, max_context=max_context, layer=layer)
+        cache.ring.assign(Ring(capacity, length, ol, op, layer))
+        cache._settle()
+        return cache
 
-    def trimmable_depth(self) -> int:
-        """How many newest tokens ``trim`` can remove exactly: every count up to
-        it trims exactly, one more is refused."""
-        self._check_ring_owner()
-        ring = self.ring
-        if self.kind is LayerKind.GLOBAL:
-            return ring.len
-        first = self._retained.first(ring.origin_logical)
-        if first == 0:  # every row ever overwritten is held: back to position 0
-            return ring.end
-        # trimming to position e puts back rows [e - capacity, origin_logical):
-        # exact while e - capacity >= first, the oldest row held
-        return max(0, ring.end - ring.capacity - first)
+    def _settle(self) -> None:
+        """After the contents changed wholesale (an install, a restore): evaluate
+        what the next write will need, so it never waits in that write's graph."""
 
-    def is_trimmable(self) -> bool:
-        return self.kind is LayerKind.GLOBAL or self.retain > 0 or not self.ring.wrapped
+    # -- sessions -------------------------------------------------------------------------
+
+    def snapshot(self) -> Tuple[int, mx.array, mx.array]:
+        """``(start, keys, values)``: the live rows as ``[len, H, D]`` (plane type)
+        in logical order from logical position ``start``; never rotated; fresh
+        buffers (a snapshot never aliases a plane)."""
+        k, v = self.backend.gather(*self.planes.physical(self.slot), self.layout, self.ring)
+        shape = (self.ring.len, self.kv_heads, self.head_dim)
+        return self.ring.origin_logical, k.reshape(shape), v.reshape(shape)
+
+    def install(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Replace the contents with logical rows ``[n, H, D]`` (plane type) starting
+        at ``start``, placed at rotation ``start % capacity``: exactly where a
+        sequentially built ring with this origin holds them (invariant 4)."""
+        where = f"KV cache for layer {self.layer}"
+        n = keys.shape[0] if keys.ndim else 0
+        shape = (n, self.kv_heads, self.head_dim)
+        for name, x in (("keys", keys), ("values", values)):
+            if x.dtype != self.dtype:
+                raise TypeError(f"{where}: installed {name} must be {self.dtype}, got {x.dtype}")
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{where}: installed {name} must be {shape}, got {tuple(x.shape)}")
+        capacity = self.capacity
+        if n > capacity or start < 0 or start + n > self.max_context:
+            raise ValueError(f"{where}: cannot install {n} rows from position {start} "
+                             f"(capacity {capacity}, max_context {self.max_context})")
+        if n < capacity and start != 0:
+            raise ValueError(f"{where}: a ring that is not full must start at position 0, "
+                             f"got {start}")
+        ring = Ring.installed(capacity, start, n, self.layer)
+        flat = (n, self.kv_dim)
+        one = self.planes.memory_shape[1:]
+        k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring, one)
+        if self.planes.slots == 1:
+            self.planes.set(k.reshape(self.planes.memory_shape), v.reshape(self.planes.memory_shape))
+        else:
+            fresh = Planes(kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=capacity,
+                           layout=self.layout, dtype=self.dtype, allocate=False)
+            fresh.set(k.reshape(fresh.memory_shape), v.reshape(fresh.memory_shape))
+            self.planes.copy_slot(self.slot, fresh)
+        self.ring.assign(ring)
+        self.replaced()
+        self._settle()
+
+    def hold(self) -> Any:
+        """What ``release`` needs to put this cache back as it is now (the arrays
+        are values: holding them costs nothing until the planes are rewritten)."""
+        return self.planes.k, self.planes.v, self.ring.copy()
+
+    def release(self, held: Any) -> None:
+        """Put back what ``hold`` took (an install that failed part-way)."""
+        self.planes.k, self.planes.v, ring = held
+        self.ring.assign(ring)
+        self.replaced()
+
+    # -- trimming --------------------------------------------------------------------------
 
     def trim(self, n: int) -> int:
-        """Forget the newest ``n`` tokens, exactly, or refuse (never silently wrong).
-
-        A growing plane rewinds its length. A ring also puts back the rows those
-        tokens overwrote, from its retained rows, and moves both origins back."""
+        """Forget the newest ``n`` tokens, exactly, or refuse (never silently wrong)."""
         n = count(n, f"layer {self.layer}: trim count", minimum=None)
         if n < 0:
             raise ValueError(f"layer {self.layer}: cannot trim a negative count {n}")
         depth = self.trimmable_depth()
         if n > depth:
             raise ValueError(
-                f"layer {self.layer}: can trim at most {depth} tokens exactly, asked for {n}"
-            )
+                f"layer {self.layer}: can trim at most {depth} tokens exactly, asked for {n}")
         if n == 0:
             return 0
         if self._list is not None:
             self._list.before_trim(self, n)  # the whole list can, or none changes
-        ring = self.ring
-        if self.kind is LayerKind.GLOBAL:
-            ring = ring.copy()
-            ring.rewind(n)
-            self.plane.restore(ring, 0, mx.zeros((0, 0)), mx.zeros((0, 0)))
-        else:
-            end = ring.end - n
-            origin = max(0, end - ring.capacity)
-            back = ring.origin_logical - origin
-            # positions [origin, origin_logical) come back; those at or past the new
-            # end were trimmed too (a chunk wider than the ring never stored them)
-            keys, values = self._retained.rows(origin, min(ring.origin_logical, end))
-            earlier = Ring(ring.capacity, end - origin, origin,
-                           (ring.origin_physical - back) % ring.capacity, self.layer)
-            self.plane.restore(earlier, origin, keys, values)
-            self._retained.truncate(end)  # trimmed positions may be written again
-        # No evaluation here: a sync per layer would cost more than the one small
-        # ring copy MLX may make at the next store.
-        self._ring_seen = self.plane.ring
+        self._rewind(self.ring.trimmed(n))
         if self._checkpoints:
             for cp in list(self._checkpoints):
                 cp._trimmed(self, self.offset)
         return n
 
-    # -- checkpoints (speculative.py) -------------------------------------------
+    # -- checkpoints (speculative.py) --------------------------------------------------
 
     def watch(self, checkpoint: Any) -> None:
         """Tell ``checkpoint`` of every move that is not a write: a trim (its
@@ -435,15 +395,15 @@ class MuseKVCache:
             self._checkpoints.discard(checkpoint)
 
     def replaced(self) -> None:
-        """The planes were restored from elsewhere (a snapshot install): the
-        history open checkpoints and a trim round describe is gone."""
+        """The contents were replaced wholesale (an install): the history open
+        checkpoints and a trim round describe is gone."""
         if self._checkpoints:
             for cp in list(self._checkpoints):
                 cp._replaced(self)
         if self._list is not None:
             self._list.forget_round()
 
-    # -- sizes ---------------------------------------------------------------
+    # -- sizes ------------------------------------------------------------------------------
 
     def size(self) -> int:
         return self.ring.len
@@ -453,7 +413,18 @@ class MuseKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.plane.nbytes
+        """Plane bytes this sequence holds (its slot's share of shared planes)."""
+        return self.planes.slot_nbytes()
+
+    # -- batches (batch.py) -----------------------------------------------------------------
+
+    @classmethod
+    def merge(cls, caches: List["MuseKVCache"]) -> Any:
+        """One batch of these single-sequence caches (mlx-lm's ``BatchGenerator``
+        calls it): see ``batch.BatchKVCache.merge``."""
+        from .batch import BatchKVCache
+
+        return BatchKVCache.merge(caches)
 
 
 def make_prompt_cache(
@@ -463,7 +434,7 @@ def make_prompt_cache(
     sliding_layout: str = "token_major",
     plane_dtype: DtypeLike = None,
 ) -> List[MuseKVCache]:
-    """One ``MuseKVCache`` per layer of an mlx-lm Muse model, sized from its args.
+    """One cache per layer of an mlx-lm Muse model, sized from its args.
 
     ``max_context`` defaults to the model's ``max_position_embeddings``; the
     planes are allocated (zero-filled) now, at the footprint formula's rows
@@ -493,25 +464,27 @@ def make_cache_for(
     """One cache per layer of ``geometry``, with planes of ``plane_dtype``, bound
     into one list (``muser_kv.cachelist``); ``model``, when given, is the model
     the list serves (a session saved from it records that model's fingerprint)."""
+    from .growing import GlobalKVCache
+    from .sliding import SlidingKVCache
+
     if not isinstance(geometry, MuseGeometry):
         raise TypeError(f"make_cache_for needs a MuseGeometry, got {type(geometry).__name__}")
     retain = count(retain, "retain")
+    if sliding_layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):
+        raise ValueError(f"sliding_layout must be token_major or head_major, got {sliding_layout!r}")
     dtype = parse_plane_dtype(plane_dtype) or PLANE_DTYPE
-    caches = [
-        MuseKVCache(
-            KvPlane(
-                geometry.layer_kind(i),
-                kv_heads=geometry.kv_heads,
-                head_dim=geometry.head_dim,
-                window=geometry.window,
-                max_context=geometry.max_context,
-                layer=i,
-                sliding_layout=sliding_layout,
-                dtype=dtype,
-            ),
-            retain,
-        )
-        for i in range(geometry.num_layers)
-    ]
+    caches: List[MuseKVCache] = []
+    for i in range(geometry.num_layers):
+        capacity = geometry.capacity(i)
+        if geometry.layer_kind(i) is LayerKind.SLIDING:
+            planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                            capacity=capacity, layout=sliding_layout, dtype=dtype)
+            caches.append(SlidingKVCache(planes, window=geometry.window,
+                                         max_context=geometry.max_context, layer=i, retain=retain))
+        else:
+            planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                            capacity=capacity, layout=kernels.HEAD_MAJOR, dtype=dtype)
+            caches.append(GlobalKVCache(planes, window=geometry.window,
+                                        max_context=geometry.max_context, layer=i))
     cachelist.bind(caches, model)
     return caches

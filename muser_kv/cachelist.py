@@ -38,7 +38,7 @@ Invariants, each with a test (``tests/test_cache_list.py``):
   a session saved from it records that model's fingerprint.
 
 A list holds its caches by weak reference and a cache holds only its
-neighbour's *plane*, so dropping the list frees every plane at once (no
+neighbour's *ring*, so dropping the list frees every plane at once (no
 reference cycle waits for the garbage collector).
 """
 
@@ -125,7 +125,7 @@ class CacheList:
 
     def out_of_step(self, cache: Any, n: int) -> CacheOutOfStep:
         """The error for ``cache`` refusing a write of ``n`` tokens."""
-        ahead = cache._prev.ring.end
+        ahead = cache._prev.end
         positions = self.positions()
         if cache._index == 0:
             why = (f", the list's last layer at {ahead}: the previous write has not reached "
@@ -225,7 +225,7 @@ class CacheList:
 
 def bind(caches: Sequence[Any], model: Any = None) -> CacheList:
     """Make ``caches`` (in list order) one list: each layer learns its index,
-    its predecessor's plane (the last layer's, for layer 0) and whether it is
+    its predecessor's ring (the last layer's, for layer 0) and whether it is
     its kind's first (a cache a model asks for a mask before a forward; the
     list's first cache also looks for the model, once per forward)."""
     group = CacheList(caches, model)
@@ -233,7 +233,7 @@ def bind(caches: Sequence[Any], model: Any = None) -> CacheList:
     for i, c in enumerate(caches):
         c._list = group
         c._index = i
-        c._prev = caches[i - 1].plane  # layer 0: the last layer's
+        c._prev = caches[i - 1].ring  # layer 0: the last layer's (a ring is one object for life)
         c._lead = 1 if i else 0
         c._first_of_kind = c.kind not in seen
         seen.add(c.kind)

@@ -65,9 +65,11 @@ def physical_view(plane: mx.array, layout: str) -> mx.array:
     return plane.squeeze(0)
 
 
-def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str) -> mx.array:
-    """``plane`` (attention-shaped, ``[1, H, C, D]``) with ``rows`` (in the
-    plane's layout) written along ``runs``; returns the new plane.
+def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str,
+          slot: Optional[int] = None) -> mx.array:
+    """``plane`` (attention-shaped, ``[S, H, C, D]``) with ``rows`` (in the
+    plane's layout) written along ``runs`` of slot ``slot`` (``None``: the only
+    one, ``S == 1``); returns the new plane.
 
     The one placement mechanism of every plane: MLX's slice update, which reuses
     the plane's buffer when MLX can donate it (O(rows)) and copies it otherwise;
@@ -77,6 +79,10 @@ def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str) -> 
     for run in runs:
         src = slice(run.source, run.source + run.length)
         update = rows[src] if layout == TOKEN_MAJOR else rows[:, src, :]
+        if slot is not None:
+            dst = slice(run.physical, run.physical + run.length)
+            plane[slot:slot + 1, :, dst, :] = attention_view(update, layout, h, d)
+            continue
         if run.length == capacity:
             # MLX answers a slice update that covers the whole array with the
             # update itself, strides and all; the plane must stay in its layout's

@@ -67,9 +67,11 @@ class Write:
     """Everything a write of ``count`` tokens at ``before.end`` means for one ring.
 
     ``runs`` place the chunk rows that stay live (``Run.source`` indexes the
-    chunk); ``evicted`` is the logical range ``[lo, hi)`` of old rows the write
-    overwrites; ``rows`` is how many rows the call returns and ``offset`` how
-    many of them precede the chunk's first query (the mask's offset)."""
+    chunk); ``evicted`` is the logical range ``[lo, hi)`` of positions that leave
+    the window with this write: the old rows it overwrites, and the head of a
+    chunk wider than the ring, which never lands; ``rows`` is how many rows the
+    call returns and ``offset`` how many of them precede the chunk's first query
+    (the mask's offset)."""
 
     before: "Ring"
     after: "Ring"
@@ -184,7 +186,8 @@ class Ring:
 
     def append(self, position: int) -> int:
         """Reserve the physical row for ``position``; advance the origins on a wrap."""
-        self.check(position)
+        if position != self.origin_logical + self.len:
+            raise CacheDiscontinuity(self.layer, self.end, position)
         if self.len < self.capacity:
             write = (self.origin_physical + self.len) % self.capacity
             self.len += 1
@@ -227,14 +230,24 @@ class Ring:
         first, kept = after.append_batch(position, count)
         runs = tuple(Run(r.physical, r.length, r.source + first)
                      for r in after.runs(position + first, kept))
-        evicted = (self.origin_logical, min(after.origin_logical, self.end))
+        evicted = (self.origin_logical, after.origin_logical)
+        return Write(self.copy(), after, count, runs, evicted, self.read_for(count))
+
+    def read_for(self, count: int) -> Read:
+        """How a write of ``count`` tokens into this ring is read back (see ``Read``)."""
         if count == 1 and self.len == self.capacity:
-            read = Read.RING
-        elif self.origin_physical == 0 and self.len + count <= self.capacity:
-            read = Read.PREFIX
-        else:
-            read = Read.SHADOW
-        return Write(self.copy(), after, count, runs, evicted, read)
+            return Read.RING
+        if self.origin_physical == 0 and self.len + count <= self.capacity:
+            return Read.PREFIX
+        return Read.SHADOW
+
+    def assign(self, other: "Ring") -> None:
+        """Take ``other``'s state (a plan's ``after``) in place: a ring is one
+        object for its cache's life, so its neighbours read it directly."""
+        if other.capacity != self.capacity:
+            raise ValueError(f"layer {self.layer}: ring capacity {other.capacity} != {self.capacity}")
+        self.len, self.origin_logical, self.origin_physical = (
+            other.len, other.origin_logical, other.origin_physical)
 
     def trimmable(self, first_retained: Optional[int]) -> int:
         """How many newest tokens can be trimmed exactly, when every position

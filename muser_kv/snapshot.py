@@ -9,7 +9,7 @@ Invariants, each with a test (``tests/test_snapshot.py``):
   min(max_context, window)``), a global layer exactly ``[0, position)``. The
   physical rotation of a ring is not data: it is a function of the logical
   origin, so bytes on disk are layout-stable across backends and builds.
-* **Rotation rebuilt on install.** ``KvPlane.install`` puts a ring's rows back at
+* **Rotation rebuilt on install.** ``MuseKVCache.install`` puts a ring's rows back at
   ``origin_logical % capacity``, where sequential appends would have left them.
   Attention sums rows in physical order and float addition is not associative,
   so this is what makes a restored session replay the live one bit for bit.
@@ -76,7 +76,7 @@ from .cache import make_prompt_cache
 from .counts import optional_count
 from .fingerprint import check_fingerprint, differs, model_fingerprint
 from .geometry import LayerKind, MuseGeometry
-from .plane import KvPlane
+from .cache import MuseKVCache
 from .precision import DtypeLike, plane_dtype_for
 
 FORMAT = "muser-kv-session"
@@ -254,24 +254,23 @@ def _check_tensor(name: str, x: Any, rows: int, geometry: MuseGeometry, encoding
         fail("bytes", nbytes, int(x.nbytes))
 
 
-def _plane_of(cache_entry: Any, index: int) -> KvPlane:
-    plane = getattr(cache_entry, "plane", None)
-    if not isinstance(plane, KvPlane):
+def _ours(cache_entry: Any, index: int) -> MuseKVCache:
+    if not isinstance(cache_entry, MuseKVCache):
         raise TypeError(
             f"session snapshot: cache entry {index} is a {type(cache_entry).__name__}, "
             "not a muser_kv cache (make_prompt_cache / make_cache_for)"
         )
-    return plane
+    return cache_entry
 
 
 def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
     """The KV geometry a live cache list was built for (fails on a mixed list)."""
     if not cache:
         raise SnapshotMismatch("cache layers", "at least one", 0)
-    planes = [_plane_of(c, i) for i, c in enumerate(cache)]
+    planes = [_ours(c, i) for i, c in enumerate(cache)]
     first = planes[0]
     for i, p in enumerate(planes):
-        for name in ("window", "max_context", "kv_heads", "head_dim"):
+        for name in ("_window", "max_context", "kv_heads", "head_dim"):
             if getattr(p, name) != getattr(first, name):
                 raise SnapshotMismatch(f"cache {name}", getattr(first, name), getattr(p, name),
                                        i, p.kind)
@@ -279,7 +278,7 @@ def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
         if p.dtype != first.dtype:
             raise SnapshotMismatch("plane dtype", str(first.dtype), str(p.dtype), i, p.kind)
     geometry = MuseGeometry(
-        num_layers=len(planes), window=first.window, max_context=first.max_context,
+        num_layers=len(planes), window=first._window, max_context=first.max_context,
         num_heads=first.kv_heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
         layer_kinds=tuple(p.kind for p in planes),
     )
@@ -320,12 +319,12 @@ class SessionSnapshot:
                                    geometry.layer_kind(odd))
         cuts = []
         for c in cache:
-            start, keys, values = c.plane.snapshot()
+            start, keys, values = c.snapshot()
             cuts.append(LayerCut(int(start), keys, values))
         mx.eval([a for cut in cuts for a in (cut.keys, cut.values)])
         model = model if model is not None else _list_model(cache)
         fingerprint = model_fingerprint(model) if model is not None else None
-        snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].plane.dtype), tuple(cuts),
+        snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].dtype), tuple(cuts),
                        fingerprint)
         snapshot.check(geometry)
         return snapshot
@@ -387,7 +386,7 @@ class SessionSnapshot:
         When the list knows its model, the snapshot must come from that model
         (``ModelMismatch`` otherwise, unless ``allow_other_model``)."""
         target = cache_geometry(cache)
-        ready = self._installable(target, plane_encoding(cache[0].plane.dtype), convert)
+        ready = self._installable(target, plane_encoding(cache[0].dtype), convert)
         model = _list_model(cache)
         if model is not None and not allow_other_model:
             check_model(self.model, model_fingerprint(model), "the cache list's model")
@@ -438,22 +437,20 @@ def check_model(recorded: Optional[Mapping[str, str]], fingerprint: Mapping[str,
 
 
 def _install(cache: Sequence[Any], ready: SessionSnapshot, *, rollback: bool) -> None:
-    planes = [c.plane for c in cache]
-    previous = [(p.keys, p.values, p.ring) for p in planes] if rollback else []
+    """Install every layer through its cache (``MuseKVCache.install``: rotation
+    rebuilt, retained rows and checkpoints' claims dropped); should one fail,
+    the layers already installed get back what they held."""
+    previous = [c.hold() for c in cache] if rollback else []
     done = 0
     try:
-        for plane, cut in zip(planes, ready.layers):
+        for c, cut in zip(cache, ready.layers):
             done += 1  # counted first: a plane that fails half-way is rolled back too
-            plane.install(cut.start, cut.keys, cut.values)
-            mx.eval(plane.keys, plane.values)  # a lazy failure surfaces here, inside the try
+            c.install(cut.start, cut.keys, cut.values)
+            mx.eval(c.state)  # a lazy failure surfaces here, inside the try
     except BaseException:
-        for plane, (keys, values, ring) in zip(planes[:done], previous[:done]):
-            plane.keys, plane.values, plane.ring = keys, values, ring
+        for c, held in zip(cache[:done], previous[:done]):
+            c.release(held)
         raise
-    for c in cache:  # what the caches' checkpoints and trim rounds knew is gone
-        replaced = getattr(c, "replaced", None)
-        if replaced is not None:
-            replaced()
 
 
 # -- the file -----------------------------------------------------------------

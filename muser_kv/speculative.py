@@ -45,6 +45,13 @@ class RetainedRows:
         self._blocks: Deque[Tuple[int, mx.array]] = deque()
         self.start = self.end = 0
 
+    def copy(self) -> "RetainedRows":
+        """An independent copy (the rows are immutable arrays: shared, not copied)."""
+        other = RetainedRows(self.limit)
+        other._blocks = deque(self._blocks)
+        other.start, other.end = self.start, self.end
+        return other
+
     def clear(self) -> None:
         self._blocks.clear()
         self.start = self.end = 0

@@ -88,7 +88,7 @@ def test_decode_on_full_ring_needs_no_mask_and_reads_in_place():
     k, _ = c.update_and_fetch(*kv(1, seed=2))
     assert k.shape == (1, H, 8, D)
     # the returned keys are the plane itself, viewed: no staging copy
-    np.testing.assert_array_equal(bits(np.array(k)[0].transpose(1, 0, 2).reshape(8, -1)), bits(c.plane.keys[:8]))
+    np.testing.assert_array_equal(bits(np.array(k)[0].transpose(1, 0, 2).reshape(8, -1)), bits(c.keys[:8]))
 
 
 def test_protocol_surface():
@@ -149,13 +149,13 @@ def test_trim_exact_or_refused_without_retention():
 def test_discontinuity_through_the_protocol_changes_nothing():
     c = lone(0)
     c.update_and_fetch(*kv(3))
-    c.plane.ring.layer  # same object the error reports
-    state = (bits(c.plane.keys).copy(), c.meta_state)
+    c.ring.layer  # same object the error reports
+    state = (bits(c.keys).copy(), c.meta_state)
     # a caller that bypasses offset cannot reach the ring out of order: the
-    # plane itself refuses
+    # ring's plan itself refuses
     with pytest.raises(CacheDiscontinuity):
-        c.plane.write(5, *kv(1))
-    np.testing.assert_array_equal(bits(c.plane.keys), state[0])
+        c.ring.write(5, 1)
+    np.testing.assert_array_equal(bits(c.keys), state[0])
     assert c.meta_state == state[1]
 
 
@@ -165,7 +165,7 @@ def test_make_prompt_cache_from_model(model_f32):
     assert len(cache) == args.num_hidden_layers
     for c, t in zip(cache, args.layer_types):
         assert c.kind.value == t
-        assert c.plane.capacity == (16 if t == "sliding_attention" else 128)
+        assert c.capacity == (16 if t == "sliding_attention" else 128)
     fp = muser_kv.footprint(MuseGeometry.from_model_args(args, 128), 128)
     assert sum(c.nbytes for c in cache) == fp.slot_bytes
     with pytest.raises(TypeError):
@@ -195,11 +195,11 @@ def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(layout, ops, 
             history.extend((k[:, :, i:i + 1], v[:, :, i:i + 1]) for i in range(n))
             continue
         depth = cache.trimmable_depth()
-        before = (bits(cache.plane.keys).copy(), cache.meta_state)
+        before = (bits(cache.keys).copy(), cache.meta_state)
         if n > depth:
             with pytest.raises(ValueError, match="at most"):
                 cache.trim(n)
-            np.testing.assert_array_equal(bits(cache.plane.keys), before[0])
+            np.testing.assert_array_equal(bits(cache.keys), before[0])
             assert cache.meta_state == before[1]
             continue
         assert cache.trim(n) == n
@@ -208,14 +208,14 @@ def test_trim_after_wrap_matches_a_cache_that_never_saw_the_tokens(layout, ops, 
         for k, v in history:
             fresh.update_and_fetch(k, v)
         assert cache.meta_state == fresh.meta_state
-        for a, b in zip(cache.plane.snapshot(), fresh.plane.snapshot()):
+        for a, b in zip(cache.snapshot(), fresh.snapshot()):
             if isinstance(a, int):
                 assert a == b
             else:
                 np.testing.assert_array_equal(bits(a), bits(b))
         if cache.ring.len == cache.ring.capacity:  # every row live; rotation is data
-            np.testing.assert_array_equal(bits(cache.plane.keys), bits(fresh.plane.keys))
-            np.testing.assert_array_equal(bits(cache.plane.values), bits(fresh.plane.values))
+            np.testing.assert_array_equal(bits(cache.keys), bits(fresh.keys))
+            np.testing.assert_array_equal(bits(cache.values), bits(fresh.values))
     if retain >= 1 and cache.kind is LayerKind.SLIDING and cache.ring.wrapped and cache.offset < 64:
         cache.update_and_fetch(*kv(1, mx.float16, seed=seed))  # overwrites, so retains a row
         assert cache.is_trimmable() and cache.trimmable_depth() >= 1
@@ -277,8 +277,8 @@ def test_from_state_of_any_memory_order_keeps_the_layout(layout):
         r = MuseKVCache.from_state(state, meta)
         for i in range(3):
             r.update_and_fetch(*kv(1, mx.float16, seed=i))
-            assert _address(r.plane._k) == _address(r.plane.keys)
-            assert _address(r.plane._v) == _address(r.plane.values)
+            assert _address(r.planes.k) == _address(r.keys)
+            assert _address(r.planes.v) == _address(r.values)
 
 
 def test_decode_after_from_state_holds_no_old_ring():
@@ -295,7 +295,7 @@ def test_decode_after_from_state_holds_no_old_ring():
     del c0, fill
     c = MuseKVCache.from_state(state, meta)
     del state
-    mx.eval(c.plane._k, c.plane._v)
+    mx.eval(c.planes.k, c.planes.v)
     mx.synchronize()
     before = mx.get_active_memory()
     q = mx.ones((1, 8, 1, D), mx.float16)
@@ -309,4 +309,4 @@ def test_decode_after_from_state_holds_no_old_ring():
         del o
         mx.synchronize()
         worst = max(worst, mx.get_active_memory() - before)
-    assert worst < c.plane.nbytes // 4, (worst, c.plane.nbytes)
+    assert worst < c.nbytes // 4, (worst, c.nbytes)

@@ -22,15 +22,15 @@ GLOBAL_FIRST = ["full_attention", "sliding_attention", "sliding_attention", "ful
 
 def state(cache):
     """Everything a refused operation must leave as it was."""
-    return [(c.offset, c.meta_state, bits(c.plane.keys).copy(), bits(c.plane.values).copy())
+    return [(c.offset, c.meta_state, bits(c.keys).copy(), bits(c.values).copy())
             for c in cache]
 
 
 def assert_state(cache, before):
     for c, (offset, meta, k, v) in zip(cache, before):
         assert c.offset == offset and c.meta_state == meta, c
-        np.testing.assert_array_equal(bits(c.plane.keys), k)
-        np.testing.assert_array_equal(bits(c.plane.values), v)
+        np.testing.assert_array_equal(bits(c.keys), k)
+        np.testing.assert_array_equal(bits(c.values), v)
 
 
 def prompt(n, seed=0):
@@ -74,7 +74,7 @@ def test_trim_prompt_cache_is_exact_in_any_layer_order(layer_types):
     assert trim_prompt_cache(cache, 7) == 7
     for a, b in zip(cache, fresh):
         assert a.meta_state == b.meta_state
-        for x, y in zip(a.plane.snapshot()[1:], b.plane.snapshot()[1:]):
+        for x, y in zip(a.snapshot()[1:], b.snapshot()[1:]):
             np.testing.assert_array_equal(bits(x), bits(y))
 
 

@@ -28,7 +28,7 @@ def cache(model):
 
 
 def snapshot(cache):
-    return [(c.meta_state, bits(c.plane.keys).copy()) for c in cache]
+    return [(c.meta_state, bits(c.keys).copy()) for c in cache]
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_trim_takes_ints_only(cache, short, which, n):
         trim_prompt_cache(cache, n)
     for (meta, k), c in zip(before, cache):
         assert c.meta_state == meta and type(c.ring.len) is int
-        np.testing.assert_array_equal(bits(c.plane.keys), k)
+        np.testing.assert_array_equal(bits(c.keys), k)
 
 
 def test_numpy_integers_are_ints(cache):

@@ -37,7 +37,7 @@ class Tap:
     def update_and_fetch(self, keys, values):
         out = self._cache.update_and_fetch(keys, values)
         self.oracle.append(keys, values)
-        start, k, v = self._cache.plane.snapshot()
+        start, k, v = self._cache.snapshot()
         s, ok, ov = self.oracle.live()
         assert start == s and self._cache.offset == self.oracle.position
         np.testing.assert_array_equal(bits(k), bits(ok))
@@ -148,7 +148,7 @@ def test_head_major_rings_hold_the_same_contents(model_f16):
         cache = [Tap(c, checks) for c in
                  muser_kv.make_prompt_cache(model_f16, max_context=128, sliding_layout=layout)]
         runs.append(generate(model_f16, cache, prompt, 9, 24))
-        assert cache[0].plane.layout == layout and checks
+        assert cache[0].layout == layout and checks
     (t1, l1), (t2, l2) = runs
     assert t1 == t2
     np.testing.assert_allclose(np.stack(l1), np.stack(l2), atol=TOLERANCE[mx.float16], rtol=0)

@@ -37,7 +37,7 @@ def decode_peak_extra(model, cache, tokens=24):
 def test_pipelined_decode_peak_is_the_planes(model):
     cache = muser_kv.make_prompt_cache(model)
     extra = decode_peak_extra(model, cache)
-    plane = cache[3].plane.keys.nbytes
+    plane = cache[3].keys.nbytes
     assert plane == 32 * 2**20
     assert extra < plane / 16, f"decode allocated {extra} B beyond the planes (a plane is {plane} B)"
 
@@ -62,7 +62,7 @@ def test_negative_control_a_held_view_forces_copies(model):
     cache = muser_kv.make_prompt_cache(model)
     cache[3] = Holder(cache[3])
     extra = decode_peak_extra(model, cache, tokens=6)
-    assert extra >= cache[3].plane.keys.nbytes
+    assert extra >= cache[3].keys.nbytes
 
 
 def _address(x: mx.array) -> int:
@@ -77,12 +77,12 @@ def test_synchronous_stores_keep_every_buffer(model):
     cache = muser_kv.make_prompt_cache(model, max_context=4096)
     model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     mx.eval([c.state for c in cache])
-    before = [(_address(c.plane.keys), _address(c.plane.values)) for c in cache]
+    before = [(_address(c.keys), _address(c.values)) for c in cache]
     for t in range(40):  # wraps the 16-row rings twice
         out = model(mx.array([[t % 256]]), cache=cache)
         mx.eval(out, [c.state for c in cache])
         del out
-        after = [(_address(c.plane.keys), _address(c.plane.values)) for c in cache]
+        after = [(_address(c.keys), _address(c.values)) for c in cache]
         assert after == before, f"step {t}: a plane moved to a new buffer"
 
 
@@ -98,9 +98,9 @@ def test_decode_right_after_a_restore_copies_no_ring():
     rng = np.random.default_rng(0)
     depth = 3000  # wrapped: every ring full and rotated
     for c in cache:
-        rows = min(depth, c.plane.capacity)
+        rows = min(depth, c.capacity)
         k = mx.array(rng.standard_normal((rows, 2, 128)).astype(np.float16))
-        c.plane.install(depth - rows, k, k)
+        c.install(depth - rows, k, k)
     mx.eval([c.state for c in cache])
     mx.synchronize()
     base = mx.get_active_memory()
@@ -108,6 +108,6 @@ def test_decode_right_after_a_restore_copies_no_ring():
     for _ in generate_step(mx.array([1, 2], mx.uint32), model, prompt_cache=cache, max_tokens=6):
         pass
     mx.synchronize()
-    ring = cache[0].plane.keys.nbytes
+    ring = cache[0].keys.nbytes
     assert ring == 2**20
     assert mx.get_peak_memory() - base < ring, "a ring was copied at the first stores"

@@ -1,5 +1,6 @@
-"""KvPlane: allocation, placement across the wrap, fail-closed validation,
-logical snapshots and rotation-preserving install, bitwise against the oracle."""
+"""One layer's cache, driven through the public API: allocation, placement
+across the wrap, fail-closed validation, logical snapshots and
+rotation-preserving install, bitwise against the oracle."""
 
 import mlx.core as mx
 import numpy as np
@@ -7,14 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muser_kv import CacheDiscontinuity, ContextOverflow, KvPlane, LayerKind
+from muser_kv import (CacheDiscontinuity, ContextOverflow, LayerKind, MuseGeometry, MuseKVCache,
+                      make_cache_for)
 from oracle import FullHistory, bits
 
 H, D = 2, 128
 
 
-def plane(kind, window=8, max_context=64, layer=0):
-    return KvPlane(kind, kv_heads=H, head_dim=D, window=window, max_context=max_context, layer=layer)
+def plane(kind, window=8, max_context=64, layer=0, layout="token_major") -> MuseKVCache:
+    """One layer of ``kind``, a list of its own (so it is driven alone)."""
+    geometry = MuseGeometry(num_layers=1, window=window, max_context=max_context, num_heads=H,
+                            kv_heads=H, head_dim=D, layer_kinds=(kind,))
+    cache = make_cache_for(geometry, sliding_layout=layout)[0]
+    cache.layer = layer
+    cache.ring.layer = layer
+    return cache
 
 
 def kv(n, dtype=mx.float32, seed=0):
@@ -25,7 +33,7 @@ def kv(n, dtype=mx.float32, seed=0):
     return k, v
 
 
-def snapshot_equals(p: KvPlane, oracle: FullHistory):
+def snapshot_equals(p: MuseKVCache, oracle: FullHistory):
     start, k, v = p.snapshot()
     s, ok, ov = oracle.live()
     assert start == s
@@ -34,7 +42,7 @@ def snapshot_equals(p: KvPlane, oracle: FullHistory):
     np.testing.assert_array_equal(bits(v), bits(ov))
 
 
-def physical_equals(p: KvPlane, oracle: FullHistory):
+def physical_equals(p: MuseKVCache, oracle: FullHistory):
     """Every live position sits at ring.physical(position), in the plane's layout."""
     keys = np.array(p.keys)
     s, e = oracle.live_range()
@@ -49,7 +57,7 @@ def physical_equals(p: KvPlane, oracle: FullHistory):
 def test_allocation_zero_filled_and_exact(kind, capacity, shape):
     # the ring holds the formula's rows; the allocation rounds them to 256
     p = plane(kind)
-    assert p.capacity == capacity and p.rows == 256
+    assert p.capacity == capacity and p.planes.rows == 256
     assert p.keys.shape == shape and p.values.shape == shape
     assert p.keys.dtype == mx.float16
     assert p.nbytes == 2 * int(np.prod(shape)) * 2
@@ -68,7 +76,7 @@ def test_chunks_across_wrap_and_wider_than_ring(kind, dtype):
     oracle = FullHistory(8 if kind is LayerKind.SLIDING else None)
     for i, n in enumerate([1, 3, 5, 1, 1, 13, 2, 8, 1, 9]):  # 13 and 9 are wider than the ring
         k, v = kv(n, dtype, seed=i)
-        p.write(oracle.position, k, v)
+        p.update_and_fetch(k, v)
         oracle.append(k, v)
         snapshot_equals(p, oracle)
         physical_equals(p, oracle)
@@ -81,7 +89,7 @@ def test_f32_rounds_to_nearest_even():
     # 1 + 3 * 2^-11 is halfway between 1.0009765625 and 1.001953125: ties to even (the latter).
     vals = np.array([1 + 2**-11, 1 + 3 * 2**-11, 65519.0, -0.0], np.float32)
     k = mx.array(np.resize(vals, (1, H, 1, D)))
-    p.write(0, k, k)
+    p.update_and_fetch(k, k)
     _, got, _ = p.snapshot()
     expect = np.resize(np.array([1.0, 1.001953125, 65504.0, -0.0], np.float16), (1, H, D))
     np.testing.assert_array_equal(bits(got), bits(expect))
@@ -101,38 +109,46 @@ def _assert_unchanged(p, before):
 
 @pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
 def test_discontinuous_write_changes_nothing(kind):
-    p = plane(kind, layer=5)
+    """A write where the list does not expect one (layer 1 of a two-layer list
+    written twice in a row) is a CacheDiscontinuity naming the layer, the
+    position expected and the one the write would take, and changes nothing."""
+    geometry = MuseGeometry(num_layers=2, window=8, max_context=64, num_heads=H, kv_heads=H,
+                            head_dim=D, layer_kinds=(kind, kind))
+    first, p = make_cache_for(geometry)
     for i in range(3):
-        p.write(p.ring.end, *kv(5, seed=i))
+        k, v = kv(5, seed=i)
+        first.update_and_fetch(k, v)
+        p.update_and_fetch(k, v)
     before = _frozen(p)
-    for bad in (0, 14, 16, 100):
+    for n in (1, 2, 7):
         with pytest.raises(CacheDiscontinuity) as e:
-            p.write(bad, *kv(2, seed=9))
-        assert (e.value.layer, e.value.expected, e.value.got) == (5, 15, bad)
+            p.update_and_fetch(*kv(n, seed=9))
+        assert (e.value.layer, e.value.expected, e.value.got) == (1, 15 - n, 15)
         _assert_unchanged(p, before)
 
 
 @pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
 def test_bad_input_refused_before_anything_changes(kind):
     p = plane(kind, max_context=20)
-    p.write(0, *kv(6))
+    p.update_and_fetch(*kv(6))
     before = _frozen(p)
     k, v = kv(3)
+    w = p.update_and_fetch
     cases = [
-        (ContextOverflow, "max_context 20", lambda: p.write(6, *kv(15))),
-        (ValueError, "batch size must be 1", lambda: p.write(6, mx.concatenate([k, k]), mx.concatenate([v, v]))),
-        (ValueError, "expected 2 KV heads, got 4", lambda: p.write(6, mx.concatenate([k, k], 1), mx.concatenate([v, v], 1))),
-        (ValueError, "expected head_dim 128, got 64", lambda: p.write(6, k[..., :64], v[..., :64])),
-        (TypeError, "dtype must be float32, float16 or bfloat16, got mlx.core.int32", lambda: p.write(6, k.astype(mx.int32), v)),
-        (ValueError, "differ", lambda: p.write(6, k, v[:, :, :2])),
-        (ValueError, "got shape", lambda: p.write(6, k[0], v[0])),
-        (ValueError, "at least one token", lambda: p.write(6, k[:, :, :0], v[:, :, :0])),
+        (ContextOverflow, "max_context 20", lambda: w(*kv(15))),
+        (ValueError, "batch size must be 1", lambda: w(mx.concatenate([k, k]), mx.concatenate([v, v]))),
+        (ValueError, "expected 2 KV heads, got 4", lambda: w(mx.concatenate([k, k], 1), mx.concatenate([v, v], 1))),
+        (ValueError, "expected head_dim 128, got 64", lambda: w(k[..., :64], v[..., :64])),
+        (TypeError, "dtype must be float32, float16 or bfloat16, got mlx.core.int32", lambda: w(k.astype(mx.int32), v)),
+        (ValueError, "differ", lambda: w(k, v[:, :, :2])),
+        (ValueError, "got shape", lambda: w(k[0], v[0])),
+        (ValueError, "at least one token", lambda: w(k[:, :, :0], v[:, :, :0])),
     ]
     for exc, message, call in cases:
         with pytest.raises(exc, match=message):
             call()
         _assert_unchanged(p, before)
-    p.write(6, k, v)  # the right write still works afterwards
+    w(k, v)  # the right write still works afterwards
     assert p.ring.end == 9
 
 
@@ -145,7 +161,7 @@ def test_install_reproduces_the_live_rotation(kind, position):
     done = 0
     while done < position:
         n = min(3, position - done)
-        live.write(done, *kv(n, seed=done))
+        live.update_and_fetch(*kv(n, seed=done))
         done += n
     start, k, v = live.snapshot()
     fresh = plane(kind)
@@ -177,7 +193,7 @@ def test_random_chunks_match_oracle(chunks, window, kind):
     oracle = FullHistory(window if kind is LayerKind.SLIDING else None)
     for i, n in enumerate(chunks):
         k, v = kv(n, mx.float16, seed=i)
-        p.write(oracle.position, k, v)
+        p.update_and_fetch(k, v)
         oracle.append(k, v)
     snapshot_equals(p, oracle)
 
@@ -188,11 +204,13 @@ def test_planes_stay_row_contiguous_when_a_chunk_covers_them(kind, layout):
     """A write that covers a whole plane (a chunk wider than the ring) must not
     leave the plane aliasing the chunk's strided view: the kernels index planes
     as row-contiguous memory (caught on the H200 with head-major rings)."""
-    p = KvPlane(kind, kv_heads=H, head_dim=D, window=8, max_context=16 if kind is LayerKind.SLIDING else 8,
-                sliding_layout=layout)
+    p = plane(kind, window=8, max_context=16 if kind is LayerKind.SLIDING else 8, layout=layout)
     k = mx.array(np.random.default_rng(0).standard_normal((1, 12, H, D)).astype(np.float16))
     k = k.transpose(0, 2, 1, 3)  # the model's strided [1, H, N, D]
-    p.write(0, k[:, :, :8], k[:, :, :8]) if kind is LayerKind.GLOBAL else p.write(0, k, k)
+    if kind is LayerKind.GLOBAL:
+        p.update_and_fetch(k[:, :, :8], k[:, :, :8])
+    else:
+        p.update_and_fetch(k, k)
     mx.eval(p.keys)
     flat = np.array(p.keys).reshape(-1)
     raw = np.frombuffer(memoryview(p.keys), dtype=np.float16)  # the buffer, as a kernel sees it
@@ -214,13 +232,12 @@ def test_every_write_path_keeps_the_layouts_memory_order(kind, layout):
     against the oracle too. A plane that lost its order would make ``keys`` a
     reshaped copy (another address), and the kernels would read stale rows."""
     window, context = 8, 40
-    p = KvPlane(kind, kv_heads=H, head_dim=D, window=window, max_context=context,
-                sliding_layout=layout)
+    p = plane(kind, window=window, max_context=context, layout=layout)
     oracle = FullHistory(window if kind is LayerKind.SLIDING else None)
     pos = 0
 
     def check():
-        for planes in ((p._k, p.keys), (p._v, p.values)):
+        for planes in ((p.planes.k, p.keys), (p.planes.v, p.values)):
             assert _address(planes[0]) == _address(planes[1])
             assert np.asarray(planes[1]).flags["C_CONTIGUOUS"]
         physical_equals(p, oracle)
@@ -229,29 +246,23 @@ def test_every_write_path_keeps_the_layouts_memory_order(kind, layout):
     # decode, chunks across the wrap, one wider than the ring at a rotation
     for n in (16, 1, 1, 5, 1, 9, 1, 1, 3):
         k, v = kv(n, mx.float16, seed=pos)
-        if n == 1:
-            p.write_one(k, v)
-        else:
-            p.write(pos, k, v)
+        p.update_and_fetch(k, v)  # n == 1: the decode fast path
         oracle.append(k, v)
         pos += n
         check()
-    if kind is LayerKind.SLIDING:  # rollback: the ring and rows of an earlier state put back
-        ring = p.ring.copy()
-        start, rows_k, rows_v = p.snapshot()
-        k, v = kv(2, mx.float16, seed=99)
-        p.write(pos, k, v)
-        p.restore(ring, start, rows_k.reshape(rows_k.shape[0], -1), rows_v.reshape(rows_v.shape[0], -1))
-        check()
+    # rollback: the ring and rows of an earlier state put back (a ring from its retained rows)
+    k, v = kv(2, mx.float16, seed=99)
+    p.update_and_fetch(k, v)
+    assert p.trim(2) == 2
+    check()
     start, rows_k, rows_v = p.snapshot()
     p.install(start, rows_k, rows_v)
     check()
     # a chunk that fills a whole plane in one run
-    p = KvPlane(kind, kv_heads=H, head_dim=D, window=window, max_context=window,
-                sliding_layout=layout)
+    p = plane(kind, window=window, max_context=window, layout=layout)
     oracle = FullHistory(window if kind is LayerKind.SLIDING else None)
     raw = mx.array(np.random.default_rng(7).standard_normal((1, window, H, D)).astype(np.float16))
     k = raw.transpose(0, 2, 1, 3)  # the model's strided [1, H, N, D]
-    p.write(0, k, k)
+    p.update_and_fetch(k, k)
     oracle.append(k, k)
     check()

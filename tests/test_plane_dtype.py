@@ -69,7 +69,7 @@ def test_plane_dtype_follows_the_models_attention(models, name):
     model = models[name]
     assert muser_kv.plane_dtype_for(model) == PLANES[name]
     cache = muser_kv.make_prompt_cache(model)
-    assert {c.plane.dtype for c in cache} == {PLANES[name]}
+    assert {c.dtype for c in cache} == {PLANES[name]}
     # read off the model itself: the dtype of the K/V its attention hands a cache
     expected = mx.float32 if name == "f32" else PLANES[name]
     assert muser_kv.attention_dtype(model) == expected
@@ -78,9 +78,9 @@ def test_plane_dtype_follows_the_models_attention(models, name):
 def test_plane_dtype_override(models):
     f16 = models["f16"]
     for value in ("bfloat16", "bf16", mx.bfloat16):
-        assert {c.plane.dtype for c in muser_kv.make_prompt_cache(f16, plane_dtype=value)} == {
+        assert {c.dtype for c in muser_kv.make_prompt_cache(f16, plane_dtype=value)} == {
             mx.bfloat16}
-    assert {c.plane.dtype for c in muser_kv.make_prompt_cache(
+    assert {c.dtype for c in muser_kv.make_prompt_cache(
         models["bf16"], plane_dtype="float16")} == {mx.float16}
     for bad in ("float32", mx.float32, "int8", mx.uint16, 16):
         with pytest.raises(ValueError, match="plane_dtype must be float16 or bfloat16"):
@@ -103,7 +103,7 @@ def test_bf16_planes_store_the_models_bits_and_round_other_inputs(models):
                 for _ in range(2))
         c.update_and_fetch(k, v)
         oracle.append(k, v)
-        start, ck, cv = c.plane.snapshot()
+        start, ck, cv = c.snapshot()
         s, ok, ov = oracle.live()
         assert start == s and ck.dtype == mx.bfloat16
         np.testing.assert_array_equal(bits16(ck), ok)
@@ -195,7 +195,7 @@ def test_stream_generate_equals_mlx_lm(models, name, monkeypatch):
 
         mp.setattr(model, "make_cache", make_cache, raising=False)
         ours = tokens()
-    assert made and made[0][0].plane.dtype == mx.bfloat16 and made[0][0].ring.wrapped
+    assert made and made[0][0].dtype == mx.bfloat16 and made[0][0].ring.wrapped
     if cpu():
         assert ours == theirs
     else:  # up to the first near tie (see the module doc)
@@ -217,7 +217,7 @@ def test_speculative_decoding_with_bf16_planes(models):
     n = 4 * target.args.sliding_window
     greedy = run(target, muser_kv.make_prompt_cache(target, 160), p, n, 2048)
     cache = muser_kv.make_prompt_cache(target, 160) + muser_kv.make_prompt_cache(draft, 160)
-    assert {c.plane.dtype for c in cache} == {mx.bfloat16}
+    assert {c.dtype for c in cache} == {mx.bfloat16}
     out = list(speculative_generate_step(p, target, draft, prompt_cache=cache, max_tokens=n,
                                          num_draft_tokens=3, prefill_step_size=7))
     tokens = [int(t) for t, _, _ in out]
@@ -253,7 +253,7 @@ def test_slot_pool_serves_a_bf16_model(models):
     model = models["bf16"]
     pool = muser_kv.SlotPool(model, slots=2, max_context=128, prefill_chunk=7)
     assert pool.plane_dtype == mx.bfloat16
-    assert {c.plane.dtype for c in pool.slot(0).cache} == {mx.bfloat16}
+    assert {c.dtype for c in pool.slot(0).cache} == {mx.bfloat16}
     ids = prompt(40, seed=6).tolist()
     got = pool.prefill(0, [muser_kv.Message("user", ids)])
     step = pool.decode(0, 17)
@@ -278,7 +278,7 @@ def test_bf16_session_round_trip_and_encoding_refusals(models, tmp_path, capsys)
     assert snap.encoding == "bf16le"
     restored = muser_kv.load_session(path, bf16)
     for a, b in zip(live, restored):
-        assert a.meta_state == b.meta_state and b.plane.dtype == mx.bfloat16
+        assert a.meta_state == b.meta_state and b.dtype == mx.bfloat16
         np.testing.assert_array_equal(bits16(a.state[0]), bits16(b.state[0]))
     # genuine safetensors: MLX's own loader reads the BF16 tensors
     arrays, meta = mx.load(str(path), return_metadata=True)
@@ -306,7 +306,7 @@ def test_bf16_session_round_trip_and_encoding_refusals(models, tmp_path, capsys)
         assert c.offset == 0
     # with convert=True the rows are rounded to the target type (nearest even)
     converted = muser_kv.load_session(path, bf16, plane_dtype="float16", convert=True)
-    _, k, _ = converted[0].plane.snapshot()
+    _, k, _ = converted[0].snapshot()
     assert k.dtype == mx.float16
     np.testing.assert_array_equal(bits16(k), bits16(snap.layers[0].keys.astype(mx.float16)))
     f32_path = tmp_path / "f32.safetensors"
@@ -330,7 +330,7 @@ def test_unaligned_max_context_allocates_granules_and_overflows_exactly(models):
     cache = muser_kv.make_prompt_cache(model, max_context=1000)
     geometry = muser_kv.MuseGeometry.from_model_args(model.args, 1000)
     for c in cache:
-        rows = c.plane.keys.shape[0] if c.plane.layout == "token_major" else c.plane.keys.shape[1]
+        rows = c.keys.shape[0] if c.layout == "token_major" else c.keys.shape[1]
         assert rows % 256 == 0 and rows >= c.ring.capacity
         assert c.ring.capacity == (16 if c.kind is muser_kv.LayerKind.SLIDING else 1000)
     assert muser_kv.footprint(geometry, 1000).slot_bytes == sum(c.nbytes for c in cache)
@@ -351,7 +351,7 @@ def test_from_state_keeps_bf16_planes(models):
     cache = muser_kv.make_prompt_cache(model, max_context=128)
     model(prompt(30, seed=3)[None], cache=cache)
     copies = [muser_kv.MuseKVCache.from_state(c.state, c.meta_state) for c in cache]
-    assert {c.plane.dtype for c in copies} == {mx.bfloat16}
+    assert {c.dtype for c in copies} == {mx.bfloat16}
     nxt = mx.array([[7]])
     np.testing.assert_array_equal(bits16(model(nxt, cache=copies)), bits16(model(nxt, cache=cache)))
     mixed = (cache[0].state[0], cache[0].state[1].astype(mx.float16))

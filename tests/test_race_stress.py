@@ -116,8 +116,8 @@ def test_stress_same_bits(steps, baseline, mode):
                                        np.array(b[j].astype(mx.float32)), rtol=0,
                                        atol=ATTENTION_TOLERANCE, err_msg=f"step {i} ({mode}, {backend})")
     for c, r in ((sliding, ref_sliding), (nope, ref_nope)):
-        np.testing.assert_array_equal(bits(c.plane.keys), bits(r.plane.keys))
-        np.testing.assert_array_equal(bits(c.plane.values), bits(r.plane.values))
+        np.testing.assert_array_equal(bits(c.keys), bits(r.keys))
+        np.testing.assert_array_equal(bits(c.values), bits(r.values))
         assert c.meta_state == r.meta_state
 
 
@@ -127,7 +127,7 @@ def test_stress_contents_match_oracle(steps, baseline):
         oracle = FullHistory(window)
         for _, k, v in steps:
             oracle.append(k, v)
-        start, k, v = c.plane.snapshot()
+        start, k, v = c.snapshot()
         s, ok, ov = oracle.live()
         assert start == s
         np.testing.assert_array_equal(bits(k), bits(ok))

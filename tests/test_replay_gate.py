@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import muser_kv
+import muser_kv.cachelist
 from conftest import tiny_model
 from muser_kv import Ring
 from oracle import copy_array
@@ -111,16 +112,19 @@ def test_restore_packed_at_origin_zero_does_not_replay(tmp_path):
     live = live_run(model, prompt, [g], chunk=9, tmp_path=tmp_path)
     path, expect = live[g]
     cache = muser_kv.load_session(path, model)
-    for c in cache:
+    for i, c in enumerate(cache):
         ring = c.ring
         if ring.origin_physical == 0:
             continue
-        start, k, v = c.plane.snapshot()
+        start, k, v = c.snapshot()
         packed = Ring(ring.capacity, ring.len, start, 0, ring.layer)
-        flat = (ring.len, c.plane.kv_dim)
-        pk, pv = c.plane.backend.install(k.reshape(flat), v.reshape(flat), c.plane.layout, packed,
-                                         tuple(c.plane.keys.shape))
-        c.plane.keys, c.plane.values, c.plane.ring = pk, pv, packed
+        flat = (ring.len, c.kv_dim)
+        pk, pv = c.backend.install(k.reshape(flat), v.reshape(flat), c.layout, packed,
+                                   tuple(c.keys.shape))
+        meta = list(c.meta_state)
+        meta[-1] = "0"  # origin_physical 0: the rows packed from row 0
+        cache[i] = muser_kv.MuseKVCache.from_state((pk, pv), tuple(meta))
+    muser_kv.cachelist.bind(cache)  # the new caches form the list
     got = continue_logits(model, cache, prompt[g:g + CONTINUE].tolist())
     assert not np.array_equal(got.view(np.uint32), expect.view(np.uint32))
     np.testing.assert_allclose(got, expect, atol=0.1)  # same numbers, other summation order

@@ -150,7 +150,7 @@ def test_write_plan_reads_and_runs():
     assert (w.read, w.rows, w.offset) == (Read.SHADOW, 11, 8)
     assert w.runs == (Run(1, 3, 0),) and w.evicted == (1, 4)
     w = w.after.write(12, 20)  # wider than the ring: only its last 8 rows land
-    assert w.read is Read.SHADOW and w.evicted == (4, 12)
+    assert w.read is Read.SHADOW and w.evicted == (4, 24)  # old rows 4..11, chunk rows 12..23
     assert sum(x.length for x in w.runs) == 8 and w.runs[0].source == 12
     with pytest.raises(CacheDiscontinuity):
         w.after.write(31, 1)
@@ -191,8 +191,8 @@ def test_write_and_trim_plans_match_a_list_oracle(capacity, chunks, data):
             for i in range(run.length):
                 slots[run.physical + i] = pos + run.source + i
         live_after = set(s for s in slots if s is not None)
-        lo, hi = w.evicted
-        assert set(range(lo, hi)) == live_before - live_after
+        lo, hi = w.evicted  # what leaves the window: old rows, and chunk rows that never land
+        assert set(range(lo, hi)) == (live_before | set(range(pos, pos + n))) - live_after
         assert live_after == set(range(max(0, pos + n - capacity), pos + n))
         r, pos = w.after, pos + n
         assert [r.physical(p) for p in sorted(live_after)] == [slots.index(p) for p in sorted(live_after)]

@@ -57,14 +57,14 @@ def lbits(x):
 
 def state_bits(cache):
     """Every layer's ring state and whole planes as uint16 bits."""
-    return [(c.meta_state, bits(c.plane.keys).copy(), bits(c.plane.values).copy()) for c in cache]
+    return [(c.meta_state, bits(c.keys).copy(), bits(c.values).copy()) for c in cache]
 
 
 def live_bits(cache):
     """Every layer's ring state and live rows in logical order (what a trim restores)."""
     out = []
     for c in cache:
-        start, k, v = c.plane.snapshot()
+        start, k, v = c.snapshot()
         out.append((c.meta_state, start, bits(k).copy(), bits(v).copy()))
     return out
 
@@ -193,19 +193,20 @@ class Boom(RuntimeError):
 
 
 def fail_on_call(monkeypatch, n, only=None):
-    """Make ``MuseKVCache.update_and_fetch`` raise on its ``n``-th call (counted over
-    the caches whose ids are in ``only``, or all caches)."""
-    real = MuseKVCache.update_and_fetch
+    """Make every regime's ``update_and_fetch`` raise on its ``n``-th call (counted
+    over the caches whose ids are in ``only``, or all caches)."""
     calls = [0]
+    for regime in (muser_kv.SlidingKVCache, muser_kv.GlobalKVCache):
+        real = regime.update_and_fetch
 
-    def update_and_fetch(self, keys, values):
-        if only is None or id(self) in only:
-            calls[0] += 1
-            if calls[0] == n:
-                raise Boom(f"injected failure on call {n}")
-        return real(self, keys, values)
+        def update_and_fetch(self, keys, values, real=real):
+            if only is None or id(self) in only:
+                calls[0] += 1
+                if calls[0] == n:
+                    raise Boom(f"injected failure on call {n}")
+            return real(self, keys, values)
 
-    monkeypatch.setattr(MuseKVCache, "update_and_fetch", update_and_fetch)
+        monkeypatch.setattr(regime, "update_and_fetch", update_and_fetch)
     return calls
 
 

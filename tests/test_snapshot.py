@@ -65,14 +65,14 @@ def filled(model, position: int, max_context: int = CONTEXT, seed: int = 0):
 
 def state(cache):
     """Everything a restore may change, as plain data: plane bits and rings."""
-    return [(bits(c.plane.keys).copy(), bits(c.plane.values).copy(), c.ring.copy()) for c in cache]
+    return [(bits(c.keys).copy(), bits(c.values).copy(), c.ring.copy()) for c in cache]
 
 
 def assert_state(cache, expected):
     assert len(cache) == len(expected)
     for c, (k, v, ring) in zip(cache, expected):
-        np.testing.assert_array_equal(bits(c.plane.keys), k, err_msg=f"layer {c.layer} keys")
-        np.testing.assert_array_equal(bits(c.plane.values), v, err_msg=f"layer {c.layer} values")
+        np.testing.assert_array_equal(bits(c.keys), k, err_msg=f"layer {c.layer} keys")
+        np.testing.assert_array_equal(bits(c.values), v, err_msg=f"layer {c.layer} values")
         assert c.ring == ring, f"layer {c.layer}: {c.ring} != {ring}"
 
 
@@ -169,7 +169,7 @@ def test_session_after_a_speculative_trim_round_trips(model, tmp_path):
     restored = load_session(tmp_path / "t.safetensors", model)
     for a, b in zip(live, restored):
         assert a.ring == b.ring
-        for x, y in zip(unrotated(a.plane), unrotated(b.plane)):
+        for x, y in zip(unrotated(a), unrotated(b)):
             np.testing.assert_array_equal(bits(x), bits(y))
     np.testing.assert_array_equal(next_logits(model, restored), next_logits(model, live))
 
@@ -243,7 +243,7 @@ def test_logical_cut_contract_on_disk(model, tmp_path, position):
                 assert starts[i] == snap.layers[i].start == 0
             k, v = f.get_tensor(f"layers.{i}.keys"), f.get_tensor(f"layers.{i}.values")
             assert k.shape == v.shape == (count, 2, 128) and k.dtype == np.float16
-            ek, ev = unrotated(c.plane)  # logical order, never rotated
+            ek, ev = unrotated(c)  # logical order, never rotated
             np.testing.assert_array_equal(bits(k), bits(ek))
             np.testing.assert_array_equal(bits(v), bits(ev))
     assert meta["format"] == "muser-kv-session" and meta["version"] == "2"
@@ -313,7 +313,7 @@ def test_a_plane_failing_mid_install_rolls_back_every_layer(model, monkeypatch):
     target = filled(model, 17, seed=4)
     before = state(target)
     depths = [c.trimmable_depth() for c in target]
-    plane = target[5].plane
+    plane = target[5]
 
     def boom(*a, **k):
         raise RuntimeError("device lost")
@@ -362,7 +362,7 @@ def test_f32_conversion_rounds_to_nearest_even(model):
     odd = dataclasses.replace(snap, layers=snap.layers[:3] + (cut,) + snap.layers[4:])
     target = muser_kv.make_prompt_cache(model, CONTEXT)
     odd.install(target, convert=True)
-    _, k, _ = target[3].plane.snapshot()
+    _, k, _ = target[3].snapshot()
     assert (bits(k) == np.float16(1.0).view(np.uint16)).all()
 
 
@@ -461,7 +461,7 @@ def test_read_session_verifies(saved):
     snap = read_session(path)
     assert snap.position == 40 and snap.geometry.window == WINDOW
     for cut, c in zip(snap.layers, live):
-        start, k, v = c.plane.snapshot()
+        start, k, v = c.snapshot()
         assert cut.start == start
         np.testing.assert_array_equal(bits(cut.keys), bits(k))
         np.testing.assert_array_equal(bits(cut.values), bits(v))

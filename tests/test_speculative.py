@@ -64,9 +64,9 @@ def state_bits(cache):
     out = []
     for c in cache:
         if c.ring.len == c.ring.capacity:
-            k, v = c.plane.keys, c.plane.values
+            k, v = c.keys, c.values
         else:
-            _, k, v = c.plane.snapshot()
+            _, k, v = c.snapshot()
         out.append((c.meta_state, bits(k).copy(), bits(v).copy()))
     return out
 
@@ -200,12 +200,12 @@ def fed(tokens, **kw):
 
 def same_rows(a, b):
     assert a[0].meta_state == b[0].meta_state
-    for x, y in zip(a[0].plane.snapshot()[1:], b[0].plane.snapshot()[1:]):
+    for x, y in zip(a[0].snapshot()[1:], b[0].snapshot()[1:]):
         np.testing.assert_array_equal(bits(x), bits(y))
     ring = a[0].ring
     if ring.len == ring.capacity:  # every row live: the rotation is data too
         rows = ring.capacity
-        np.testing.assert_array_equal(bits(a[0].plane.keys[:rows]), bits(b[0].plane.keys[:rows]))
+        np.testing.assert_array_equal(bits(a[0].keys[:rows]), bits(b[0].keys[:rows]))
 
 
 def test_depth_is_exact_when_the_window_is_smaller_than_retain():
