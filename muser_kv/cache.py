@@ -117,6 +117,8 @@ class MuseKVCache:
         self._lead = 0
         self._first_of_kind = False
         self._checkpoints: Optional["weakref.WeakSet"] = None  # open checkpoints over it
+        #: slots a batch merged from this cache preallocates (``batch.py``)
+        self.batch_slots = 1
 
     # -- identity -------------------------------------------------------------------
 
@@ -433,6 +435,7 @@ def make_prompt_cache(
     retain: int = DEFAULT_RETAIN,
     sliding_layout: str = "token_major",
     plane_dtype: DtypeLike = None,
+    batch_slots: int = 1,
 ) -> List[MuseKVCache]:
     """One cache per layer of an mlx-lm Muse model, sized from its args.
 
@@ -445,7 +448,9 @@ def make_prompt_cache(
     rings' layout (``token_major``, the seeds' default, or ``head_major``).
     ``plane_dtype`` (f16 or bf16) overrides the planes' type, which otherwise
     follows the model: bf16 for a model whose attention runs in bf16, else f16
-    (``muser_kv.precision``).
+    (``muser_kv.precision``). ``batch_slots`` is how many sequences a batch merged
+    from these caches (mlx-lm's ``BatchGenerator``) preallocates room for; a
+    batch that outgrows it is given larger planes once (``batch.py``).
 
     The caches form one list (``muser_kv.cachelist``): drive them together, in
     list order, as mlx-lm does; a layer written alone puts the list out of step.
@@ -454,12 +459,12 @@ def make_prompt_cache(
     """
     geometry = MuseGeometry.from_model(model, max_context)
     return make_cache_for(geometry, retain, sliding_layout, plane_dtype_for(model, plane_dtype),
-                          model=model)
+                          model=model, batch_slots=batch_slots)
 
 
 def make_cache_for(
     geometry: MuseGeometry, retain: int = DEFAULT_RETAIN, sliding_layout: str = "token_major",
-    plane_dtype: DtypeLike = PLANE_DTYPE, *, model: Any = None,
+    plane_dtype: DtypeLike = PLANE_DTYPE, *, model: Any = None, batch_slots: int = 1,
 ) -> List[MuseKVCache]:
     """One cache per layer of ``geometry``, with planes of ``plane_dtype``, bound
     into one list (``muser_kv.cachelist``); ``model``, when given, is the model
@@ -470,6 +475,7 @@ def make_cache_for(
     if not isinstance(geometry, MuseGeometry):
         raise TypeError(f"make_cache_for needs a MuseGeometry, got {type(geometry).__name__}")
     retain = count(retain, "retain")
+    batch_slots = count(batch_slots, "batch_slots", minimum=1)
     if sliding_layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):
         raise ValueError(f"sliding_layout must be token_major or head_major, got {sliding_layout!r}")
     dtype = parse_plane_dtype(plane_dtype) or PLANE_DTYPE
@@ -486,5 +492,7 @@ def make_cache_for(
                             capacity=capacity, layout=kernels.HEAD_MAJOR, dtype=dtype)
             caches.append(GlobalKVCache(planes, window=geometry.window,
                                         max_context=geometry.max_context, layer=i))
+    for c in caches:
+        c.batch_slots = batch_slots
     cachelist.bind(caches, model)
     return caches
