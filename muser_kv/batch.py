@@ -85,6 +85,9 @@ class BatchKVCache:
         self.max_context = first.max_context
         self._remaining: Optional[List[int]] = None  # real tokens left per sequence (prepare)
         self._offsets: Optional[mx.array] = None
+        #: which sequences a decode step writes (``None``: all); a sequence left
+        #: out keeps its state, and its query (a placeholder) sees its own rows
+        self.active: Optional[List[bool]] = None
 
     # -- building ---------------------------------------------------------------------
 
@@ -212,16 +215,25 @@ class BatchKVCache:
     def _decode(self, keys: mx.array, values: mx.array) -> Pair:
         """One token per sequence: rows reserved by each ring, one scatter per plane."""
         held: List[mx.array] = []
-        rows = []
-        for s in self.seqs:
+        rows, slots = [], []
+        active = self.active or [True] * len(self.seqs)
+        for b, (s, on) in enumerate(zip(self.seqs, active)):
+            if not on:
+                continue
             ring = s.ring
             if s.kind is LayerKind.SLIDING and s.retain and ring.len == ring.capacity:
                 if not s._retained.covers(ring.origin_logical):
                     held.append(s._retain(ring.origin_logical, 1))
             rows.append(ring.append(ring.end))
+            slots.append(b)
         if keys.dtype != self.planes.dtype:
             keys, values = keys.astype(self.planes.dtype), values.astype(self.planes.dtype)
-        self.planes.put_rows(mx.array(rows, dtype=mx.int32), keys, values)
+        if len(slots) < len(self.seqs):
+            index = mx.array(slots, dtype=mx.int32)
+            keys, values = mx.take(keys, index, axis=0), mx.take(values, index, axis=0)
+            self.planes.put_rows(mx.array(rows, dtype=mx.int32), keys, values, index)
+        else:
+            self.planes.put_rows(mx.array(rows, dtype=mx.int32), keys, values)
         out = self.planes.prefix(self._read_rows(), slots=len(self.seqs))
         if self.kind is LayerKind.SLIDING:
             for s in self.seqs:
@@ -236,10 +248,13 @@ class BatchKVCache:
     def _read_rows(self) -> int:
         """Rows every sequence's read spans after a decode write: a ring's
         capacity (or less, before any ring filled), a plane's longest prefix."""
+        longest = max(1, max(s.ring.len for s in self.seqs))
         if self.kind is LayerKind.SLIDING:
-            return min(max(s.ring.len for s in self.seqs), self.seqs[0].ring.capacity) \
-                if all(s.ring.origin_physical == 0 for s in self.seqs) else self.seqs[0].ring.capacity
-        return max(s.ring.len for s in self.seqs)
+            capacity = self.seqs[0].ring.capacity
+            if all(s.ring.origin_physical == 0 for s in self.seqs):
+                return min(longest, capacity)
+            return capacity
+        return longest
 
     def _chunk(self, keys: mx.array, values: mx.array, real: List[int]) -> Pair:
         """A chunk per sequence, its first ``real[b]`` tokens its own."""
@@ -323,15 +338,17 @@ class BatchKVCache:
         """One token each: a ring row is valid once its sequence holds it (every
         row of a full ring); a plane row below the sequence's length."""
         B = len(self.seqs)
+        active = self.active or [True] * B
+        # rows each sequence holds after the write (a placeholder sees at least one)
+        after = [s.ring.len + 1 if on else max(1, s.ring.len) for s, on in zip(self.seqs, active)]
         if self.kind is LayerKind.GLOBAL:
-            lens = [s.ring.len + 1 for s in self.seqs]
-            rows = max(lens)
-            if len(set(lens)) == 1 and window_size is None and not return_array:
+            rows = max(after)
+            if len(set(after)) == 1 and window_size is None and not return_array:
                 return None
             j = mx.arange(rows).reshape(1, rows)
-            valid = j < mx.array(lens, dtype=mx.int32).reshape(B, 1)
+            valid = j < mx.array(after, dtype=mx.int32).reshape(B, 1)
             if window_size is not None:
-                valid = valid & (mx.array(lens).reshape(B, 1) - 1 - j < window_size)
+                valid = valid & (mx.array(after).reshape(B, 1) - 1 - j < window_size)
             return valid.reshape(B, 1, 1, rows)
         capacity = self.seqs[0].ring.capacity
         rows = self._rows_after_decode()
@@ -340,15 +357,16 @@ class BatchKVCache:
         # after the write a full ring holds every row; any other ring its live
         # rows, from its origin (the write does not move it), circularly
         starts = mx.array([s.ring.origin_physical for s in self.seqs], dtype=mx.int32).reshape(B, 1)
-        live = mx.array([min(s.ring.len + 1, capacity) for s in self.seqs],
-                        dtype=mx.int32).reshape(B, 1)
+        live = mx.array([min(x, capacity) for x in after], dtype=mx.int32).reshape(B, 1)
         j = mx.arange(rows, dtype=mx.int32).reshape(1, rows)
         return ((((j - starts) % capacity) < live)).reshape(B, 1, 1, rows)
 
     def _rows_after_decode(self) -> int:
         capacity = self.seqs[0].ring.capacity
+        active = self.active or [True] * len(self.seqs)
         if all(s.ring.origin_physical == 0 for s in self.seqs):
-            return min(max(s.ring.len for s in self.seqs) + 1, capacity)
+            longest = max(max(1, s.ring.len + (1 if on else 0)) for s, on in zip(self.seqs, active))
+            return min(longest, capacity)
         return capacity
 
     # -- batch membership ---------------------------------------------------------------
@@ -472,3 +490,38 @@ def _token_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Model-shaped ``[1, H, N, D]`` -> token-major rows ``[N, H*D]`` of ``dtype``."""
     _, h, n, d = x.shape
     return x.astype(dtype)[0].transpose(1, 0, 2).reshape(n, h * d)
+
+
+def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
+                     sliding_layout: str = kernels.TOKEN_MAJOR, model: Any = None
+                     ) -> Tuple[List[BatchKVCache], List[List[MuseKVCache]]]:
+    """``slots`` sequences over shared planes (one ``Planes`` of ``slots`` slots per
+    layer, allocated now): for each slot, a bound cache list a model can run
+    alone; for each layer, a batch over every slot (``active`` picks whom a
+    decode step writes)."""
+    from . import cachelist
+    from .growing import GlobalKVCache
+    from .sliding import SlidingKVCache
+
+    per_slot: List[List[MuseKVCache]] = [[] for _ in range(slots)]
+    batches = []
+    for i in range(geometry.num_layers):
+        sliding = geometry.layer_kind(i) is LayerKind.SLIDING
+        planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                        capacity=geometry.capacity(i),
+                        layout=sliding_layout if sliding else kernels.HEAD_MAJOR,
+                        dtype=plane_dtype, slots=slots)
+        seqs = []
+        for s in range(slots):
+            if sliding:
+                c = SlidingKVCache(planes, window=geometry.window, max_context=geometry.max_context,
+                                   layer=i, slot=s, retain=retain)
+            else:
+                c = GlobalKVCache(planes, window=geometry.window, max_context=geometry.max_context,
+                                  layer=i, slot=s)
+            seqs.append(c)
+            per_slot[s].append(c)
+        batches.append(BatchKVCache(planes, seqs))
+    for caches in per_slot:
+        cachelist.bind(caches, model)
+    return batches, per_slot

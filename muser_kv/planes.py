@@ -150,13 +150,14 @@ class Planes:
             self.k[slot:slot + 1, :, row:row + 1, :] = k
             self.v[slot:slot + 1, :, row:row + 1, :] = v
 
-    def put_rows(self, rows: mx.array, k: mx.array, v: mx.array) -> None:
-        """One token per slot, for the first ``B`` slots: ``k``/``v`` ``[B, H, 1, D]``
-        (of this dtype) at physical row ``rows[b]`` (int32 ``[B]``) of slot ``b``.
+    def put_rows(self, rows: mx.array, k: mx.array, v: mx.array,
+                 slots: Optional[mx.array] = None) -> None:
+        """One token per slot: ``k``/``v`` ``[B, H, 1, D]`` (of this dtype) at physical
+        row ``rows[i]`` (int32 ``[B]``) of slot ``slots[i]`` (default: slot ``i``).
         One scatter per plane, over a flat view of the planes' memory order, so
         MLX can donate the buffer and the layout never changes."""
         b, s, r = k.shape[0], self.slots, self.rows
-        slot = mx.arange(b, dtype=mx.int32)
+        slot = mx.arange(b, dtype=mx.int32) if slots is None else slots
         if self.layout == kernels.TOKEN_MAJOR:
             index = slot * r + rows
             out = []
@@ -174,6 +175,14 @@ class Planes:
             flat[index] = new.reshape(b * self.kv_heads, self.head_dim)
             out.append(flat.reshape(s, self.kv_heads, r, self.head_dim))
         self.k, self.v = out
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero every row of slot ``slot`` (one sequence's rows)."""
+        zeros = mx.zeros((1,) + self.memory_shape[1:], self.dtype)
+        if self.layout == kernels.TOKEN_MAJOR:
+            zeros = zeros.reshape(1, self.rows, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        self.k[slot:slot + 1] = zeros
+        self.v[slot:slot + 1] = zeros
 
     def copy_slot(self, dst: int, src: "Planes", src_slot: int = 0) -> None:
         """Copy the whole of ``src``'s slot ``src_slot`` into slot ``dst`` (planes of

@@ -3,11 +3,15 @@ session that rebuilds a shifted context off to the side (seeds Ch 22.4-22.6, 23.
 
 Invariants, each with a test (``tests/test_slots.py``):
 
-* **Weights once, KV per slot.** Every slot owns its own cache from
-  ``make_cache_for(geometry)``; the model is shared. The pool holds exactly
-  ``slots + 1`` caches -- the serving slots and the staging session -- so its
-  planes cost ``footprint(geometry, max_context, slots + 1).total_bytes``, and
-  that is allocated when the pool is built, not when the first shift needs it.
+* **Weights once, KV per slot.** Every session owns a cache list of its own, its
+  planes one slot of planes the pool allocates once per layer for ``slots + 1``
+  sequences -- the serving slots and the staging session -- so the pool costs
+  ``footprint(geometry, max_context, slots + 1).total_bytes``, allocated when the
+  pool is built, not when the first shift needs it; the model is shared.
+* **Busy slots decode together.** ``step`` feeds one token to each of several
+  slots in one batched forward over those shared planes (``batch.py``: each
+  slot's ring stays its own, a slot not in the step is not written), so decode
+  reads the weights once for all of them; each slot's tokens are its solo run's.
 * **Staging is not a slot.** ``slot(i)`` accepts ``0 <= i < slots`` only; no
   index, handle or result ever refers to the staging cache, so it can never
   admit or decode a request.
@@ -19,7 +23,9 @@ Invariants, each with a test (``tests/test_slots.py``):
   ``0 .. n-1`` (RoPE rows are rotated at store time, so survivors cannot be slid
   down in place), and only a staging prefill that fully evaluated is published
   by one reference assignment. Any failure before that leaves the live cache,
-  history and epoch exactly as they were.
+  history and epoch exactly as they were. The demoted session's slot (or a
+  failed rebuild's) becomes the next staging session, emptied first: a handle
+  taken with ``slot(i)`` is valid until that slot's next request.
 * **Epochs and lineage.** Each shift advances the slot's context epoch (so does
   ``reset``; a rebuild that drops nothing -- a regenerated or edited reply, a
   stale slot -- keeps it, since the retained turns are unchanged). A
@@ -40,11 +46,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import MuseKVCache, make_cache_for
+from .batch import make_slot_caches
+from .cache import MuseKVCache
 from .counts import count
 from .geometry import Footprint, MuseGeometry, footprint
 from .policy import (
@@ -205,8 +212,13 @@ class SlotPool:
         self.vocab_size = int(args.vocab_size)
         self.slots = slots
         self._lock = threading.RLock()
-        self._sessions: List[_Session] = [_Session(self._allocate()) for _ in range(slots)]
-        self._staging: Optional[Cache] = self._allocate()
+        # every session's planes, staging's too, are slots of shared planes: a
+        # batched step reads them all in place (``batch.py``)
+        self._batch, physical = make_slot_caches(self.geometry, slots + 1, self.retain,
+                                                 self.plane_dtype, model=model)
+        self._physical: List[Cache] = [tuple(c) for c in physical]
+        self._sessions: List[_Session] = [_Session(self._physical[i]) for i in range(slots)]
+        self._staging: Optional[Cache] = self._physical[slots]
 
     # -- facts -----------------------------------------------------------------
 
@@ -283,6 +295,50 @@ class SlotPool:
             session.pending.append(token)
             return logits
 
+    def step(self, tokens: Mapping[int, int]) -> Dict[int, mx.array]:
+        """Feed one token to each slot in ``tokens`` (slot -> token), every one in a
+        single batched forward (decode reads the weights once for all of them);
+        each slot's logits ``[vocab]``. Each token joins its slot's ``pending``
+        tokens, as with ``decode``, whose refusals apply to every slot before any
+        work; a failed step trims every slot back exactly when possible."""
+        with self._lock:
+            plan = []
+            for slot, token in dict(tokens).items():
+                i = self._index(slot)
+                token = self._check_token(token)
+                session = self._sessions[i]
+                if session.stale:
+                    raise StaleSession(i)
+                position = session.cache[0].offset
+                if position == 0:
+                    raise EmptySlot(i)
+                if position + 1 > self.max_context:
+                    raise ContextTooLong(position + 1, self.max_context,
+                                         f"slot {i}: decoding one more token")
+                plan.append((i, token, self._physical.index(session.cache), position))
+            if not plan:
+                return {}
+            rows = len(self._physical)
+            active, inputs = [False] * rows, [0] * rows
+            for _, token, p, _ in plan:
+                active[p], inputs[p] = True, token
+            for b in self._batch:
+                b.active = active
+            try:
+                logits = self.model(mx.array(inputs, dtype=mx.uint32)[:, None], cache=self._batch)
+                out = {i: logits[p, -1] for i, _, p, _ in plan}
+                mx.eval(list(out.values()), [b.state for b in self._batch])
+            except BaseException:
+                for i, _, _, start in plan:
+                    self._roll_back(self._sessions[i], start)
+                raise
+            finally:
+                for b in self._batch:
+                    b.active = None
+            for i, token, _, _ in plan:
+                self._sessions[i].pending.append(token)
+            return out
+
     def reset(self, slot: int) -> None:
         """End slot ``slot``'s conversation: an empty cache, no history, and a new
         epoch (so a continuation naming the old epoch is refused)."""
@@ -296,23 +352,31 @@ class SlotPool:
 
     # -- internals -------------------------------------------------------------
 
-    def _allocate(self) -> Cache:
-        return tuple(make_cache_for(self.geometry, self.retain, plane_dtype=self.plane_dtype,
-                                    model=self.model))
+    def _pristine(self) -> Cache:
+        """The one slot no session holds, emptied: every row zero, rings empty,
+        nothing retained (the state of a fresh cache, bit for bit)."""
+        held = {id(s.cache) for s in self._sessions}
+        free = next(c for c in self._physical if id(c) not in held)
+        for c in free:
+            c.planes.clear_slot(c.slot)
+            c.ring.assign(type(c.ring)(c.capacity, layer=c.layer))
+            c._settle()
+            c.replaced()
+        mx.eval([c.state for c in free])
+        return free
 
     def _take_staging(self) -> Cache:
         """Move the staging cache out of the pool; pristine by construction."""
         staging, self._staging = self._staging, None
-        return staging if staging is not None else self._allocate()
+        return staging if staging is not None else self._pristine()
 
     def _restock(self) -> None:
-        """Allocate a pristine staging cache if the last one was used. Runs after
-        the request's frames are gone, so a demoted live session is released
-        first. An allocation failure here is deferred to the next rebuild, so it
-        never hides the request's own exception."""
+        """Make the slot no session holds (a demoted session's, or a failed
+        rebuild's) the pristine staging session. A failure here is deferred to
+        the next rebuild, so it never hides the request's own exception."""
         if self._staging is None:
             try:
-                self._staging = self._allocate()
+                self._staging = self._pristine()
             except Exception:
                 self._staging = None
 

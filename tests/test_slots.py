@@ -466,3 +466,62 @@ def test_decode_on_a_slot_never_prefilled_is_refused(model):
     pool.reset(0)  # an ended conversation is empty again
     with pytest.raises(muser_kv.EmptySlot):
         pool.decode(0, 5)
+
+
+# -- issue #12: every busy slot in one batched forward -----------------------------------
+
+
+def test_step_decodes_four_busy_slots_as_their_solo_runs(model):
+    """Four conversations of different lengths (across the window), decoded
+    greedily together with ``step``: each slot's tokens are its solo run's, and a
+    step over some slots leaves the others bit for bit as they were."""
+    pool = pool_of(model, slots=4)
+    convs = [Conversation(20 + i) for i in range(4)]
+    prompts = [[c("system", 4), c("user", n)] for c, n in zip(convs, (9, 17, 30, 41))]
+    logits = {i: pool.prefill(i, p).logits for i, p in enumerate(prompts)}
+    solo = []
+    for p in prompts:
+        last, cache = fresh(model, tokens_of(p))
+        run = []
+        for _ in range(12):
+            t = int(mx.argmax(last))
+            run.append(t)
+            last = step(model, cache, t)
+        solo.append(run)
+    got = {i: [] for i in range(4)}
+    for k in range(12):
+        if k == 6:  # a step over two slots: the other two do not move
+            idle = {i: live_bits(pool.slot(i).cache) for i in (1, 3)}
+            busy = (0, 2)
+        else:
+            busy = (0, 1, 2, 3)
+        tokens = {i: int(mx.argmax(logits[i])) for i in busy}
+        out = pool.step(tokens)
+        for i in busy:
+            got[i].append(tokens[i])
+            logits[i] = out[i]
+        if k == 6:
+            for i in (1, 3):
+                assert_same(live_bits(pool.slot(i).cache), idle[i])
+            for i in (1, 3):  # and catch up alone
+                t = int(mx.argmax(logits[i]))
+                got[i].append(t)
+                logits[i] = pool.decode(i, t)
+    for i in range(4):
+        assert got[i] == solo[i][:len(got[i])] and len(got[i]) == 12, f"slot {i}"
+        assert pool.slot(i).pending == tuple(got[i])
+    assert pool.slot(3).cache[0].ring.wrapped
+
+
+def test_step_refuses_before_any_work(model):
+    pool = pool_of(model, slots=2)
+    pool.prefill(0, [Conversation(1)("user", 5)])
+    before = live_bits(pool.slot(0).cache)
+    with pytest.raises(muser_kv.EmptySlot):
+        pool.step({0: 3, 1: 4})  # slot 1 holds nothing
+    with pytest.raises(IndexError):
+        pool.step({0: 3, 2: 4})
+    with pytest.raises(ValueError, match="token id"):
+        pool.step({0: 10**6})
+    assert_same(live_bits(pool.slot(0).cache), before)
+    assert pool.step({}) == {}
