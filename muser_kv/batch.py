@@ -136,7 +136,7 @@ class BatchKVCache:
     def offset(self) -> mx.array:
         """Every sequence's next position (``[B]`` int32: what RoPE reads)."""
         if self._offsets is None:
-            self._offsets = mx.array([s.offset for s in self.seqs], dtype=mx.int32)
+            self._offsets = _offsets(tuple(s.offset for s in self.seqs))
         return self._offsets
 
     def offsets(self) -> List[int]:
@@ -231,9 +231,9 @@ class BatchKVCache:
         if len(slots) < len(self.seqs):
             index = mx.array(slots, dtype=mx.int32)
             keys, values = mx.take(keys, index, axis=0), mx.take(values, index, axis=0)
-            self.planes.put_rows(mx.array(rows, dtype=mx.int32), keys, values, index)
+            self.planes.put_rows(rows, keys, values, slots)
         else:
-            self.planes.put_rows(mx.array(rows, dtype=mx.int32), keys, values)
+            self.planes.put_rows(rows, keys, values)
         out = self.planes.prefix(self._read_rows(), slots=len(self.seqs))
         if self.kind is LayerKind.SLIDING:
             for s in self.seqs:
@@ -484,6 +484,19 @@ class BatchKVCache:
         other = BatchKVCache(planes, seqs)
         other._remaining = None if self._remaining is None else list(self._remaining)
         return other
+
+
+_OFFSETS: dict = {}
+
+
+def _offsets(positions: Tuple[int, ...]) -> mx.array:
+    """``positions`` as an int32 array, built once for every layer of a step."""
+    out = _OFFSETS.get(positions)
+    if out is None:
+        if len(_OFFSETS) > 64:
+            _OFFSETS.clear()
+        out = _OFFSETS[positions] = mx.array(positions, dtype=mx.int32)
+    return out
 
 
 def _token_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -150,16 +150,24 @@ class Planes:
             self.k[slot:slot + 1, :, row:row + 1, :] = k
             self.v[slot:slot + 1, :, row:row + 1, :] = v
 
-    def put_rows(self, rows: mx.array, k: mx.array, v: mx.array,
-                 slots: Optional[mx.array] = None) -> None:
+    def put_rows(self, rows: Sequence[int], k: mx.array, v: mx.array,
+                 slots: Optional[Sequence[int]] = None) -> None:
         """One token per slot: ``k``/``v`` ``[B, H, 1, D]`` (of this dtype) at physical
-        row ``rows[i]`` (int32 ``[B]``) of slot ``slots[i]`` (default: slot ``i``).
-        One scatter per plane, over a flat view of the planes' memory order, so
-        MLX can donate the buffer and the layout never changes."""
+        row ``rows[i]`` of slot ``slots[i]`` (default: slot ``i``). Sequences at
+        one row of the first ``B`` slots take one slice update per plane (what
+        mlx-lm's batch caches cost); any others one scatter per plane, over a flat
+        view of the planes' memory order, so MLX can donate the buffer and the
+        layout never changes. Every layer of a step has the same rows, so the
+        scatter's index is built once per step (``_flat_index``)."""
         b, s, r = k.shape[0], self.slots, self.rows
-        slot = mx.arange(b, dtype=mx.int32) if slots is None else slots
+        if slots is None and len(set(rows)) == 1:
+            row = rows[0]
+            self.k[:b, :, row:row + 1, :] = k
+            self.v[:b, :, row:row + 1, :] = v
+            return
+        index = _flat_index(tuple(rows), None if slots is None else tuple(slots), self.layout,
+                            self.kv_heads, r)
         if self.layout == kernels.TOKEN_MAJOR:
-            index = slot * r + rows
             out = []
             for plane, new in ((self.k, k), (self.v, v)):
                 flat = plane.transpose(0, 2, 1, 3).reshape(s * r, self.kv_dim)
@@ -167,8 +175,6 @@ class Planes:
                 out.append(flat.reshape(s, r, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3))
             self.k, self.v = out
             return
-        heads = mx.arange(self.kv_heads, dtype=mx.int32)
-        index = ((slot[:, None] * self.kv_heads + heads[None, :]) * r + rows[:, None]).reshape(-1)
         out = []
         for plane, new in ((self.k, k), (self.v, v)):
             flat = plane.reshape(s * self.kv_heads * r, self.head_dim)
@@ -199,3 +205,28 @@ class Planes:
             mx.eval(k, v)
         self.k[dst:dst + 1] = k
         self.v[dst:dst + 1] = v
+
+
+_INDEX: dict = {}
+
+
+def _flat_index(rows: Tuple[int, ...], slots: Optional[Tuple[int, ...]], layout: str,
+                kv_heads: int, allocated: int) -> mx.array:
+    """The flat row index ``put_rows`` scatters to (memoised: every layer of a
+    decode step writes the same rows, so each step builds it once)."""
+    key = (rows, slots, layout, kv_heads, allocated)
+    index = _INDEX.get(key)
+    if index is None:
+        if len(_INDEX) > 64:
+            _INDEX.clear()
+        slot = mx.arange(len(rows), dtype=mx.int32) if slots is None else mx.array(slots, mx.int32)
+        at = mx.array(rows, dtype=mx.int32)
+        if layout == kernels.TOKEN_MAJOR:
+            index = slot * allocated + at
+        else:
+            heads = mx.arange(kv_heads, dtype=mx.int32)
+            index = ((slot[:, None] * kv_heads + heads[None, :]) * allocated + at[:, None]).reshape(-1)
+        mx.eval(index)
+        _INDEX[key] = index
+    return index
+

@@ -157,8 +157,10 @@ def test_batch_steps_match_each_sequences_oracle(kind, prefills, ops, data):
 def test_batch_decode_writes_the_planes_in_place():
     """A decode step is one scatter per plane into the planes' own buffer (MLX
     donates it): no plane is copied, and the layout's memory order stays."""
-    for kind in (LayerKind.SLIDING, LayerKind.GLOBAL):
-        seqs = [Sequence(kind, p, seed=p) for p in (3, 11, 20)]
+    for kind, prefills in ((LayerKind.SLIDING, (3, 11, 20)), (LayerKind.GLOBAL, (3, 11, 20)),
+                           (LayerKind.SLIDING, (11, 11, 11)), (LayerKind.GLOBAL, (5, 5, 5))):
+        # (sequences at one row take one slice update, others one scatter: both in place)
+        seqs = [Sequence(kind, p, seed=p) for p in prefills]
         batch = BatchKVCache.merge([s.cache for s in seqs])
         mx.eval(batch.state)
 
