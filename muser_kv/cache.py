@@ -199,6 +199,20 @@ class MuseKVCache:
         if ahead != self.offset + (n if self._index else 0):
             raise self._list.out_of_step(self, n)
 
+    def _fast_one(self, keys: mx.array, values: mx.array) -> Optional[mx.Dtype]:
+        """The decode fast path's gate, every check ``check_input`` / ``check_write``
+        would make for one token, in the fewest operations: one token of the
+        model's shape and a float dtype, room below ``max_context``, the list in
+        step (one read of the neighbour's ring). The dtype when all hold."""
+        if keys.shape == self._one_token and values.shape == self._one_token:
+            dtype = keys.dtype
+            ring, prev = self.ring, self._prev
+            end = ring.origin_logical + ring.len
+            if (dtype == values.dtype and dtype in INPUT_DTYPE_SET and end < self.max_context
+                    and prev.origin_logical + prev.len == end + self._lead):
+                return dtype
+        return None
+
     def _plane_rows(self, keys: mx.array, values: mx.array) -> Pair:
         """One model-shaped token ``[1, H, 1, D]`` of another dtype in the planes'
         dtype (the store kernel: one rounding to nearest even)."""

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from .cache import INPUT_DTYPE_SET, Mask, MuseKVCache, causal_mask
+from .cache import Mask, MuseKVCache, causal_mask
 from .geometry import LayerKind
 from .planes import Planes
 
@@ -31,22 +31,18 @@ class GlobalKVCache(MuseKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         ring = self.ring
-        if keys.shape == self._one_token and values.shape == self._one_token:
-            dtype = keys.dtype
-            end = ring.origin_logical + ring.len
-            prev = self._prev  # in step with the list (cachelist): one read
-            if (dtype == values.dtype and dtype in INPUT_DTYPE_SET and end < self.max_context
-                    and prev.origin_logical + prev.len == end + self._lead):
-                planes = self.planes
-                if dtype != planes.dtype:
-                    keys, values = self._plane_rows(keys, values)
-                row = ring.append(end)
-                if planes.slots == 1:  # Planes.put_one and .prefix, inlined (the hot path)
-                    planes.k[:, :, row:row + 1, :] = keys
-                    planes.v[:, :, row:row + 1, :] = values
-                    return planes.k[:, :, :row + 1, :], planes.v[:, :, :row + 1, :]
-                planes.put_one(row, keys, values, self.slot)
-                return planes.prefix(ring.len, self.slot)
+        dtype = self._fast_one(keys, values)
+        if dtype is not None:
+            planes = self.planes
+            if dtype != planes.dtype:
+                keys, values = self._plane_rows(keys, values)
+            row = ring.append(ring.end)
+            if planes.slots == 1:  # Planes.put_one and .prefix, inlined (the hot path)
+                planes.k[:, :, row:row + 1, :] = keys
+                planes.v[:, :, row:row + 1, :] = values
+                return planes.k[:, :, :row + 1, :], planes.v[:, :, :row + 1, :]
+            planes.put_one(row, keys, values, self.slot)
+            return planes.prefix(ring.len, self.slot)
         n = self.check_input(keys, values)
         self.check_write(n)
         plan = ring.write(ring.end, n)

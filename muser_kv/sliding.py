@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from . import kernels
-from .cache import INPUT_DTYPE_SET, Mask, MuseKVCache, causal_mask, evaluated_with
+from .cache import Mask, MuseKVCache, causal_mask, evaluated_with
 from .geometry import LayerKind
 from .planes import Planes
 from .ring import Read
@@ -50,20 +50,16 @@ class SlidingKVCache(MuseKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Pair:
         ring = self.ring
-        if keys.shape == self._one_token and values.shape == self._one_token:
-            dtype = keys.dtype
-            end = ring.origin_logical + ring.len
-            prev = self._prev  # in step with the list (cachelist): one read
-            if (dtype == values.dtype and dtype in INPUT_DTYPE_SET and end < self.max_context
-                    and prev.origin_logical + prev.len == end + self._lead):
-                read = ring.read_for(1)
-                if read is Read.RING:
-                    return self._decode_full(keys, values, dtype, end)
-                if read is Read.PREFIX:
-                    if dtype != self.planes.dtype:
-                        keys, values = self._plane_rows(keys, values)
-                    self.planes.put_one(ring.append(end), keys, values, self.slot)
-                    return self._copy_ahead(self.planes.prefix(ring.len, self.slot))
+        dtype = self._fast_one(keys, values)
+        if dtype is not None:
+            read = ring.read_for(1)
+            if read is Read.RING:
+                return self._decode_full(keys, values, dtype, ring.end)
+            if read is Read.PREFIX:
+                if dtype != self.planes.dtype:
+                    keys, values = self._plane_rows(keys, values)
+                self.planes.put_one(ring.append(ring.end), keys, values, self.slot)
+                return self._copy_ahead(self.planes.prefix(ring.len, self.slot))
         return self._write(keys, values)
 
     def _decode_full(self, keys: mx.array, values: mx.array, dtype: mx.Dtype, end: int) -> Pair:

@@ -282,15 +282,7 @@ class SlotPool:
         (``EmptySlot``): a token needs a context to follow."""
         token = self._check_token(token)
         with self._lock:
-            i = self._index(slot)
-            session = self._sessions[i]
-            if session.stale:
-                raise StaleSession(i)
-            position = session.cache[0].offset
-            if position == 0:
-                raise EmptySlot(i)
-            if position + 1 > self.max_context:
-                raise ContextTooLong(position + 1, self.max_context, f"slot {i}: decoding one more token")
+            i, session, _ = self._decodable(slot)
             logits = self._append(i, session, (token,))
             session.pending.append(token)
             return logits
@@ -304,17 +296,8 @@ class SlotPool:
         with self._lock:
             plan = []
             for slot, token in dict(tokens).items():
-                i = self._index(slot)
                 token = self._check_token(token)
-                session = self._sessions[i]
-                if session.stale:
-                    raise StaleSession(i)
-                position = session.cache[0].offset
-                if position == 0:
-                    raise EmptySlot(i)
-                if position + 1 > self.max_context:
-                    raise ContextTooLong(position + 1, self.max_context,
-                                         f"slot {i}: decoding one more token")
+                i, session, position = self._decodable(slot)
                 plan.append((i, token, self._physical.index(session.cache), position))
             if not plan:
                 return {}
@@ -338,6 +321,20 @@ class SlotPool:
             for i, token, _, _ in plan:
                 self._sessions[i].pending.append(token)
             return out
+
+    def _decodable(self, slot: int) -> Tuple[int, _Session, int]:
+        """Slot ``slot``'s index, session and position, if it can take one more
+        token (a live, non-stale conversation with room left), else the refusal."""
+        i = self._index(slot)
+        session = self._sessions[i]
+        if session.stale:
+            raise StaleSession(i)
+        position = session.cache[0].offset
+        if position == 0:
+            raise EmptySlot(i)
+        if position + 1 > self.max_context:
+            raise ContextTooLong(position + 1, self.max_context, f"slot {i}: decoding one more token")
+        return i, session, position
 
     def reset(self, slot: int) -> None:
         """End slot ``slot``'s conversation: an empty cache, no history, and a new
