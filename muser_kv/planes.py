@@ -185,6 +185,9 @@ class Planes:
     def clear_slot(self, slot: int) -> None:
         """Zero every row of slot ``slot`` (one sequence's rows)."""
         zeros = mx.zeros((1,) + self.memory_shape[1:], self.dtype)
+        if self.slots == 1:
+            self.set(zeros, zeros)  # (a whole-array update would adopt the update's strides)
+            return
         if self.layout == kernels.TOKEN_MAJOR:
             zeros = zeros.reshape(1, self.rows, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         self.k[slot:slot + 1] = zeros
@@ -199,8 +202,13 @@ class Planes:
         if (src.layout, src.dtype, src.rows, src.kv_heads, src.head_dim) != (
                 self.layout, self.dtype, self.rows, self.kv_heads, self.head_dim):
             raise ValueError("copy_slot needs planes of one geometry, layout and dtype")
-        k = mx.contiguous(src.k[src_slot:src_slot + 1])
-        v = mx.contiguous(src.v[src_slot:src_slot + 1])
+        k, v = src.k[src_slot:src_slot + 1], src.v[src_slot:src_slot + 1]
+        if self.slots == 1:
+            # MLX answers an update covering the whole array with the update
+            # itself, strides and all: adopt it in this layout's memory order
+            self.set(k, v)
+            return
+        k, v = mx.contiguous(k), mx.contiguous(v)
         if src is self:
             mx.eval(k, v)
         self.k[dst:dst + 1] = k
