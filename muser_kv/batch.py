@@ -438,7 +438,12 @@ class BatchKVCache:
 
     @property
     def state(self) -> Pair:
-        return self.planes.k, self.planes.v
+        """The planes (every slot), with the sequences' retained copies made since
+        the last read attached (``RetainedRows.pending``)."""
+        pending = [x for s in self.seqs if s.kind is LayerKind.SLIDING
+                   for x in s._retained.pending()]
+        kv = (self.planes.k, self.planes.v)
+        return tuple(mx.depends(list(kv), pending)) if pending else kv
 
     @property
     def meta_state(self) -> Tuple[str, ...]:

@@ -182,6 +182,15 @@ class SlidingKVCache(MuseKVCache):
         if self.retain and ring.len == ring.capacity:
             mx.eval(self._take_ahead())
 
+    @property
+    def state(self) -> Pair:
+        """The live planes, physical (rotated) layout, with the retained copies
+        made since the last read attached (evaluating the state evaluates them:
+        see ``RetainedRows.pending``)."""
+        kv = self.planes.physical(self.slot)
+        pending = self._retained.pending()
+        return tuple(mx.depends(list(kv), pending)) if pending else kv
+
     def hold(self):
         return super().hold(), self._retained.copy()
 

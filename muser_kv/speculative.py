@@ -44,16 +44,20 @@ class RetainedRows:
         self.limit = count(limit, "retain")
         self._blocks: Deque[Tuple[int, mx.array]] = deque()
         self.start = self.end = 0
+        #: copies added since the cache's ``state`` was last read (see ``pending``)
+        self._recent: List[mx.array] = []
 
     def copy(self) -> "RetainedRows":
         """An independent copy (the rows are immutable arrays: shared, not copied)."""
         other = RetainedRows(self.limit)
         other._blocks = deque(self._blocks)
         other.start, other.end = self.start, self.end
+        other._recent = list(self._recent)
         return other
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._recent = []
         self.start = self.end = 0
 
     def covers(self, position: int) -> bool:
@@ -70,16 +74,27 @@ class RetainedRows:
         m = kv.shape[0]
         if self.limit == 0 or m == 0:
             return
+        self._recent.append(kv)
         self.truncate(position)
         if not self._blocks or position != self.end:
             self.clear()
             self.start = position
         self._blocks.append((position, kv))
+        self._recent.append(kv)
         self.end = position + m
         floor = origin_logical - self.limit
         while len(self._blocks) > 1 and self._blocks[0][0] + self._blocks[0][1].shape[0] <= floor:
             self._blocks.popleft()
             self.start = self._blocks[0][0]
+
+    def pending(self) -> List[mx.array]:
+        """The copies added since the last call, handed over once. A copy is made
+        part of what attention evaluates; a caller that evaluates only the
+        cache's ``state`` (mlx-lm's prefill does, and so does a fill that never
+        reads the outputs) must evaluate it too, or, left lazy, it would hold
+        the plane it reads and MLX would copy that plane at the next store."""
+        out, self._recent = self._recent, []
+        return out
 
     def truncate(self, position: int) -> None:
         """Let go of the rows for positions ``>= position``."""

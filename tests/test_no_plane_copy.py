@@ -111,3 +111,38 @@ def test_decode_right_after_a_restore_copies_no_ring():
     ring = cache[0].keys.nbytes
     assert ring == 2**20
     assert mx.get_peak_memory() - base < ring, "a ring was copied at the first stores"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one", "batch"])
+def test_a_fill_that_evaluates_only_state_holds_nothing_else(batched):
+    """mlx-lm's prefill evaluates each cache's ``state`` after a chunk and not
+    always the attention outputs (a last layer's feed nothing the state needs);
+    a fill that writes K/V directly evaluates nothing else at all. The rows a
+    ring retains from a wrapping chunk are copies of its staging shadow: left
+    lazy, they held the shadow and the plane before the store (2x the ring).
+    ``state`` hands them over to be evaluated."""
+    import gc
+
+    from muser_kv import LayerKind, MuseGeometry, make_cache_for
+    from muser_kv.batch import BatchKVCache
+
+    g = MuseGeometry(num_layers=1, window=2048, max_context=16384, num_heads=4, kv_heads=2,
+                     head_dim=128, layer_kinds=(LayerKind.SLIDING,))
+    c = make_cache_for(g)[0]
+    if batched:
+        c = BatchKVCache.merge([c, make_cache_for(g)[0]])
+    mx.eval(c.state)
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    x = mx.random.normal((2 if batched else 1, 2, 4096, 128)).astype(mx.float16)
+    mx.eval(x)
+    for _ in range(3):  # chunks wider than the ring: every one through the shadow
+        c.update_and_fetch(x, x)
+        mx.eval(c.state)
+    del x
+    gc.collect()
+    mx.clear_cache()
+    held = mx.get_active_memory() - base
+    retained = sum(s.retained_nbytes for s in c.seqs) if batched else c.retained_nbytes
+    assert held <= retained + (64 << 10), (held, c.nbytes)
