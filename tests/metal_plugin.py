@@ -10,7 +10,11 @@ inherit ``MUSER_KV_METAL_EMULATOR=1`` and install the emulator the same way
 
 The kernel-form tests (host C++, NVRTC, the Metal module itself, the selftest's)
 drive each form directly rather than through the selected backend: they are
-deselected in this run, which the default run already covers. The session fails if no kernel
+deselected in this run, which the default run already covers. So are the tests
+that build no cache (ring arithmetic, policy, counts, install, geometry, the
+session file format: no kernel runs there) and the ``slow`` ones, which repeat
+other tests' kernel calls at the real window (the same Metal text, larger
+grids), to keep this run within CI's budget. The session fails if no kernel
 (or not every kernel) went through the emulator: the option cannot pass by
 running the reference path.
 
@@ -31,6 +35,8 @@ OPTION = "--metal-emulator"
 EMULATOR_ENV = "MUSER_KV_METAL_EMULATOR"
 DIRECT_KERNEL_TESTS = ("test_kernels_host.py", "test_kernels_nvrtc.py", "test_kernels_metal.py",
                        "test_selftest.py")
+NO_KERNEL_TESTS = ("test_ring.py", "test_policy.py", "test_counts.py", "test_install.py",
+                   "test_geometry.py", "test_session_files.py")
 KERNELS = ("batch_store", "stage", "gather", "install")
 
 _installed = None
@@ -76,7 +82,9 @@ def collection_modifyitems(config, items) -> None:
         return
     keep, drop = [], []
     for item in items:
-        (drop if item.path.name in DIRECT_KERNEL_TESTS else keep).append(item)
+        skip = (item.path.name in DIRECT_KERNEL_TESTS + NO_KERNEL_TESTS
+                or item.get_closest_marker("slow") is not None)
+        (drop if skip else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
