@@ -10,20 +10,23 @@ Per context length and batch size, both systems get B sequences whose caches
 are filled to the context with random K/V (directly, through each cache's own
 ``update_and_fetch``: a prefill's cost is not the question), merged into one
 batch per layer (mlx-lm: ``BatchKVCache`` / ``BatchRotatingKVCache.merge``;
-muser-kv: ``BatchKVCache.merge``), then decoded ``--steps`` steps through the
-model as ``GenerationBatch`` does (build step t+1, ``async_eval`` it, then wait on
-step t), alternating which system goes first. Printed: aggregate tok/s
-(B x steps / time), the ratio, and peak memory during decode above the weights
-beside the footprint of B sequences (muser-kv's planes are preallocated).
+muser-kv: ``BatchKVCache.merge``), then decoded through the model as
+``GenerationBatch`` does (build step t+1, ``async_eval`` it, then wait on step
+t) in ``--blocks`` blocks of ``--steps`` steps, the two systems alternating
+block by block so the machine's drift falls on both alike. Printed: aggregate
+tok/s of the median block (B x steps / time), the ratio, and peak memory during
+decode above everything but the system's own batch, plus that batch, beside the
+footprint of B sequences (muser-kv's planes are preallocated).
 
     python benchmarks/batched.py                         # H200: real geometry, 8k and 32k, B 1..8
     .venv/bin/python benchmarks/batched.py --layers 4 --hidden 128 --intermediate 256 \\
-        --vocab 512 --heads 4 --window 64 --contexts 256,512 --batches 1,2,4 --steps 8   # CPU
+        --vocab 512 --heads 4 --window 64 --contexts 256,512 --batches 1,2,4 --steps 4 --blocks 3   # CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import os
 import sys
 from typing import Any, Dict, List
@@ -50,7 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens each sequence holds (default 8192,32768)")
     p.add_argument("--batches", type=int_list, default=[1, 2, 4, 8],
                    help="batch sizes (default 1,2,4,8)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--steps", type=int, default=16,
+                   help="timed decode steps per block (default 16)")
+    p.add_argument("--blocks", type=int, default=5,
+                   help="timed blocks per system, alternating systems (default 5; the median "
+                        "block is reported, so drift of the machine falls on both alike)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     p.add_argument("--fill-chunk", type=int, default=4096)
@@ -68,7 +75,8 @@ def filled(model, system: str, context: int, args, key) -> List[Any]:
     """One sequence's caches, every layer at ``context`` tokens of random K/V."""
     a = model.args
     if system == "muser-kv":
-        cache = muser_kv.make_prompt_cache(model, max_context=context + args.warmup + args.steps)
+        tokens = context + args.warmup + args.blocks * args.steps
+        cache = muser_kv.make_prompt_cache(model, max_context=tokens)
     else:
         cache = model.make_cache()
     dtype = DTYPES[args.dtype]
@@ -130,26 +138,35 @@ def main(argv=None) -> Dict[str, Any]:
     key = mx.random.key(args.seed)
     rows, results = [], []
     for context in args.contexts:
-        slot = muser_kv.footprint(geometry, context + args.warmup + args.steps).slot_bytes
+        slot = muser_kv.footprint(geometry, context + args.warmup + args.blocks * args.steps).slot_bytes
         for b in args.batches:
-            cell: Dict[str, Dict[str, float]] = {}
             order = SYSTEMS if (b + context) % 2 == 0 else SYSTEMS[::-1]
+            caches = {}
             for system in order:
                 singles = [filled(model, system, context, args, key) for _ in range(b)]
-                cache = merged(system, singles)
+                caches[system] = merged(system, singles)
                 del singles
                 settle()
-                decode(model, cache, b, args.warmup, model.args.vocab_size)
-                settle()
-                base = mx.get_active_memory()
-                mx.reset_peak_memory()
-                seconds = decode(model, cache, b, args.steps, model.args.vocab_size)
-                peak = mx.get_peak_memory() - weights
-                held = sum(c.nbytes for c in cache)
-                cell[system] = {"tok_s": b * args.steps / seconds, "peak_bytes": peak,
-                                "cache_bytes": held, "base_bytes": base - weights}
-                del cache
-                settle()
+                decode(model, caches[system], b, args.warmup, model.args.vocab_size)
+            settle()
+            rates: Dict[str, List[float]] = {s: [] for s in SYSTEMS}
+            peaks = {s: 0 for s in SYSTEMS}
+            for block in range(args.blocks):
+                for system in (order if block % 2 == 0 else order[::-1]):
+                    cache = caches[system]
+                    held = sum(c.nbytes for c in cache)
+                    others = mx.get_active_memory() - held
+                    mx.reset_peak_memory()
+                    seconds = decode(model, cache, b, args.steps, model.args.vocab_size)
+                    peaks[system] = max(peaks[system], mx.get_peak_memory() - others)
+                    rates[system].append(b * args.steps / seconds)
+                    settle()
+            cell: Dict[str, Dict[str, Any]] = {
+                s: {"tok_s": statistics.median(rates[s]), "block_tok_s": rates[s],
+                    "peak_bytes": peaks[s], "cache_bytes": sum(c.nbytes for c in caches[s])}
+                for s in SYSTEMS}
+            del caches, cache
+            settle()
             ours, theirs = cell["muser-kv"], cell["mlx-lm"]
             rows.append([context, b, ours["tok_s"], theirs["tok_s"], ours["tok_s"] / theirs["tok_s"],
                          ours["peak_bytes"] / GIB, b * slot / GIB, theirs["peak_bytes"] / GIB])
@@ -158,9 +175,9 @@ def main(argv=None) -> Dict[str, Any]:
     print()
     print_table(["context", "B", "muser-kv tok/s", "mlx-lm tok/s", "muser / mlx-lm",
                  "muser-kv peak GiB", "B x footprint GiB", "mlx-lm peak GiB"], rows, digits=2)
-    print("tok/s: aggregate over the batch; peak: peak memory during the timed decode above the "
-          "weights (caches, activations, temporaries); muser-kv's planes are preallocated "
-          "(B x footprint)")
+    print("tok/s: aggregate over the batch, median block; peak: peak memory during the timed "
+          "decode above everything but the system's own batch, plus that batch (caches, "
+          "activations, temporaries); muser-kv's planes are preallocated (B x footprint)")
     payload = {"benchmark": "batched", "args": vars(args), "results": results}
     write_json(args.json, payload)
     return payload
