@@ -44,6 +44,7 @@ from . import kernels
 from .cache import ContextOverflow, Mask, MuseKVCache, evaluated_with
 from .geometry import LayerKind
 from .planes import Planes
+from .ring import Ring, Run
 
 Pair = Tuple[mx.array, mx.array]
 
@@ -354,12 +355,19 @@ class BatchKVCache:
         rows = self._rows_after_decode()
         if all(s.ring.len == capacity for s in self.seqs) and not return_array:
             return None
-        # after the write a full ring holds every row; any other ring its live
-        # rows, from its origin (the write does not move it), circularly
-        starts = mx.array([s.ring.origin_physical for s in self.seqs], dtype=mx.int32).reshape(B, 1)
-        live = mx.array([min(x, capacity) for x in after], dtype=mx.int32).reshape(B, 1)
+        # each ring's live rows once the token is written (a placeholder: the
+        # rows it holds, at least its origin row), as the ring's physical runs
+        runs = [_runs_after_decode(s.ring, on) for s, on in zip(self.seqs, active)]
+        first = [rs[0] for rs in runs]
+        second = [rs[1] if len(rs) > 1 else Run(0, 0, 0) for rs in runs]
         j = mx.arange(rows, dtype=mx.int32).reshape(1, rows)
-        return ((((j - starts) % capacity) < live)).reshape(B, 1, 1, rows)
+        valid = None
+        for part in (first, second):
+            lo = mx.array([r.physical for r in part], dtype=mx.int32).reshape(B, 1)
+            hi = lo + mx.array([r.length for r in part], dtype=mx.int32).reshape(B, 1)
+            inside = (j >= lo) & (j < hi)
+            valid = inside if valid is None else valid | inside
+        return valid.reshape(B, 1, 1, rows)
 
     def _rows_after_decode(self) -> int:
         capacity = self.seqs[0].ring.capacity
@@ -543,3 +551,14 @@ def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
     for caches in per_slot:
         cachelist.bind(caches, model)
     return batches, per_slot
+
+
+def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:
+    """The physical runs a decode step's attention may read in ``ring``: its live
+    rows after the token is appended, or for an inactive placeholder the rows it
+    holds (its origin row when it holds none)."""
+    if not active:
+        return ring.live_runs() if ring.len else [Run(ring.origin_physical, 1, 0)]
+    after = ring.copy()
+    after.append(after.end)
+    return after.live_runs()

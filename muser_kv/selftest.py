@@ -158,7 +158,7 @@ def checks(gpu: KernelBackend, ref: ReferenceBackend) -> Iterator[Check]:
 
 
 def _ring(capacity: int, length: int, origin: int) -> Ring:
-    return Ring(capacity, length, origin, origin % capacity)
+    return Ring.installed(capacity, origin, length)
 
 
 def _rows(capacity: int, rows: str) -> int:
