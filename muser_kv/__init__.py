@@ -118,3 +118,7 @@ __all__ += [
     "complete_chat_turns",
     "shift_chat",
 ]
+
+from .install import Installed, install, installed, uninstall  # noqa: E402  (mlx-lm's hook)
+
+__all__ += ["Installed", "install", "installed", "uninstall"]

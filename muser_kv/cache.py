@@ -27,6 +27,7 @@ one object for the cache's life (plans are committed into it with
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, List, Optional, Tuple, Union
 
@@ -375,6 +376,35 @@ class MuseKVCache:
         self.planes.k, self.planes.v, ring = held
         self.ring.assign(ring)
         self.replaced()
+
+    # -- copies ----------------------------------------------------------------------------
+
+    def __deepcopy__(self, memo) -> "MuseKVCache":
+        """An independent cache (mlx-lm's server prompt cache deep-copies the
+        lists it reuses). Copying one cache of a list copies the whole list,
+        bound anew, so a copied list is one unit again (``cachelist``); the
+        other copies wait in ``memo`` for ``deepcopy`` of the list to pick up."""
+        group = self._list
+        if group is None:
+            return self._detached()
+        members = group.caches()
+        copies = [c._detached() for c in members]
+        cachelist.bind(copies, group.model)
+        for c, d in zip(members, copies):
+            memo[id(c)] = d
+        return memo[id(self)]
+
+    def _detached(self) -> "MuseKVCache":
+        """This cache alone: its own planes (one slot, arrays shared until a
+        write), ring and retained rows; no list, no checkpoints."""
+        other = copy.copy(self)
+        other.planes = self.planes.detached(self.slot)
+        other.slot = 0
+        other.ring = self.ring.copy()
+        other._list, other._index, other._prev, other._lead = None, 0, other.ring, 0
+        other._first_of_kind = False
+        other._checkpoints = None
+        return other
 
     # -- trimming --------------------------------------------------------------------------
 

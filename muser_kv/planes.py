@@ -24,6 +24,7 @@ A ``Planes`` object is the one holder of its arrays: the caches of every slot
 
 from __future__ import annotations
 
+import copy
 from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -130,6 +131,18 @@ class Planes:
         reads them (views)."""
         s = slice(None) if self.slots == 1 else slice(slot, slot + 1)
         return self.k[s, :, first:first + count, :], self.v[s, :, first:first + count, :]
+
+    def detached(self, slot: int = 0) -> "Planes":
+        """One-slot planes holding slot ``slot``'s rows, independent of these: the
+        arrays are shared until either side writes (MLX arrays are values; the
+        first store on either side then copies its plane once)."""
+        other = copy.copy(self)
+        if self.slots == 1:
+            other.k, other.v = self.handles()
+        else:
+            other.slots = 1
+            other.set(self.k[slot:slot + 1], self.v[slot:slot + 1])
+        return other
 
     # -- writes --------------------------------------------------------------------
 

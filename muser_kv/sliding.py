@@ -199,6 +199,12 @@ class SlidingKVCache(MuseKVCache):
         super().release(base)
         self._retained = retained
 
+    def _detached(self) -> "SlidingKVCache":
+        other = super()._detached()
+        other._retained = self._retained.copy()
+        other._whole = other.planes.rows == other.ring.capacity
+        return other
+
     @property
     def retain_depth(self) -> int:
         """The deepest speculative block this cache can always undo."""
