@@ -122,3 +122,7 @@ __all__ += [
 from .install import Installed, install, installed, uninstall  # noqa: E402  (mlx-lm's hook)
 
 __all__ += ["Installed", "install", "installed", "uninstall"]
+
+from . import prompt_files as _prompt_files  # noqa: E402
+
+_prompt_files.register()  # mlx-lm's load_prompt_cache finds muser_kv.SlidingKVCache & co.

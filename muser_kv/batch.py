@@ -488,6 +488,15 @@ class BatchKVCache:
         self._offsets = None
         return n
 
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None) -> "BatchKVCache":
+        """Refused: a batch's planes hold several sequences, and a prompt-cache
+        file of them would restore none exactly; save each sequence's cache
+        (``extract(i)``) instead."""
+        raise ValueError(
+            "muser-kv batch caches are not restored from a state: a batch's rows belong to "
+            "several sequences; save and load each sequence's cache (BatchKVCache.extract(i))")
+
     def __deepcopy__(self, memo) -> "BatchKVCache":
         """An independent batch: the arrays are shared until either side writes
         (MLX arrays are values), everything else is copied."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -44,6 +44,8 @@ from .speculative import DEFAULT_RETAIN
 
 Mask = Union[None, str, mx.array]
 Pair = Tuple[mx.array, mx.array]
+#: ``(keys, values, meta_state, retained)``: see ``MuseKVCache.state``
+State = Tuple[mx.array, mx.array, Tuple[str, ...], Any]
 
 #: ``INPUT_DTYPES`` as a set: the decode fast path's membership test
 INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
@@ -254,6 +256,10 @@ class MuseKVCache:
         """A layer type's first cache, asked for a mask: the model must fit the
         list, and the list must be in step (this layer level with its
         predecessor, or one write of ``n`` behind it if that layer went first)."""
+        if self._list is None:  # rebuilt alone (from_state): join the list the model hands
+            if cachelist.adopt(self, 3) is None:
+                self._first_of_kind = False  # driven alone: a list of one, as ever
+                return
         if not self._index:  # the model asks layer 0 first: once per forward
             self._list.check_caller(3)  # 0 check_caller, 1 here, 2 make_mask, 3 its caller
         ahead, here = self._prev.end, self.ring.end
@@ -274,8 +280,21 @@ class MuseKVCache:
         return self.planes.physical(self.slot)[1]
 
     @property
-    def state(self) -> Pair:
-        """The live planes, physical (rotated) layout: what ``meta_state`` describes."""
+    def state(self) -> State:
+        """``(keys, values, meta_state, retained)``: the live planes in their
+        physical (rotated) layout, the ring that describes them
+        (``meta_state``), and the overwritten rows kept for exact trims
+        (``None`` when none are). Everything ``from_state(state)`` -- mlx-lm's
+        one-argument call, as ``load_prompt_cache`` makes it -- needs to rebuild
+        this cache exactly; evaluating it evaluates the planes."""
+        k, v = self.kv_state
+        return k, v, self.meta_state, None
+
+    @property
+    def kv_state(self) -> Pair:
+        """The first two parts of ``state`` alone: what a caller that only
+        evaluates the cache (a decode loop, every step) needs, without building
+        the description."""
         return self.planes.physical(self.slot)
 
     @property
@@ -283,18 +302,42 @@ class MuseKVCache:
         r = self.ring
         return tuple(str(x) for x in (
             self.kind.value, self.layout, self.layer, self.kv_heads, self.head_dim, self._window,
-            self.max_context, r.capacity, r.len, r.origin_logical, r.origin_physical))
+            self.max_context, r.capacity, r.len, r.origin_logical, r.origin_physical,
+            self.retain))
 
     @classmethod
-    def from_state(cls, state: Pair, meta_state: Tuple[str, ...]) -> "MuseKVCache":
-        """Rebuild a cache from ``state`` and ``meta_state`` (both are required:
-        the planes are meaningless without their ring origins)."""
-        if meta_state is None or len(meta_state) != 11:
+    def from_state(cls, state: Any, meta_state: Optional[Sequence[str]] = None) -> "MuseKVCache":
+        """Rebuild a cache from its ``state`` (mlx-lm's one-argument form: the
+        four parts ``state`` gives, as tuples or, read back from a prompt-cache
+        file, lists), or from ``(keys, values)`` and ``meta_state``. Everything
+        is checked before a cache exists: the planes are meaningless without
+        their ring, and a retained row at the wrong position would make a later
+        trim silently wrong. A cache rebuilt alone is bound into the list the
+        model hands it at its first forward (``cachelist.adopt``)."""
+        parts = list(state) if isinstance(state, (list, tuple)) else None
+        if meta_state is None:
+            if parts is None or len(parts) != 4:
+                raise ValueError(
+                    "MuseKVCache.from_state needs the 4-part state (keys, values, meta_state, "
+                    "retained) that .state gives, or (keys, values) and the 12-field meta_state; "
+                    f"got {type(state).__name__} of {len(parts) if parts else 0} parts")
+            meta_state, retained = parts[2], parts[3]
+        elif parts is None or len(parts) not in (2, 4):
+            raise ValueError("MuseKVCache.from_state: state must be (keys, values[, meta_state, "
+                             f"retained]), got {type(state).__name__}")
+        else:
+            retained = parts[3] if len(parts) == 4 else None
+        meta = list(meta_state) if isinstance(meta_state, (list, tuple)) else None
+        if meta is None or len(meta) != 12 or not all(isinstance(x, str) for x in meta):
             raise ValueError(
-                f"MuseKVCache.from_state needs the 11-field meta_state, got {meta_state!r}")
-        kind, layout = LayerKind(meta_state[0]), meta_state[1]
-        layer, heads, dim, window, max_context, capacity, length, ol, op = map(int, meta_state[2:])
-        keys, values = state
+                f"MuseKVCache.from_state needs the 12-field meta_state, got {meta_state!r}")
+        try:
+            kind, layout = LayerKind(meta[0]), meta[1]
+            layer, heads, dim, window, max_context, capacity, length, ol, op, retain = map(
+                int, meta[2:])
+        except ValueError as e:
+            raise ValueError(f"MuseKVCache.from_state: bad meta_state {meta!r} ({e})") from None
+        keys, values = parts[0], parts[1]
         planes = Planes(kv_heads=heads, head_dim=dim, capacity=capacity, layout=layout,
                         dtype=keys.dtype if keys.dtype in PLANE_DTYPES else PLANE_DTYPE,
                         allocate=False)
@@ -308,14 +351,27 @@ class MuseKVCache:
         expected = min(max_context, window) if kind is LayerKind.SLIDING else max_context
         if capacity != expected:
             raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {expected}")
-        planes.set(keys.reshape(planes.memory_shape), values.reshape(planes.memory_shape))
+        ring = Ring(capacity, length, ol, op, layer)
         from .growing import GlobalKVCache
         from .sliding import SlidingKVCache
 
-        regime = SlidingKVCache if kind is LayerKind.SLIDING else GlobalKVCache
-        cache = regime(planes, window=window, max_context=max_context, layer=layer)
-        cache.ring.assign(Ring(capacity, length, ol, op, layer))
-        cache._settle()
+        if kind is LayerKind.SLIDING:
+            held = SlidingKVCache.check_retained(retained, ring, keys.dtype, heads * dim, retain)
+        elif retained is not None or retain:
+            raise ValueError(f"layer {layer}: a global plane retains no rows, got retain "
+                             f"{retain} and retained {type(retained).__name__}")
+        planes.set(keys.reshape(planes.memory_shape), values.reshape(planes.memory_shape))
+        if kind is LayerKind.SLIDING:
+            cache = SlidingKVCache(planes, window=window, max_context=max_context, layer=layer,
+                                   retain=retain)
+        else:
+            cache = GlobalKVCache(planes, window=window, max_context=max_context, layer=layer)
+        cache.ring.assign(ring)
+        if kind is LayerKind.SLIDING and held is not None:
+            cache._adopt_retained(*held)
+        else:
+            cache._settle()
+        cache._first_of_kind = True  # asked for a mask first: binds the list it is handed
         return cache
 
     def _settle(self) -> None:

@@ -238,3 +238,27 @@ def bind(caches: Sequence[Any], model: Any = None) -> CacheList:
         c._first_of_kind = c.kind not in seen
         seen.add(c.kind)
     return group
+
+
+def adopt(cache: Any, depth: int) -> Optional[CacheList]:
+    """Bind the list a model hands ``cache`` when ``cache`` was rebuilt alone
+    (``from_state``: mlx-lm's ``load_prompt_cache`` rebuilds a list one cache at
+    a time and never tells them they are one), so a restored list keeps every
+    rule of the module doc from its first forward on. The list is found as
+    ``CacheList.check_caller`` finds the model (``depth`` frames up is mlx-lm's
+    ``create_attention_mask``); it is bound only when it holds ``cache`` and
+    every member is a muser-kv cache of no list. Returns the list, or ``None``
+    (a custom driver: the cache stays a list of one)."""
+    try:
+        caller = sys._getframe(depth)
+        helper = _MASK_HELPER[0] or _mask_helper()
+        if helper is None or caller.f_code is not helper:
+            return None
+        handed = sys._getframe(depth + 1).f_locals.get("cache")
+    except ValueError:
+        return None
+    if not isinstance(handed, (list, tuple)) or not any(c is cache for c in handed):
+        return None
+    if not all(hasattr(c, "ring") and getattr(c, "_list", False) is None for c in handed):
+        return None
+    return bind(list(handed))

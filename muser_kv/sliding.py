@@ -17,15 +17,15 @@ lazy would hold the plane at the next store and MLX would copy the plane.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
 from . import kernels
-from .cache import Mask, MuseKVCache, causal_mask, evaluated_with
+from .cache import Mask, MuseKVCache, State, causal_mask, evaluated_with
 from .geometry import LayerKind
 from .planes import Planes
-from .ring import Read
+from .ring import Read, Ring
 from .speculative import DEFAULT_RETAIN, RetainedRows
 
 Pair = Tuple[mx.array, mx.array]
@@ -183,13 +183,61 @@ class SlidingKVCache(MuseKVCache):
             mx.eval(self._take_ahead())
 
     @property
-    def state(self) -> Pair:
-        """The live planes, physical (rotated) layout, with the retained copies
-        made since the last read attached (evaluating the state evaluates them:
-        see ``RetainedRows.pending``)."""
+    def kv_state(self) -> Pair:
+        """The live planes, with the retained copies made since the last read
+        attached (evaluating them evaluates the copies: see
+        ``RetainedRows.pending``)."""
         kv = self.planes.physical(self.slot)
         pending = self._retained.pending()
         return tuple(mx.depends(list(kv), pending)) if pending else kv
+
+    @property
+    def state(self) -> State:
+        k, v = self.kv_state
+        return k, v, self.meta_state, self._retained.held()
+
+    @staticmethod
+    def check_retained(retained: Any, ring: Ring, dtype: mx.Dtype, kv_dim: int,
+                       retain: int) -> Optional[Tuple[int, List[mx.array]]]:
+        """``state``'s retained part, checked against the ring it comes with:
+        ``None``, or ``(start, blocks)`` of ``[m, 2, kv_dim]`` rows of the plane
+        dtype for positions ``[start, end)`` with ``end`` at most the ring's end."""
+        if retained is None:
+            return None
+        where = f"layer {ring.layer}: state's retained rows"
+        if not isinstance(retained, (list, tuple)) or len(retained) != 2:
+            raise ValueError(f"{where} must be (start, blocks) or None, got {retained!r:.80}")
+        start, blocks = retained
+        if isinstance(start, mx.array) and start.size == 1:
+            start = start.item()
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"{where}: start must be an int >= 0, got {start!r}")
+        if not isinstance(blocks, (list, tuple)) or not blocks:
+            raise ValueError(f"{where}: blocks must be a non-empty list, got {blocks!r:.80}")
+        if not retain:
+            raise ValueError(f"{where}: a ring with retain=0 holds none, got {len(blocks)} blocks")
+        rows = 0
+        for b in blocks:
+            if (not isinstance(b, mx.array) or b.dtype != dtype or b.ndim != 3
+                    or tuple(b.shape[1:]) != (2, kv_dim) or b.shape[0] < 1):
+                raise ValueError(f"{where}: each block must be {dtype} [m >= 1, 2, {kv_dim}], "
+                                 f"got {getattr(b, 'dtype', type(b).__name__)} "
+                                 f"{tuple(getattr(b, 'shape', ()))}")
+            rows += b.shape[0]
+        if start + rows > ring.end:
+            raise ValueError(f"{where}: positions [{start}, {start + rows}) run past the ring's "
+                             f"end {ring.end}")
+        return start, list(blocks)
+
+    def _adopt_retained(self, start: int, blocks: List[mx.array]) -> None:
+        """Hold rows ``state`` carried (checked by ``check_retained``), then, on a
+        full ring whose next victim they do not cover, take the copy ahead now."""
+        self._retained.adopt(start, blocks)
+        ring = self.ring
+        if ring.len == ring.capacity and not self._retained.covers(ring.origin_logical):
+            mx.eval(self._take_ahead())
+        else:
+            mx.eval(blocks)
 
     def hold(self):
         return super().hold(), self._retained.copy()
@@ -227,7 +275,11 @@ class SlidingKVCache(MuseKVCache):
         return ring.capacity - ring.len + self.retain
 
     def is_trimmable(self) -> bool:
-        return self.retain > 0 or not self.ring.wrapped
+        """Fixed for the cache's life, so a caller that asks once (mlx-lm's
+        speculative decoding does, before its first token) is never misled
+        later: a ring that keeps no overwritten rows (``retain=0``) and can wrap
+        is never trimmable, even before it wraps."""
+        return self.retain > 0 or self.max_context <= self.ring.capacity
 
     def _rewind(self, plan) -> None:
         """Put back the rows the trimmed tokens overwrote (from the retained rows)

@@ -173,7 +173,7 @@ def prefill_tokens(model: Any, cache: Sequence[MuseKVCache], tokens: Sequence[in
     for start in range(0, len(tokens), chunk):
         out = model(mx.array([list(tokens[start:start + chunk])], dtype=mx.uint32), cache=caches)
         logits = out[0, -1]
-        mx.eval(logits, [c.state for c in caches])
+        mx.eval(logits, [c.kv_state for c in caches])
     assert logits is not None
     return logits
 
@@ -359,7 +359,7 @@ class SlotPool:
             c.ring.assign(type(c.ring)(c.capacity, layer=c.layer))
             c._settle()
             c.replaced()
-        mx.eval([c.state for c in free])
+        mx.eval([c.kv_state for c in free])
         return free
 
     def _take_staging(self) -> Cache:
@@ -500,6 +500,6 @@ class SlotPool:
                     extra = c.offset - target
                     if extra > 0:
                         c.trim(extra)
-            mx.eval([c.state for c in session.cache])
+            mx.eval([c.kv_state for c in session.cache])
         except Exception:
             session.stale = True

@@ -446,7 +446,7 @@ def _install(cache: Sequence[Any], ready: SessionSnapshot, *, rollback: bool) ->
         for c, cut in zip(cache, ready.layers):
             done += 1  # counted first: a plane that fails half-way is rolled back too
             c.install(cut.start, cut.keys, cut.values)
-            mx.eval(c.state)  # a lazy failure surfaces here, inside the try
+            mx.eval(c.kv_state)  # a lazy failure surfaces here, inside the try
     except BaseException:
         for c, held in zip(cache[:done], previous[:done]):
             c.release(held)

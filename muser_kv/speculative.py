@@ -23,8 +23,11 @@ from .counts import count
 #: The longest draft block a checkpoint covers (seeds: DFlash blocks of up to 16).
 MAX_BLOCK = 16
 
-#: Rows a sliding ring retains by default, so ``trim`` is exact that deep.
-DEFAULT_RETAIN = 16
+#: Rows a sliding ring retains by default, so ``trim`` is exact that deep: deep
+#: enough for mlx-lm's speculative decoding with any usual draft length (mlx-lm's
+#: default is 3) on both the model's and the draft model's caches, for at most
+#: two blocks of 64 rows per layer (6% of a 2,048-row ring's bytes).
+DEFAULT_RETAIN = 64
 
 
 class RetainedRows:
@@ -74,7 +77,6 @@ class RetainedRows:
         m = kv.shape[0]
         if self.limit == 0 or m == 0:
             return
-        self._recent.append(kv)
         self.truncate(position)
         if not self._blocks or position != self.end:
             self.clear()
@@ -86,6 +88,23 @@ class RetainedRows:
         while len(self._blocks) > 1 and self._blocks[0][0] + self._blocks[0][1].shape[0] <= floor:
             self._blocks.popleft()
             self.start = self._blocks[0][0]
+
+    def held(self) -> Optional[Tuple[int, List[mx.array]]]:
+        """``(start, blocks)``: the rows held, as the contiguous blocks they were
+        copied in (``None`` when nothing is held); ``adopt`` takes them back."""
+        if not self._blocks:
+            return None
+        return self.start, [rows for _, rows in self._blocks]
+
+    def adopt(self, start: int, blocks: Sequence[mx.array]) -> None:
+        """Hold ``blocks`` (``[m, 2, kv_dim]`` each) for the positions from
+        ``start`` on, in order (what ``held`` gave); the caller has checked them."""
+        self.clear()
+        position = start
+        for rows in blocks:
+            self._blocks.append((position, rows))
+            position += rows.shape[0]
+        self.start, self.end = start, position
 
     def pending(self) -> List[mx.array]:
         """The copies added since the last call, handed over once. A copy is made

@@ -27,7 +27,7 @@ def fork(cache):
     """An independent deep copy of a live cache (new buffers, same ring state)."""
     out = []
     for c in cache:
-        keys, values = (copy_array(x) for x in c.state)
+        keys, values = (copy_array(x) for x in c.state[:2])
         out.append(muser_kv.MuseKVCache.from_state((keys, values), c.meta_state))
     return out
 
@@ -122,7 +122,7 @@ def test_restore_packed_at_origin_zero_does_not_replay(tmp_path):
         pk, pv = c.backend.install(k.reshape(flat), v.reshape(flat), c.layout, packed,
                                    tuple(c.keys.shape))
         meta = list(c.meta_state)
-        meta[-1] = "0"  # origin_physical 0: the rows packed from row 0
+        meta[10] = "0"  # origin_physical 0: the rows packed from row 0
         cache[i] = muser_kv.MuseKVCache.from_state((pk, pv), tuple(meta))
     muser_kv.cachelist.bind(cache)  # the new caches form the list
     got = continue_logits(model, cache, prompt[g:g + CONTINUE].tolist())

@@ -255,10 +255,10 @@ def test_failed_decode_is_trimmed_back_exactly(model, monkeypatch):
 
 def test_failed_append_that_cannot_be_undone_marks_the_slot_stale(model, monkeypatch):
     c, sys_, t1, t2, u3 = opening()
-    pool = pool_of(model, prefill_chunk=64)
+    pool = pool_of(model, prefill_chunk=64, retain=16)
     first = [sys_, *t1]
     pool.prefill(0, first)  # 28 positions
-    more = first + [*t2, u3]  # 24 new tokens in one chunk: past the ring's retained depth
+    more = first + [*t2, u3]  # 24 new tokens in one chunk: past the ring's retained depth (16)
     fail_on_call(monkeypatch, 6)
     with pytest.raises(Boom):
         pool.prefill(0, more)
