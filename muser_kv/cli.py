@@ -1,4 +1,5 @@
-"""The ``muser-kv`` command: footprint, inspect, selftest."""
+"""The ``muser-kv`` command: footprint, inspect, selftest, and mlx-lm's generate
+and chat on muser-kv caches (``muser_kv.commands``)."""
 
 from __future__ import annotations
 
@@ -182,10 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--backend", choices=("metal", "cuda"),
                     help="the kernel backend to test (default: the one this MLX has)")
     st.set_defaults(func=cmd_selftest)
+    from .commands import COMMANDS
+    for name, module in COMMANDS.items():  # listed here; main() hands their argv over whole
+        sub.add_parser(name, add_help=False,
+                       help=f"mlx-lm's {name} ({module}) on muser-kv caches, with mlx-lm's "
+                            f"flags and --max-context/--retain/--plane-dtype/--session "
+                            f"(muser-kv {name} --help)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from .commands import COMMANDS
+    if argv and argv[0] in COMMANDS:  # mlx-lm's parser (extended) reads the rest
+        from .commands import main as run_command
+
+        return run_command(argv[0], argv[1:])
     ns = build_parser().parse_args(argv)
     if getattr(ns, "context", 1) <= 0 or getattr(ns, "slots", 1) <= 0:
         print("muser-kv: --context and --slots must be positive", file=sys.stderr)
