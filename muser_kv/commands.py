@@ -48,7 +48,8 @@ from .snapshot import SessionSnapshot, SnapshotError, read_session, restore_into
 from .speculative import DEFAULT_RETAIN
 
 #: muser-kv subcommand -> the mlx-lm module whose ``main()`` it runs
-COMMANDS: Dict[str, str] = {"generate": "mlx_lm.generate", "chat": "mlx_lm.chat"}
+COMMANDS: Dict[str, str] = {"generate": "mlx_lm.generate", "chat": "mlx_lm.chat",
+                             "cache-prompt": "mlx_lm.cache_prompt"}
 
 
 class CommandError(Exception):

@@ -190,8 +190,8 @@ def f32_pair(tmp_path_factory):
 
 # 25 prompt tokens: every round starts past the wrap; 22 replies: the first
 # rounds draft 20 tokens (mlx-lm drafts min(max_tokens - done, N)) and roll
-# back 20 rows of the model's cache and 19 of the draft's, more than the 16 a
-# ring retains by default
+# back 20 rows of the model's cache and 19 of the draft's, more than the
+# `--retain 16` these tests ask for: the command must size retain from the draft
 LONG_PROMPT = " ".join(f"t{i}" for i in range(30, 54))
 SPECULATIVE_TOKENS = 22
 
@@ -201,7 +201,7 @@ def test_speculative_with_20_draft_tokens_prints_the_greedy_text(f32_pair, capsy
     assert muser_kv_main(generate_args(model, tokens=SPECULATIVE_TOKENS,
                                        prompt=LONG_PROMPT)) == 0
     plain = generated(capsys.readouterr().out)
-    assert muser_kv_main(generate_args(model, "--draft-model", str(draft),
+    assert muser_kv_main(generate_args(model, "--retain", "16", "--draft-model", str(draft),
                                        "--num-draft-tokens", "20", tokens=SPECULATIVE_TOKENS,
                                        prompt=LONG_PROMPT)) == 0
     out = capsys.readouterr()
@@ -221,12 +221,13 @@ def test_a_draft_muser_kv_does_not_serve_keeps_mlx_lms_caches(f32_pair, tmp_path
 
 
 def test_the_same_rollbacks_refuse_a_cache_not_sized_for_them(f32_pair):
-    """The negative control: rings retaining the default 16 rows cannot undo
-    this pair's 20-row rollbacks past the wrap, and say so."""
+    """The negative control: rings retaining 16 rows (what the commands would
+    build without sizing retain from the draft) cannot undo this pair's 20-row
+    rollbacks past the wrap, and say so."""
     model, tokenizer = mlx_lm.utils.load(str(f32_pair[0]))
     draft, _ = mlx_lm.utils.load(str(f32_pair[1]))
-    muser_kv.install(model)
-    muser_kv.install(draft)
+    muser_kv.install(model, retain=16)
+    muser_kv.install(draft, retain=16)
     prompt = tokenizer.encode(LONG_PROMPT + " t1", add_special_tokens=False)
     with pytest.raises(ValueError, match="can trim at most 16 tokens exactly, asked for 20"):
         for _ in GENERATE.stream_generate(model, tokenizer, prompt,
@@ -321,3 +322,32 @@ def test_a_run_leaves_mlx_lm_as_it_found_it(local_muse_model, capsys):
     assert muser_kv_main(generate_args(local_muse_model, tokens=2)) == 0
     assert (GENERATE.load, GENERATE.stream_generate,
             GENERATE.setup_arg_parser, sys.argv) == before
+
+
+# -- prompt-cache files --------------------------------------------------------------------
+
+
+def test_cache_prompt_then_generate_from_the_file(local_muse_model, tmp_path, capsys):
+    """``muser-kv cache-prompt`` writes mlx-lm's prompt-cache file of muser-kv
+    caches (the prefix past the wrap); ``muser-kv generate --prompt-cache-file``
+    continues from it with what mlx-lm's own API gives from the same file."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    path = tmp_path / "prefix.safetensors"
+    prefix = " ".join(f"t{i}" for i in range(30, 60))
+    assert muser_kv_main(["cache-prompt", "--model", str(local_muse_model), "--prompt", prefix,
+                          "--prompt-cache-file", str(path)]) == 0
+    capsys.readouterr()
+    cache, meta = load_prompt_cache(str(path), return_metadata=True)
+    assert isinstance(cache[0], muser_kv.SlidingKVCache) and cache[0].ring.wrapped
+    assert meta["model"] == str(local_muse_model)
+    assert muser_kv_main(["generate", "--model", str(local_muse_model), "--prompt-cache-file",
+                          str(path), "--prompt", "t5 t6", "--max-tokens", "20", "--temp",
+                          "0"]) == 0
+    ours = generated(capsys.readouterr().out)
+    model, tokenizer = mlx_lm.utils.load(str(local_muse_model))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "t5 t6"}],
+                                        add_generation_prompt=True)
+    ref = [r.token for r in GENERATE.stream_generate(model, tokenizer, ids, max_tokens=20,
+                                                      prompt_cache=load_prompt_cache(str(path)))]
+    assert ours == tokenizer.decode(ref)
