@@ -1,4 +1,4 @@
-"""The ``muser-kv`` command: footprint, inspect, selftest."""
+"""The ``muser-kv`` command: footprint, inspect, selftest, serve."""
 
 from __future__ import annotations
 
@@ -182,10 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--backend", choices=("metal", "cuda"),
                     help="the kernel backend to test (default: the one this MLX has)")
     st.set_defaults(func=cmd_selftest)
+    # listed here for --help; main hands its arguments to mlx-lm's server parser (muser_kv.serve)
+    sub.add_parser("serve", add_help=False,
+                   help="mlx-lm's HTTP server (every mlx_lm.server flag) with muser-kv's caches "
+                        "and an exact prompt cache; muser-kv serve --help lists the flags")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from .serve import main as serve
+
+        return serve(argv[1:])
     ns = build_parser().parse_args(argv)
     if getattr(ns, "context", 1) <= 0 or getattr(ns, "slots", 1) <= 0:
         print("muser-kv: --context and --slots must be positive", file=sys.stderr)
