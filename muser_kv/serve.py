@@ -88,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.draft_model is not None and ns.retain == 0:
+        parser.error("--retain 0 keeps no overwritten rows, so no speculative rollback past the "
+                     "wrap is exact; a --draft-model needs --retain >= --num-draft-tokens "
+                     f"({ns.num_draft_tokens})")
     if ns.kv_bits is not None:
         parser.error("--kv-bits quantizes the KV cache through mlx-lm's to_quantized; "
                      "muser-kv's planes are exact f16/bf16 and are never quantized (mlx-lm's "
