@@ -8,7 +8,8 @@ here and nowhere else (``substituted``), and put back afterwards:
 ==================  =========================================================
 ``argparse``        the same module, whose ``ArgumentParser`` also takes
                     muser-kv's flags (``--max-context``, ``--retain``,
-                    ``--plane-dtype``) and refuses ``--kv-bits``
+                    ``--plane-dtype``) and refuses ``--kv-bits`` and
+                    ``--retain 0`` with a draft model
 ``ModelProvider``   ``MuseModelProvider``: mlx-lm's loader, then
                     ``muser_kv.install`` on every model it loads
 ``LRUPromptCache``  ``ExactPromptCache`` (``muser_kv.prompt_cache``)
@@ -18,7 +19,9 @@ Everything else is mlx-lm's. The server builds each request's caches with
 ``make_prompt_cache(model)``, which returns ``model.make_cache()``: the hook
 ``install`` sets. It batches when the caches have ``merge`` (muser-kv's do:
 ``muser_kv.batch``), and serves one request at a time otherwise (a draft
-model, a request with a seed), with the same caches and prompt cache.
+model, a request with a seed), with the same caches and prompt cache. Before
+the server starts, the ``--model`` config is checked (``check_model``, through
+mlx-lm 0.32.2's private ``mlx_lm.utils._download`` and ``_get_classes``).
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def servers(model_dir, tmp_path_factory):
     flags = {"batched": ("--prompt-cache-size", "0"),
              "draft": ("--prompt-cache-size", "0", "--draft-model", str(model_dir),
                        "--num-draft-tokens", "3"),
-             "cached": ()}
+             "cached": ("--retain", "16")}  # depths of 16 to ~48: the trims below are past them
     started: Dict[str, Server] = {}
     try:
         for name, extra in flags.items():
@@ -240,6 +240,16 @@ def test_the_provider_installs_muser_kv_on_every_model_it_loads(model_dir):
     plain = serve.MuseModelProvider(parse(["--model", str(model_dir), "--max-context", "64"]))
     plain.load("default_model")
     assert plain.is_batchable and muser_kv.installed(plain.model).max_context == 64
+
+
+def test_a_draft_model_muser_kv_does_not_serve_keeps_mlx_lm_caches(model_dir):
+    llama = write_local_model(model_dir.parent / "llama-draft", model_type="llama")
+    provider = serve.MuseModelProvider(parse(["--model", str(model_dir), "--draft-model",
+                                              str(llama)]))
+    provider.load("default_model", None, "default_model")
+    assert muser_kv.installed(provider.model) is not None
+    assert muser_kv.installed(provider.draft_model) is None
+    assert not isinstance(provider.draft_model.make_cache()[0], muser_kv.MuseKVCache)
 
 
 def parse(argv: List[str]):
