@@ -7,6 +7,7 @@
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
 #   bash benchmarks/device.sh batched    # batched decode, B = 1, 2, 4, 8 at 8k and 32k
 #   bash benchmarks/device.sh sessions   # save / load against raw disk, rollback
+#   bash benchmarks/device.sh returning  # TTFT of a returning 32k chat through the server's prompt cache
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -35,5 +36,8 @@ batched)
   ;;
 sessions)
   b sessions 300 benchmarks/sessions.py --repeats 1 --rollback-repeats 3 --json "$out/sessions.json"
+  ;;
+returning)
+  b returning_chat 560 benchmarks/returning_chat.py --json "$out/returning_chat.json"
   ;;
 esac

@@ -1,5 +1,6 @@
-"""The ``muser-kv`` command: footprint, inspect, selftest, and mlx-lm's generate
-and chat on muser-kv caches (``muser_kv.commands``)."""
+"""The ``muser-kv`` command: footprint, inspect, selftest, and mlx-lm's generate,
+chat, cache-prompt (``muser_kv.commands``) and server (``muser_kv.serve``) on
+muser-kv caches."""
 
 from __future__ import annotations
 
@@ -189,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"mlx-lm's {name} ({module}) on muser-kv caches, with mlx-lm's "
                             f"flags and --max-context/--retain/--plane-dtype/--session "
                             f"(muser-kv {name} --help)")
+    # listed here for --help; main hands its arguments to mlx-lm's server parser (muser_kv.serve)
+    sub.add_parser("serve", add_help=False,
+                   help="mlx-lm's HTTP server (every mlx_lm.server flag) with muser-kv's caches "
+                        "and an exact prompt cache; muser-kv serve --help lists the flags")
     return parser
 
 
@@ -199,6 +204,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .commands import main as run_command
 
         return run_command(argv[0], argv[1:])
+    if argv[:1] == ["serve"]:
+        from .serve import main as serve
+
+        return serve(argv[1:])
     ns = build_parser().parse_args(argv)
     if getattr(ns, "context", 1) <= 0 or getattr(ns, "slots", 1) <= 0:
         print("muser-kv: --context and --slots must be positive", file=sys.stderr)
