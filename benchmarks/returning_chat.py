@@ -75,11 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--history", type=int, default=32768,
                    help="tokens of the first prompt (default 32768)")
-    p.add_argument("--answer", type=int, default=80, help="tokens per answer (default 80)")
+    p.add_argument("--answer", type=int, default=160, help="tokens per answer (default 160)")
     p.add_argument("--user", type=int, default=32, help="new tokens per returning turn (default 32)")
-    p.add_argument("--divergences", type=int_list, default=[0, 4, 64],
+    p.add_argument("--divergences", type=int_list, default=[0, 4, 150],
                    help="one conversation per d: answer tokens at the end of each stored turn the "
-                        "client does not send back (default 0,4,64; each < --answer)")
+                        "client does not send back (default 0,4,150: 150 is past the depth a "
+                        "ring with the default retain can trim; each < --answer)")
     p.add_argument("--repeats", type=int, default=2,
                    help="returning turns per conversation (default 2)")
     p.add_argument("--paths", type=str_list, default=list(PATHS),
