@@ -77,6 +77,18 @@ def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
     return mask
 
 
+def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A bool mask as attention's additive form in ``dtype`` (0 where a key is
+    seen, -inf where not): the same attention, bit for bit, for any row that
+    sees at least one key with finite scores. MLX's CUDA attention takes this
+    form in its fused kernel but turns a bool mask into a float one of every
+    head first: for a 2,048-token chunk over a 4,095-row window that was 1.0 GiB
+    of temporaries and 4.0 ms against 0.06 GiB and 1.05 ms (H200, bf16). Only
+    for rows that always see a key (a sliding chunk sees itself): a fully masked
+    row, or a NaN key, would need the bool form's select."""
+    return mx.where(mask, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+
+
 def evaluated_with(kv: Pair, copy: mx.array) -> Pair:
     """``kv`` with ``copy`` made part of what evaluating it computes (``mx.depends``:
     an edge, no kernel). A copy left lazy would keep what it reads (the plane

@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Tuple
 import mlx.core as mx
 
 from . import kernels
-from .cache import Mask, MuseKVCache, State, causal_mask, evaluated_with
+from .cache import Mask, MuseKVCache, State, additive_mask, causal_mask, evaluated_with
 from .geometry import LayerKind
 from .planes import Planes
 from .ring import Read, Ring
@@ -126,8 +126,8 @@ class SlidingKVCache(MuseKVCache):
                 f"asked for a mask with window {window_size}")
         ring = self.ring
         read = ring.read_for(n)
-        if read is Read.SHADOW:
-            return causal_mask(n, ring.len, self._window)
+        if read is Read.SHADOW:  # every query sees itself: the additive form is exact
+            return additive_mask(causal_mask(n, ring.len, self._window), self.planes.dtype)
         if n == 1:  # one token: every returned row (at most the whole ring) is visible
             rows = min(ring.len + 1, ring.capacity)
             return mx.ones((1, rows), dtype=mx.bool_) if return_array else None

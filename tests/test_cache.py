@@ -39,7 +39,11 @@ def mask_as_array(mask, n, rows):
     if isinstance(mask, str):
         assert mask == "causal"
         return np.arange(rows)[None] <= (rows - n + np.arange(n))[:, None]
-    return np.broadcast_to(np.array(mask), (n, rows))
+    a = np.array(mask.astype(mx.float32)) if mask.dtype != mx.bool_ else np.array(mask)
+    if a.dtype != bool:  # the additive form: 0 where a key is seen, -inf where not
+        assert set(np.unique(a)) <= {0.0, -np.inf}, np.unique(a)
+        a = a == 0
+    return np.broadcast_to(a, (n, rows))
 
 
 def check_step(cache: MuseKVCache, oracle: FullHistory, n: int, seed: int):
@@ -56,7 +60,7 @@ def check_step(cache: MuseKVCache, oracle: FullHistory, n: int, seed: int):
     assert keys.dtype == mx.float16
     rows = keys.shape[2]
     full = mask_as_array(mask, n, rows)
-    np.testing.assert_array_equal(full, np.array(arr))
+    np.testing.assert_array_equal(full, mask_as_array(arr, n, rows))
     got_k = np.array(keys)[0].transpose(1, 0, 2)  # [rows, H, D]
     got_v = np.array(values)[0].transpose(1, 0, 2)
     for i in range(n):
