@@ -152,16 +152,21 @@ class ReferenceBackend:
         buffers: a snapshot must never alias a plane, or it would block MLX from
         donating the plane to the next store."""
         runs = ring.live_runs()
-        index = mx.array([r.physical + i for r in runs for i in range(r.length)], dtype=mx.int32)
         out = []
         for plane in (plane_keys, plane_values):
-            if layout == TOKEN_MAJOR:
-                out.append(mx.take(plane, index, axis=0))
+            if layout == TOKEN_MAJOR or plane.shape[0] == 1 or not runs:
+                # a whole run of a token-major plane, or of one head transposed,
+                # is no copy: take copies
+                index = mx.array([r.physical + i for r in runs for i in range(r.length)],
+                                 dtype=mx.int32)
+                if layout == TOKEN_MAJOR:
+                    out.append(mx.take(plane, index, axis=0))
+                else:
+                    h, _, d = plane.shape
+                    out.append(mx.take(plane, index, axis=1).transpose(1, 0, 2)
+                               .reshape(-1, h * d))
                 continue
             h, _, d = plane.shape
-            if h == 1 or not runs:  # a transpose of one head is no copy: take copies
-                out.append(mx.take(plane, index, axis=1).transpose(1, 0, 2).reshape(-1, h * d))
-                continue
             # one strided copy per run (take, then transpose, would copy twice)
             parts = [plane[:, r.physical:r.physical + r.length, :].transpose(1, 0, 2)
                      for r in runs]

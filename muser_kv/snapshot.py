@@ -32,7 +32,8 @@ Invariants, each with a test (``tests/test_snapshot.py``):
   killed outright cannot clean up, so the next save or load of the same target
   removes that target's stale temporaries (those of no live process; never any
   other file). The tensors are written straight from MLX's buffers while
-  other threads hash them, and the header (which holds their digests) last,
+  other threads hash them (and the kernel is asked to start writing each back
+  as soon as it is out), and the header (which holds their digests) last,
   into the space reserved for it: digests are fixed-length hex, so the
   header's length is known before the first tensor is written.
 * **Verified load.** The header carries a sha256 over every other header field
@@ -40,10 +41,11 @@ Invariants, each with a test (``tests/test_snapshot.py``):
   digest of its little-endian bytes (``TENSOR_DIGESTS``: XXH3-128 from version
   3; sha256 in version 2 files, which still load); format, version, encoding,
   geometry, tensor set and dtypes are all checked before a single row is read.
-  A reader thread reads the tensors in chunks into reused staging buffers, the
-  caller's thread copies each into an MLX array (the upload), and a pool
-  hashes that MLX array's own bytes, so reading, upload and verification
-  overlap, and what is verified is what is installed. Nothing verified late
+  A reader thread reads the tensors in chunks into reused staging buffers
+  (asking the kernel to read the next two ahead), the caller's thread copies
+  each into an MLX array (the upload), and a pool hashes that MLX array's own
+  bytes, so reading, upload and verification overlap, and what is verified is
+  what is installed. Nothing verified late
   reaches the caller: ``read_session`` returns once every digest matched, and
   ``load_session`` installs each verified layer into a new cache list that it
   returns only once every layer is in. Whatever is wrong with a file --
@@ -52,7 +54,8 @@ Invariants, each with a test (``tests/test_snapshot.py``):
   parser's own exception.
 * **What the digests protect against: accidents.** Bit rot, torn or truncated
   writes, a file edited or swapped by mistake (a random change goes unnoticed
-  with probability 2^-128). XXH3-128 is not cryptographic, and no digest in
+  with a chance of about 2^-128; XXH3 is no CRC, so no error pattern is
+  caught with certainty). XXH3-128 is not cryptographic, and no digest in
   the file is a signature: whoever can write the file can recompute every
   digest (sha256 included), so a session file is as trustworthy as the place
   it is kept.
@@ -825,6 +828,8 @@ def open_session(path: PathLike, *, tidy: bool = True) -> SessionFile:
 #: Staging buffers a load cycles through (each the size of the largest tensor):
 #: the reader fills one while the caller uploads another.
 STAGING = 3
+#: Tensors past the one being read that the kernel is asked to read ahead.
+PREFETCH = 2
 
 
 class _Reader:
@@ -843,9 +848,15 @@ class _Reader:
     def __init__(self, path: PathLike, *, tidy: bool = True):
         self.path = path
         self._active: Optional[Iterator[Any]] = None
+        self._threads: Optional[Any] = None  # stops the reader thread and the pool
         if tidy:
             tidy_temporaries(path)
-        self._file: Optional[BinaryIO] = open(path, "rb", buffering=0)
+        try:
+            self._file: Optional[BinaryIO] = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _unreadable(path, e) from None
         try:
             try:
                 metadata, entries = tensorfile.read_table(self._file)
@@ -860,11 +871,14 @@ class _Reader:
             raise
 
     def close(self) -> None:
-        """Stop the reader thread and the digests (if ``layers()`` is under way),
+        """Stop the reader thread and the digests (if ``layers()`` was called),
         then close the file."""
         if self._active is not None:
-            self._active.close()  # runs its cleanup: the threads are done after this
+            self._active.close()
             self._active = None
+        if self._threads is not None:
+            self._threads()
+            self._threads = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -876,13 +890,9 @@ class _Reader:
         self.close()
 
     def layers(self) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
-        self._active = self._layers()
-        return self._active
-
-    def _layers(self) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
-        h = self.header
+        """Start reading now (the reader thread runs ahead of the caller, who may
+        do other work first), and iterate over the verified layers."""
         order = sorted(self.entries.values(), key=lambda e: e.begin)
-        layer_of = {n: i for i in range(h.geometry.num_layers) for n in tensor_names(i)}
         largest = max(e.nbytes for e in order)
         free: "queue.Queue[np.ndarray]" = queue.Queue()
         for _ in range(min(STAGING, len(order))):
@@ -890,11 +900,13 @@ class _Reader:
         ready: "queue.Queue[Any]" = queue.Queue()
         stop = threading.Event()
         f = self._file
-        assert f is not None
+        assert f is not None and self._threads is None
 
         def read() -> None:
             try:
-                for e in order:
+                for i, e in enumerate(order):
+                    for ahead in order[i + 1:i + 1 + PREFETCH]:
+                        tensorfile.prefetch(f.fileno(), ahead.begin, ahead.nbytes)
                     buf = free.get()
                     if stop.is_set():
                         return
@@ -905,35 +917,45 @@ class _Reader:
 
         reader = threading.Thread(target=read, name="muser-kv session reader", daemon=True)
         pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv digest")
-        reader.start()
-        arrays: Dict[str, mx.array] = {}
-        digests: Dict[str, "Future[str]"] = {}
-        pending: List[int] = []  # layers whose tensors are in, digests maybe not
-        try:
-            for _ in order:
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    if isinstance(item, (tensorfile.TensorFileError, OSError)):
-                        raise _unreadable(self.path, item) from None
-                    raise item
-                e, buf = item
-                x, host = _upload(buf, e)
-                free.put(buf)
-                arrays[e.name] = x
-                digests[e.name] = pool.submit(digest_bytes, host, h.digest)
-                layer = layer_of[e.name]
-                if all(n in arrays for n in tensor_names(layer)):
-                    pending.append(layer)
-                while pending and all(digests[n].done() for n in tensor_names(pending[0])):
-                    yield self._verified(pending.pop(0), arrays, digests)
-            while pending:
-                yield self._verified(pending.pop(0), arrays, digests)
-        finally:
+
+        def end() -> None:
             stop.set()
             for _ in range(STAGING):
                 free.put(np.empty(0, np.uint8))  # wakes a reader waiting for a buffer
             reader.join()
             pool.shutdown(wait=True, cancel_futures=True)
+
+        self._threads = end
+        reader.start()
+        self._active = self._consume(order, ready, free, pool)
+        return self._active
+
+    def _consume(self, order: Sequence[tensorfile.Entry], ready: "queue.Queue[Any]",
+                 free: "queue.Queue[np.ndarray]", pool: ThreadPoolExecutor,
+                 ) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
+        h = self.header
+        layer_of = {n: i for i in range(h.geometry.num_layers) for n in tensor_names(i)}
+        arrays: Dict[str, mx.array] = {}
+        digests: Dict[str, "Future[str]"] = {}
+        pending: List[int] = []  # layers whose tensors are in, digests maybe not
+        for _ in order:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                if isinstance(item, (tensorfile.TensorFileError, OSError)):
+                    raise _unreadable(self.path, item) from None
+                raise item
+            e, buf = item
+            x, host = _upload(buf, e)
+            free.put(buf)
+            arrays[e.name] = x
+            digests[e.name] = pool.submit(digest_bytes, host, h.digest)
+            layer = layer_of[e.name]
+            if all(n in arrays for n in tensor_names(layer)):
+                pending.append(layer)
+            while pending and all(digests[n].done() for n in tensor_names(pending[0])):
+                yield self._verified(pending.pop(0), arrays, digests)
+        while pending:
+            yield self._verified(pending.pop(0), arrays, digests)
 
     def _verified(self, layer: int, arrays: Dict[str, mx.array],
                   digests: Mapping[str, "Future[str]"]) -> Tuple[int, int, mx.array, mx.array]:
@@ -1042,7 +1064,8 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, mx.array]],
     The data goes first, at the offset the header will end at (its length is
     fixed before any digest is known: digests are fixed-length hex), each
     tensor straight from MLX's buffer while a pool hashes the same buffer and
-    the next ``AHEAD`` tensors are gathered; then the header."""
+    the next ``AHEAD`` tensors are gathered, its writeback started as soon as
+    it is out; then the header."""
     if sys.byteorder != "little":
         raise SnapshotError("session files are little-endian; this host is not")
     stored = ENCODINGS[fields["encoding"]][1]
@@ -1057,11 +1080,13 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, mx.array]],
         fd = f.fileno()
         os.lseek(fd, reserved, os.SEEK_SET)
         for i, (name, x) in enumerate(tensors):
-            mx.async_eval([t for _, t in tensors[i + 1:i + 1 + AHEAD]])
+            mx.async_eval([t for _, t in tensors[i:i + 1 + AHEAD]])  # this one first
             data = np.ascontiguousarray(_to_numpy(x))  # waits for x's gather; a view
             futures.append(pool.submit(digest_bytes, data, algorithm))
             if data.nbytes:
+                at = os.lseek(fd, 0, os.SEEK_CUR)
                 tensorfile.write_all(fd, data)
+                tensorfile.start_writeback(fd, at, data.nbytes)
         header = _signed(fields, {n: fut.result() for n, fut in zip(names, futures)})
         head = tensorfile.head(table, header)
         if len(head) != reserved:  # cannot happen while digests are fixed-length hex
@@ -1261,9 +1286,10 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         _check_whole(file_geometry, h.encoding, h.position, geometry)
         if h.encoding != encoding and not convert:
             raise _encoding_mismatch(h.encoding, encoding)
+        layers = reader.layers()  # reading starts now, beside the allocation
         cache = make_prompt_cache(model, context, plane_dtype=dtype)
         installed = 0
-        for layer, start, k, v in reader.layers():
+        for layer, start, k, v in layers:
             cut = LayerCut(start, k, v)
             _check_cut(geometry, h.encoding, h.position, layer, cut)
             if h.encoding != encoding:  # convert=True: round to nearest even

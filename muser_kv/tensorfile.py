@@ -15,11 +15,13 @@ file's own name for the type, so a U16 tensor is never mistaken for one.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import reprlib
 import struct
+import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -118,6 +120,42 @@ def write_all(fd: int, data: Union[bytes, memoryview, np.ndarray],
     view = memoryview(data).cast("B") if len(memoryview(data)) else memoryview(b"")
     while view:
         view = view[os.write(fd, view[:chunk]):]
+
+
+def _sync_file_range() -> Optional[object]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``fd``'s bytes ``[offset, offset + nbytes)``
+    to the device now (Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so
+    the device works while the writer goes on and the final fsync has less to
+    wait for. Best effort, and no durability promise: only fsync makes one."""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def prefetch(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start reading ``fd``'s bytes ``[offset, offset + nbytes)``
+    into the page cache now (``posix_fadvise(WILLNEED)``), so the device has the
+    next read queued while this one is consumed. Best effort."""
+    if hasattr(os, "posix_fadvise") and nbytes > 0:
+        try:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
 
 
 def write(path: PathLike, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> None:
