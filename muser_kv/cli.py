@@ -112,7 +112,7 @@ def _report(session) -> int:
     from .snapshot import SnapshotError, tensor_names
     h, g = session.header, session.header.geometry
     print(f"file: {session.path}")
-    print(f"format: {h.format}  version: {h.version}")
+    print(f"format: {h.format}  version: {h.version}  tensor checksums: {h.digest}")
     print(
         f"geometry: {g.num_layers} layers ({g.sliding_layers} sliding RoPE, {g.global_layers} "
         f"global NoPE), window {g.window}, max_context {g.max_context}, "

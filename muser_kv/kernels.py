@@ -151,15 +151,27 @@ class ReferenceBackend:
         """The live rows in logical order as ``[len, H*D]`` (token order), in fresh
         buffers: a snapshot must never alias a plane, or it would block MLX from
         donating the plane to the next store."""
-        index = mx.array([r.physical + i for r in ring.live_runs() for i in range(r.length)],
-                         dtype=mx.int32)
+        runs = ring.live_runs()
         out = []
         for plane in (plane_keys, plane_values):
-            if layout == TOKEN_MAJOR:
-                out.append(mx.take(plane, index, axis=0))
-            else:
-                h, _, d = plane.shape
-                out.append(mx.take(plane, index, axis=1).transpose(1, 0, 2).reshape(-1, h * d))
+            if layout == TOKEN_MAJOR or plane.shape[0] == 1 or not runs:
+                # a whole run of a token-major plane, or of one head transposed,
+                # is no copy: take copies
+                index = mx.array([r.physical + i for r in runs for i in range(r.length)],
+                                 dtype=mx.int32)
+                if layout == TOKEN_MAJOR:
+                    out.append(mx.take(plane, index, axis=0))
+                else:
+                    h, _, d = plane.shape
+                    out.append(mx.take(plane, index, axis=1).transpose(1, 0, 2)
+                               .reshape(-1, h * d))
+                continue
+            h, _, d = plane.shape
+            # one strided copy per run (take, then transpose, would copy twice)
+            parts = [plane[:, r.physical:r.physical + r.length, :].transpose(1, 0, 2)
+                     for r in runs]
+            rows = mx.contiguous(parts[0]) if len(parts) == 1 else mx.concatenate(parts, axis=0)
+            out.append(rows.reshape(-1, h * d))
         return out[0], out[1]
 
     def install(self, rows_keys: mx.array, rows_values: mx.array, layout: str, ring: Ring,

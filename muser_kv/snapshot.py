@@ -31,14 +31,34 @@ Invariants, each with a test (``tests/test_snapshot.py``):
   failed save leaves the old file untouched and removes its temporary. A save
   killed outright cannot clean up, so the next save or load of the same target
   removes that target's stale temporaries (those of no live process; never any
-  other file).
+  other file). The tensors are written straight from MLX's buffers while
+  other threads hash them (and the kernel is asked to start writing each back
+  as soon as it is out), and the header (which holds their digests) last,
+  into the space reserved for it: digests are fixed-length hex, so the
+  header's length is known before the first tensor is written.
 * **Verified load.** The header carries a sha256 over every other header field
   (``header_sha256``), checked before any field is trusted, and every tensor a
-  sha256 of its little-endian bytes; format, version, encoding, geometry, tensor
-  set and dtypes are all checked before a single row is trusted. Whatever is
-  wrong with a file -- truncated, bit-flipped, nested past reason, of an
-  unknown dtype -- the error is a ``SnapshotError`` naming what was expected
-  and what came, never a parser's own exception.
+  digest of its little-endian bytes (``TENSOR_DIGESTS``: XXH3-128 from version
+  3; sha256 in version 2 files, which still load); format, version, encoding,
+  geometry, tensor set and dtypes are all checked before a single row is read.
+  A reader thread reads the tensors in chunks into reused staging buffers
+  (asking the kernel to read the next two ahead), the caller's thread copies
+  each into an MLX array (the upload), and a pool hashes that MLX array's own
+  bytes, so reading, upload and verification overlap, and what is verified is
+  what is installed. Nothing verified late
+  reaches the caller: ``read_session`` returns once every digest matched, and
+  ``load_session`` installs each verified layer into a new cache list that it
+  returns only once every layer is in. Whatever is wrong with a file --
+  truncated, bit-flipped, nested past reason, of an unknown dtype -- the error
+  is a ``SnapshotError`` naming what was expected and what came, never a
+  parser's own exception.
+* **What the digests protect against: accidents.** Bit rot, torn or truncated
+  writes, a file edited or swapped by mistake (a random change goes unnoticed
+  with a chance of about 2^-128; XXH3 is no CRC, so no error pattern is
+  caught with certainty). XXH3-128 is not cryptographic, and no digest in
+  the file is a signature: whoever can write the file can recompute every
+  digest (sha256 included), so a session file is as trustworthy as the place
+  it is kept.
 * **A session knows its model.** The header records the fingerprint of the
   model whose cache was saved (``muser_kv.fingerprint``: its config and a few
   small slices of every weight); a load into a model with another fingerprint,
@@ -58,18 +78,21 @@ import errno
 import hashlib
 import json
 import os
+import queue
 import re
 import secrets
 import stat
+import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 
 from . import tensorfile
 from .cache import make_prompt_cache
@@ -80,9 +103,18 @@ from .cache import MuseKVCache
 from .precision import DtypeLike, plane_dtype_for
 
 FORMAT = "muser-kv-session"
-#: Version 2 added the header checksum and the model fingerprint; version 1
-#: files (with neither) are refused: their header cannot be verified.
-VERSION = "2"
+#: The version written. Version 2 added the header checksum and the model
+#: fingerprint (version 1 files, with neither, are refused: their header cannot
+#: be verified); version 3 changed only the tensors' digest, sha256 -> XXH3-128
+#: (sha256 hashes ~1 GB/s on a core, slower than the disks sessions live on).
+VERSION = "3"
+#: version read -> the digest of every tensor's bytes in files of that version
+#: (the header's own checksum, ``header_sha256``, is sha256 in both).
+TENSOR_DIGESTS = {"2": "sha256", "3": "xxh3-128"}
+#: digest -> the length of its lowercase hex
+DIGEST_HEX = {"sha256": 64, "xxh3-128": 32}
+#: The digest this version writes.
+TENSOR_DIGEST = TENSOR_DIGESTS[VERSION]
 F16LE = "f16le"
 BF16LE = "bf16le"
 F32LE = "f32le"
@@ -254,6 +286,29 @@ def _check_tensor(name: str, x: Any, rows: int, geometry: MuseGeometry, encoding
         fail("bytes", nbytes, int(x.nbytes))
 
 
+def _check_whole(have: MuseGeometry, encoding: str, position: Any, geometry: MuseGeometry) -> None:
+    """The gate's checks that need no rows: encoding, geometry, position."""
+    if encoding not in ENCODINGS:
+        raise SnapshotMismatch("encoding", sorted(ENCODINGS), encoding)
+    _check_geometry(have, geometry)
+    if isinstance(position, bool) or not isinstance(position, int) or not (
+            0 <= position <= geometry.max_context):
+        raise SnapshotMismatch("position", f"an int in [0, {geometry.max_context}]", position)
+
+
+def _check_cut(geometry: MuseGeometry, encoding: str, position: int, layer: int,
+               cut: Any) -> None:
+    """The gate for layer ``layer``'s cut: its start and both tensors."""
+    kind = geometry.layer_kind(layer)
+    if not isinstance(cut, LayerCut):
+        raise SnapshotMismatch("type", "LayerCut", type(cut).__name__, layer, kind)
+    start, rows = expected_cut(geometry, layer, position)
+    if cut.start != start:
+        raise SnapshotMismatch("start", start, cut.start, layer, kind)
+    for name in ("keys", "values"):
+        _check_tensor(name, getattr(cut, name), rows, geometry, encoding, layer, kind)
+
+
 def _ours(cache_entry: Any, index: int) -> MuseKVCache:
     if not isinstance(cache_entry, MuseKVCache):
         raise TypeError(
@@ -311,6 +366,17 @@ class SessionSnapshot:
         exactly its contract rows; the rows are evaluated now (a point-in-time copy).
         The snapshot records the fingerprint of ``model``, or of the model the
         list was built for (``make_prompt_cache(model)``), if either is known."""
+        snapshot = cls._capture(cache, model)
+        mx.eval([a for cut in snapshot.layers for a in (cut.keys, cut.values)])
+        return snapshot
+
+    @classmethod
+    def _capture(cls, cache: Sequence[Any], model: Any = None) -> "SessionSnapshot":
+        """``capture`` with the cuts not yet evaluated: each is a gather of the
+        planes as they are now (MLX arrays are values: a later store into the
+        cache makes new planes, never changes these), so evaluating the cuts
+        later, one by one while earlier ones are written, still gives this
+        point in time."""
         geometry = cache_geometry(cache)
         offsets = [c.offset for c in cache]
         if len(set(offsets)) != 1:
@@ -321,7 +387,6 @@ class SessionSnapshot:
         for c in cache:
             start, keys, values = c.snapshot()
             cuts.append(LayerCut(int(start), keys, values))
-        mx.eval([a for cut in cuts for a in (cut.keys, cut.values)])
         model = model if model is not None else _list_model(cache)
         fingerprint = model_fingerprint(model) if model is not None else None
         snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].dtype), tuple(cuts),
@@ -334,24 +399,11 @@ class SessionSnapshot:
     def check(self, geometry: MuseGeometry) -> None:
         """Fail-closed shape gate against ``geometry``: raises ``SnapshotMismatch``
         naming the layer, field, expected and got, or returns having changed nothing."""
-        if self.encoding not in ENCODINGS:
-            raise SnapshotMismatch("encoding", sorted(ENCODINGS), self.encoding)
-        _check_geometry(self.geometry, geometry)
+        _check_whole(self.geometry, self.encoding, self.position, geometry)
         if len(self.layers) != geometry.num_layers:
             raise SnapshotMismatch("layers", geometry.num_layers, len(self.layers))
-        if isinstance(self.position, bool) or not isinstance(self.position, int) or not (
-                0 <= self.position <= geometry.max_context):
-            raise SnapshotMismatch("position", f"an int in [0, {geometry.max_context}]",
-                                   self.position)
         for i, cut in enumerate(self.layers):
-            kind = geometry.layer_kind(i)
-            if not isinstance(cut, LayerCut):
-                raise SnapshotMismatch("type", "LayerCut", type(cut).__name__, i, kind)
-            start, rows = expected_cut(geometry, i, self.position)
-            if cut.start != start:
-                raise SnapshotMismatch("start", start, cut.start, i, kind)
-            for name in ("keys", "values"):
-                _check_tensor(name, getattr(cut, name), rows, geometry, self.encoding, i, kind)
+            _check_cut(geometry, self.encoding, self.position, i, cut)
 
     # -- encodings --------------------------------------------------------------
 
@@ -460,23 +512,43 @@ def tensor_names(layer: int) -> Tuple[str, str]:
     return f"layers.{layer}.keys", f"layers.{layer}.values"
 
 
-def tensor_digests(arrays: Mapping[str, np.ndarray]) -> Dict[str, str]:
-    """``tensor_digest`` of every array, on a few threads (hashlib lets go of the
-    GIL while it hashes, so a full-depth session's 104 tensors hash in parallel)."""
-    names = list(arrays)
-    if not names:
-        return {}
-    workers = min(len(names), os.cpu_count() or 1, 16)
-    with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(names, pool.map(lambda n: tensor_digest(arrays[n]), names)))
+def _hasher(algorithm: str) -> Any:
+    if algorithm == "xxh3-128":
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"tensor digest expected one of {sorted(DIGEST_HEX)}, got {algorithm!r}")
 
 
-def tensor_digest(array: np.ndarray) -> str:
-    """sha256 (hex) of an array's raw little-endian bytes."""
+def digest_bytes(data: Any, algorithm: str = TENSOR_DIGEST) -> str:
+    """``algorithm``'s lowercase hex digest of a C-contiguous buffer's bytes, in one
+    call (both hashes let go of the GIL while they hash a large buffer)."""
+    h = _hasher(algorithm)
+    h.update(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+def tensor_digest(array: np.ndarray, algorithm: str = TENSOR_DIGEST) -> str:
+    """``algorithm`` (hex) of an array's raw little-endian bytes."""
     a = np.ascontiguousarray(array)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    return hashlib.sha256(a.view(np.uint8).reshape(-1)).hexdigest()
+    return digest_bytes(a.view(np.uint8).reshape(-1), algorithm)
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def tensor_digests(arrays: Mapping[str, np.ndarray],
+                   algorithm: str = TENSOR_DIGEST) -> Dict[str, str]:
+    """``tensor_digest`` of every array, on a few threads (the hashes let go of
+    the GIL, so a full-depth session's 104 tensors hash in parallel)."""
+    names = list(arrays)
+    if not names:
+        return {}
+    with ThreadPoolExecutor(min(len(names), _workers())) as pool:
+        return dict(zip(names, pool.map(lambda n: tensor_digest(arrays[n], algorithm), names)))
 
 
 def geometry_to_json(geometry: MuseGeometry) -> str:
@@ -546,6 +618,11 @@ class SessionHeader:
     def tensor_names(self) -> List[str]:
         return [n for i in range(self.geometry.num_layers) for n in tensor_names(i)]
 
+    @property
+    def digest(self) -> str:
+        """The digest of this file's tensors (``TENSOR_DIGESTS[version]``)."""
+        return TENSOR_DIGESTS[self.version]
+
 
 def parse_header(metadata: Optional[Mapping[str, str]], path: PathLike) -> SessionHeader:
     """Check and parse a session file's header; ``SessionFileError`` names what is wrong.
@@ -558,12 +635,12 @@ def parse_header(metadata: Optional[Mapping[str, str]], path: PathLike) -> Sessi
     if fmt != FORMAT:
         raise SessionFileError(path, f"format expected {FORMAT!r}, got {_show(fmt)}")
     version = metadata.get("version")
-    if version != VERSION:
+    if version not in TENSOR_DIGESTS:
         why = (" (version 1 files carry no header checksum and no model fingerprint, so "
                "their header cannot be verified: rebuild the session from its prompt)"
                if version == "1" else "")
-        raise SessionFileError(path, f"unsupported version: expected {VERSION!r}, got "
-                                     f"{_show(version)}{why}")
+        raise SessionFileError(path, f"unsupported version: expected one of "
+                                     f"{sorted(TENSOR_DIGESTS)}, got {_show(version)}{why}")
     recorded = metadata.get(HEADER_CHECKSUM)
     if not isinstance(recorded, str) or not _HEX64.fullmatch(recorded):
         raise SessionFileError(path, f"header checksum ({HEADER_CHECKSUM}) expected 64 lowercase "
@@ -607,16 +684,21 @@ def parse_header(metadata: Optional[Mapping[str, str]], path: PathLike) -> Sessi
                          checksums, user, model)
 
 
+def _unreadable(path: PathLike, e: BaseException) -> SessionFileError:
+    """A reader's failure as muser-kv's refusal (``FileNotFoundError`` is not one)."""
+    if isinstance(e, tensorfile.TensorFileError):
+        return SessionFileError(path, f"unreadable: truncated, or not a safetensors file ({e})")
+    return SessionFileError(path, f"unreadable: {e}")
+
+
 def _read_raw(path: PathLike) -> Tuple[Dict[str, str], Dict[str, tensorfile.Tensor]]:
     """Header metadata and every tensor; unreadable or malformed -> ``SessionFileError``."""
     try:
         return tensorfile.read(path)
     except FileNotFoundError:
         raise
-    except tensorfile.TensorFileError as e:
-        raise SessionFileError(path, f"unreadable: truncated, or not a safetensors file ({e})") from None
-    except OSError as e:
-        raise SessionFileError(path, f"unreadable: {e}") from None
+    except (tensorfile.TensorFileError, OSError) as e:
+        raise _unreadable(path, e) from None
 
 
 @dataclass(frozen=True)
@@ -632,9 +714,57 @@ class TensorCheck:
         return self.status == "OK"
 
 
+def _table_checks(h: SessionHeader, stored: Mapping[str, str]) -> Dict[str, TensorCheck]:
+    """What the header and the tensor table (name -> safetensors dtype) say
+    before a byte of data is read: every tensor present, of the header's
+    encoding, with a checksum, and none the header does not name. Tensors that
+    pass are absent from the result (their digest decides)."""
+    want = ENCODINGS[h.encoding][1]
+    out: Dict[str, TensorCheck] = {}
+    for name in h.tensor_names:
+        dtype = stored.get(name)
+        if dtype is None:
+            out[name] = TensorCheck(name, "MISSING", "tensor missing from the file")
+        elif dtype != want:
+            out[name] = TensorCheck(name, "DTYPE", f"encoding {h.encoding} expects dtype "
+                                    f"{tensorfile.DTYPE_NAMES[want]}, got "
+                                    f"{tensorfile.DTYPE_NAMES[dtype]}")
+        elif name not in h.checksums:
+            out[name] = TensorCheck(name, "MISMATCH", "no checksum in the header")
+    expected = set(h.tensor_names)
+    for n in sorted(set(stored) - expected):
+        out[n] = TensorCheck(n, "UNEXPECTED", "tensor not named by the header")
+    for n in sorted(set(h.checksums) - expected):
+        out[n] = TensorCheck(n, "UNEXPECTED", "checksum for a tensor the geometry does not have")
+    return out
+
+
+def _digest_check(h: SessionHeader, name: str, digest: str) -> TensorCheck:
+    if digest != h.checksums[name]:
+        return TensorCheck(name, "MISMATCH", f"{h.digest} expected {h.checksums[name]}, "
+                                             f"got {digest}")
+    return TensorCheck(name, "OK")
+
+
+def _refusal(path: PathLike, check: TensorCheck) -> SessionFileError:
+    what = {"MISSING": "missing tensor", "UNEXPECTED": "unexpected tensor",
+            "DTYPE": "wrong encoding for tensor",
+            "MISMATCH": "corrupted tensor (checksum mismatch)"}[check.status]
+    return SessionFileError(path, f"{what} {check.name!r}: {check.detail}")
+
+
+def _first_refusal(path: PathLike, h: SessionHeader, checks: Mapping[str, TensorCheck]) -> None:
+    """Raise for the first failing check: the header's tensors in order, then the rest."""
+    for name in h.tensor_names + sorted(set(checks) - set(h.tensor_names)):
+        check = checks.get(name)
+        if check is not None and not check.ok:
+            raise _refusal(path, check)
+
+
 @dataclass(frozen=True, eq=False)
 class SessionFile:
-    """A session file as read: raw metadata, parsed header, tensors as stored."""
+    """A session file as read whole: raw metadata, parsed header, tensors as
+    stored (what ``muser-kv inspect`` reports on; loads stream instead)."""
 
     path: Path
     metadata: Dict[str, str]
@@ -642,44 +772,20 @@ class SessionFile:
     tensors: Dict[str, tensorfile.Tensor]
 
     def verify(self) -> List[TensorCheck]:
-        """Every expected tensor present, of the header's encoding, with its checksum;
-        no tensor the header does not name."""
+        """Every expected tensor present, of the header's encoding, with its
+        checksum (the digest of the file's version); no tensor the header does
+        not name."""
         h = self.header
-        stored = ENCODINGS[h.encoding][1]
+        table = _table_checks(h, {n: t.dtype for n, t in self.tensors.items()})
         digests = tensor_digests({n: t.data for n, t in self.tensors.items()
-                                  if n in h.checksums and t.dtype == stored})
-        out = []
-        for name in h.tensor_names:
-            t = self.tensors.get(name)
-            if t is None:
-                out.append(TensorCheck(name, "MISSING", "tensor missing from the file"))
-            elif t.dtype != stored:
-                out.append(TensorCheck(name, "DTYPE", f"encoding {h.encoding} expects dtype "
-                                       f"{tensorfile.DTYPE_NAMES[stored]}, got {t.dtype_name}"))
-            elif name not in h.checksums:
-                out.append(TensorCheck(name, "MISMATCH", "no checksum in the header"))
-            else:
-                digest = digests[name]
-                if digest != h.checksums[name]:
-                    out.append(TensorCheck(name, "MISMATCH", f"sha256 expected "
-                                           f"{h.checksums[name]}, got {digest}"))
-                else:
-                    out.append(TensorCheck(name, "OK"))
-        expected = set(h.tensor_names)
-        out += [TensorCheck(n, "UNEXPECTED", "tensor not named by the header")
-                for n in sorted(set(self.tensors) - expected)]
-        out += [TensorCheck(n, "UNEXPECTED", "checksum for a tensor the geometry does not have")
-                for n in sorted(set(h.checksums) - expected)]
-        return out
+                                  if n in h.checksums and n not in table}, h.digest)
+        out = [table.get(name) or _digest_check(h, name, digests[name])
+               for name in h.tensor_names]
+        return out + [table[n] for n in sorted(set(table) - set(h.tensor_names))]
 
     def snapshot(self) -> SessionSnapshot:
         """The verified snapshot; refuses on the first failing tensor or shape."""
-        for check in self.verify():
-            if not check.ok:
-                what = {"MISSING": "missing tensor", "UNEXPECTED": "unexpected tensor",
-                        "DTYPE": "wrong encoding for tensor",
-                        "MISMATCH": "corrupted tensor (checksum mismatch)"}[check.status]
-                raise SessionFileError(self.path, f"{what} {check.name!r}: {check.detail}")
+        _first_refusal(self.path, self.header, {c.name: c for c in self.verify()})
         h = self.header
         dtype = ENCODINGS[h.encoding][0]
         cuts = []
@@ -700,25 +806,198 @@ def _to_mlx(data: np.ndarray, dtype: Any) -> mx.array:
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
-    """An evaluated MLX array's bytes as numpy (a view of MLX's buffer, no copy;
-    bf16 as its uint16 bits)."""
+    """An MLX array's bytes as numpy, evaluating it if need be (a view of MLX's
+    buffer, no copy; bf16 as its uint16 bits)."""
     if x.dtype == mx.bfloat16:
         x = x.view(mx.uint16)
     return np.asarray(x)
 
 
 def open_session(path: PathLike, *, tidy: bool = True) -> SessionFile:
-    """Read a session file and parse its header (tensors are not yet verified).
-    ``tidy`` removes the target's stale temporaries first (see ``tidy_temporaries``)."""
+    """Read a whole session file and parse its header (tensors are not yet
+    verified). ``tidy`` removes the target's stale temporaries first (see
+    ``tidy_temporaries``)."""
     if tidy:
         tidy_temporaries(path)
     metadata, tensors = _read_raw(path)
     return SessionFile(Path(path), metadata, parse_header(metadata, path), tensors)
 
 
+# -- reading, streamed ----------------------------------------------------------------
+
+#: Staging buffers a load cycles through (each the size of the largest tensor):
+#: the reader fills one while the caller uploads another.
+STAGING = 3
+#: Tensors past the one being read that the kernel is asked to read ahead.
+PREFETCH = 2
+
+
+class _Reader:
+    """One session file, opened for a streamed, verified read.
+
+    Opening reads only the header: it is verified and parsed, and the tensor
+    table is checked against it, before any data is read. ``layers()`` then
+    yields ``(layer, start, keys, values)`` for every layer whose two tensors
+    were read and verified, in file order. Three kinds of work overlap: a
+    reader thread ``readinto``-s each tensor, ``tensorfile.CHUNK`` at a time,
+    into one of ``STAGING`` reused buffers; the caller's thread copies the
+    buffer into an MLX array (the upload; the buffer is then free again); and a
+    pool hashes the MLX array's own bytes. A digest that does not match raises
+    ``SessionFileError`` naming the tensor, and nothing of that layer is yielded."""
+
+    def __init__(self, path: PathLike, *, tidy: bool = True):
+        self.path = path
+        self._active: Optional[Iterator[Any]] = None
+        self._threads: Optional[Any] = None  # stops the reader thread and the pool
+        if tidy:
+            tidy_temporaries(path)
+        try:
+            self._file: Optional[BinaryIO] = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _unreadable(path, e) from None
+        try:
+            try:
+                metadata, entries = tensorfile.read_table(self._file)
+            except (tensorfile.TensorFileError, OSError) as e:
+                raise _unreadable(path, e) from None
+            self.header = parse_header(metadata, path)
+            self.entries = {e.name: e for e in entries}
+            _first_refusal(path, self.header, _table_checks(
+                self.header, {n: e.dtype for n, e in self.entries.items()}))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the reader thread and the digests (if ``layers()`` was called),
+        then close the file."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        if self._threads is not None:
+            self._threads()
+            self._threads = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def layers(self) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
+        """Start reading now (the reader thread runs ahead of the caller, who may
+        do other work first), and iterate over the verified layers."""
+        order = sorted(self.entries.values(), key=lambda e: e.begin)
+        largest = max(e.nbytes for e in order)
+        free: "queue.Queue[np.ndarray]" = queue.Queue()
+        for _ in range(min(STAGING, len(order))):
+            free.put(np.empty(largest, np.uint8))
+        ready: "queue.Queue[Any]" = queue.Queue()
+        stop = threading.Event()
+        f = self._file
+        assert f is not None and self._threads is None
+
+        def read() -> None:
+            try:
+                for i, e in enumerate(order):
+                    for ahead in order[i + 1:i + 1 + PREFETCH]:
+                        tensorfile.prefetch(f.fileno(), ahead.begin, ahead.nbytes)
+                    buf = free.get()
+                    if stop.is_set():
+                        return
+                    tensorfile.read_into(f, e, buf)
+                    ready.put((e, buf))
+            except BaseException as exc:  # handed to the caller's thread
+                ready.put(exc)
+
+        reader = threading.Thread(target=read, name="muser-kv session reader", daemon=True)
+        pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv digest")
+
+        def end() -> None:
+            stop.set()
+            for _ in range(STAGING):
+                free.put(np.empty(0, np.uint8))  # wakes a reader waiting for a buffer
+            reader.join()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+        self._threads = end
+        reader.start()
+        self._active = self._consume(order, ready, free, pool)
+        return self._active
+
+    def _consume(self, order: Sequence[tensorfile.Entry], ready: "queue.Queue[Any]",
+                 free: "queue.Queue[np.ndarray]", pool: ThreadPoolExecutor,
+                 ) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
+        h = self.header
+        layer_of = {n: i for i in range(h.geometry.num_layers) for n in tensor_names(i)}
+        arrays: Dict[str, mx.array] = {}
+        digests: Dict[str, "Future[str]"] = {}
+        pending: List[int] = []  # layers whose tensors are in, digests maybe not
+        for _ in order:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                if isinstance(item, (tensorfile.TensorFileError, OSError)):
+                    raise _unreadable(self.path, item) from None
+                raise item
+            e, buf = item
+            x, host = _upload(buf, e)
+            free.put(buf)
+            arrays[e.name] = x
+            digests[e.name] = pool.submit(digest_bytes, host, h.digest)
+            layer = layer_of[e.name]
+            if all(n in arrays for n in tensor_names(layer)):
+                pending.append(layer)
+            while pending and all(digests[n].done() for n in tensor_names(pending[0])):
+                yield self._verified(pending.pop(0), arrays, digests)
+        while pending:
+            yield self._verified(pending.pop(0), arrays, digests)
+
+    def _verified(self, layer: int, arrays: Dict[str, mx.array],
+                  digests: Mapping[str, "Future[str]"]) -> Tuple[int, int, mx.array, mx.array]:
+        h = self.header
+        for name in tensor_names(layer):
+            check = _digest_check(h, name, digests[name].result())
+            if not check.ok:
+                raise _refusal(self.path, check)
+        k, v = (arrays.pop(n) for n in tensor_names(layer))
+        return layer, h.starts[layer], k, v
+
+
+def _upload(buf: np.ndarray, entry: tensorfile.Entry) -> Tuple[mx.array, np.ndarray]:
+    """Staged bytes -> ``(an MLX array of the entry's dtype and shape, a numpy
+    view of that array's own buffer)``. ``mx.array`` copies; should it ever
+    share the staging buffer instead, the buffer's reuse would change it, so
+    that is refused rather than trusted."""
+    storage = tensorfile.STORAGE[entry.dtype]
+    x = mx.array(buf[:entry.nbytes].view(storage).reshape(entry.shape))
+    if entry.dtype == "BF16":
+        x = x.view(mx.bfloat16)
+    host = _to_numpy(x)
+    if host.nbytes and np.may_share_memory(host, buf):
+        raise RuntimeError("session load: mx.array shared the staging buffer instead of "
+                           "copying it; refusing to reuse the buffer under it")
+    return x, host
+
+
 def read_session(path: PathLike) -> SessionSnapshot:
     """The snapshot in a session file, with every checksum and shape verified."""
-    return open_session(path).snapshot()
+    with _Reader(path) as reader:
+        h = reader.header
+        cuts: List[Optional[LayerCut]] = [None] * h.geometry.num_layers
+        for layer, start, k, v in reader.layers():
+            cuts[layer] = LayerCut(start, k, v)
+    mx.eval([a for c in cuts if c is not None for a in (c.keys, c.values)])
+    snapshot = SessionSnapshot(h.geometry, h.position, h.encoding, tuple(cuts), h.model)
+    snapshot.check(h.geometry)
+    return snapshot
+
+
+# -- writing ---------------------------------------------------------------------------
 
 
 def user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
@@ -746,37 +1025,75 @@ def user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return user
 
 
-def _header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
-            user: Mapping[str, Any]) -> Dict[str, str]:
-    header = {
+def _header_fields(snapshot: SessionSnapshot, user: Mapping[str, Any]) -> Dict[str, str]:
+    """Every header field but the two that depend on the tensors' bytes
+    (``checksums``, and ``header_sha256`` over everything)."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "geometry": geometry_to_json(snapshot.geometry),
         "position": json.dumps(snapshot.position),
         "encoding": snapshot.encoding,
         "starts": json.dumps([c.start for c in snapshot.layers]),
-        "checksums": json.dumps(tensor_digests(arrays), sort_keys=True),
         "user": json.dumps(dict(user), sort_keys=True, allow_nan=False),
         "model": json.dumps(snapshot.model, sort_keys=True),
     }
+
+
+def _signed(fields: Mapping[str, str], digests: Mapping[str, str]) -> Dict[str, str]:
+    header = dict(fields, checksums=json.dumps(dict(digests), sort_keys=True))
     header[HEADER_CHECKSUM] = header_digest(header)
     return header
 
 
-def _arrays(snapshot: SessionSnapshot) -> Dict[str, np.ndarray]:
-    out = {}
-    for i, cut in enumerate(snapshot.layers):
-        for name, x in zip(tensor_names(i), (cut.keys, cut.values)):
-            # a view of MLX's buffer (the snapshot keeps it alive), not a copy
-            out[name] = np.ascontiguousarray(_to_numpy(x))
-    return out
+def _tensors(snapshot: SessionSnapshot) -> List[Tuple[str, mx.array]]:
+    return [(name, x) for i, cut in enumerate(snapshot.layers)
+            for name, x in zip(tensor_names(i), (cut.keys, cut.values))]
 
 
-def _write_tensors(path: PathLike, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
-    """The one writer (tests replace it to fail mid-save): every tensor in the
-    safetensors dtype of the header's encoding, streamed from the arrays."""
-    stored = ENCODINGS[header["encoding"]][1]
-    tensorfile.write(path, {n: tensorfile.Tensor(stored, a) for n, a in arrays.items()}, header)
+#: Tensors whose gather is started ahead of the one being written.
+AHEAD = 4
+
+
+def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, mx.array]],
+                   fields: Dict[str, str]) -> Dict[str, str]:
+    """The one writer (tests replace it to fail mid-save): the file at ``path``
+    (which exists) becomes the session, its header ``fields`` signed with the
+    tensors' digests; returns that header.
+
+    The data goes first, at the offset the header will end at (its length is
+    fixed before any digest is known: digests are fixed-length hex), each
+    tensor straight from MLX's buffer while a pool hashes the same buffer and
+    the next ``AHEAD`` tensors are gathered, its writeback started as soon as
+    it is out; then the header."""
+    if sys.byteorder != "little":
+        raise SnapshotError("session files are little-endian; this host is not")
+    stored = ENCODINGS[fields["encoding"]][1]
+    algorithm = TENSOR_DIGESTS[fields["version"]]
+    table = [(n, stored, tuple(x.shape)) for n, x in tensors]
+    names = [n for n, _ in tensors]
+    reserved = len(tensorfile.head(table, _signed(fields, {
+        n: "0" * DIGEST_HEX[algorithm] for n in names})))
+    futures = []
+    with open(path, "r+b", buffering=0) as f, ThreadPoolExecutor(
+            _workers(), thread_name_prefix="muser-kv digest") as pool:
+        fd = f.fileno()
+        os.lseek(fd, reserved, os.SEEK_SET)
+        for i, (name, x) in enumerate(tensors):
+            mx.async_eval([t for _, t in tensors[i:i + 1 + AHEAD]])  # this one first
+            data = np.ascontiguousarray(_to_numpy(x))  # waits for x's gather; a view
+            futures.append(pool.submit(digest_bytes, data, algorithm))
+            if data.nbytes:
+                at = os.lseek(fd, 0, os.SEEK_CUR)
+                tensorfile.write_all(fd, data)
+                tensorfile.start_writeback(fd, at, data.nbytes)
+        header = _signed(fields, {n: fut.result() for n, fut in zip(names, futures)})
+        head = tensorfile.head(table, header)
+        if len(head) != reserved:  # cannot happen while digests are fixed-length hex
+            raise SnapshotError(f"session header expected {reserved} bytes, got {len(head)}")
+        os.lseek(fd, 0, os.SEEK_SET)
+        tensorfile.write_all(fd, head)
+    return header
 
 
 def _fsync_path(path: PathLike, directory: bool = False) -> None:
@@ -860,7 +1177,8 @@ def _saving(path: Path, e: OSError) -> OSError:
                             f"{e.strerror or e}", os.fspath(path))
 
 
-def _atomic_write(path: Path, arrays: Dict[str, np.ndarray], header: Dict[str, str]) -> None:
+def _atomic_write(path: Path, tensors: Sequence[Tuple[str, mx.array]],
+                  fields: Dict[str, str]) -> None:
     """Temp file beside ``path`` -> written and closed -> fsync (its bytes are on
     disk) -> ``os.replace`` (atomic rename) -> fsync the directory (the rename
     is on disk). Any failure before the rename removes the temp file and leaves
@@ -879,7 +1197,7 @@ def _atomic_write(path: Path, arrays: Dict[str, np.ndarray], header: Dict[str, s
         except OSError as e:
             raise _saving(path, e) from e
         try:
-            _write_tensors(tmp, arrays, header)
+            _write_tensors(tmp, tensors, fields)
             _fsync_path(tmp)
             os.replace(tmp, path)
         except BaseException as e:
@@ -906,18 +1224,17 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
     (``SessionMetadataError`` otherwise, before the disk is touched). The file
     records the fingerprint of ``model``, else of the model the cache list was
     built for, else the snapshot's (none, for a list built from a bare
-    geometry). Returns what was written."""
+    geometry). Returns what was written (evaluated)."""
     user = user_metadata(metadata)  # refused before touching the disk
     if isinstance(cache, SessionSnapshot):
         snapshot = cache
         if model is not None:
             snapshot = dataclasses.replace(snapshot, model=model_fingerprint(model))
     else:
-        snapshot = SessionSnapshot.capture(cache, model)
+        snapshot = SessionSnapshot._capture(cache, model)  # gathered while written
     snapshot = snapshot.encoded(encoding or snapshot.encoding)
     snapshot.check(snapshot.geometry)
-    arrays = _arrays(snapshot)
-    _atomic_write(Path(path), arrays, _header(snapshot, arrays, user))
+    _atomic_write(Path(path), _tensors(snapshot), _header_fields(snapshot, user))
     return snapshot
 
 
@@ -933,30 +1250,54 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     ``make_prompt_cache``); a file of another encoding needs ``convert=True``.
     The session must come from ``model`` itself (by fingerprint: its config and
     a sample of its weights); a file from another model, or one that records no
-    model, is refused (``ModelMismatch``) unless ``allow_other_model=True``."""
+    model, is refused (``ModelMismatch``) unless ``allow_other_model=True``.
+
+    Everything the header decides (geometry, model, encoding) is checked before
+    the first tensor is read; each layer is installed, into a list no one else
+    holds, as soon as both its tensors are verified, so installing overlaps
+    reading, and the list is returned only once every layer is in."""
     max_context = optional_count(max_context, "max_context", minimum=1)
-    snapshot = read_session(path)
-    file_geometry = snapshot.geometry
-    context = file_geometry.max_context if max_context is None else max_context
     args = getattr(model, "args", None)
     if args is None:
         raise TypeError(
             f"load_session needs an mlx-lm model with .args, got {type(model).__name__}")
-    limit = MuseGeometry.from_model_args(args).max_context
-    if context > limit:
-        raise SnapshotMismatch(
-            f"geometry.max_context (expected: within the model's max_position_embeddings; "
-            f"got: file {os.fspath(path)})", f"<= {limit}", context)
-    target = MuseGeometry.from_model_args(args, context)
-    try:
-        _check_geometry(file_geometry, kv_geometry(target))
-    except SnapshotMismatch as e:
-        raise SnapshotMismatch(f"{e.field} (expected: the model's; got: file {os.fspath(path)})",
-                               e.expected, e.got) from None
-    if not allow_other_model:
-        check_model(snapshot.model, model_fingerprint(model), f"the model ({type(model).__name__})")
-    dtype = plane_dtype_for(model, plane_dtype)
-    ready = snapshot._installable(kv_geometry(target), plane_encoding(dtype), convert)
-    cache = make_prompt_cache(model, context, plane_dtype=dtype)
-    _install(cache, ready, rollback=False)
+    with _Reader(path) as reader:
+        h = reader.header
+        file_geometry = h.geometry
+        context = file_geometry.max_context if max_context is None else max_context
+        limit = MuseGeometry.from_model_args(args).max_context
+        if context > limit:
+            raise SnapshotMismatch(
+                f"geometry.max_context (expected: within the model's max_position_embeddings; "
+                f"got: file {os.fspath(path)})", f"<= {limit}", context)
+        target = MuseGeometry.from_model_args(args, context)
+        try:
+            _check_geometry(file_geometry, kv_geometry(target))
+        except SnapshotMismatch as e:
+            raise SnapshotMismatch(
+                f"{e.field} (expected: the model's; got: file {os.fspath(path)})",
+                e.expected, e.got) from None
+        if not allow_other_model:
+            check_model(h.model, model_fingerprint(model),
+                        f"the model ({type(model).__name__})")
+        dtype = plane_dtype_for(model, plane_dtype)
+        encoding = plane_encoding(dtype)
+        geometry = kv_geometry(target)
+        _check_whole(file_geometry, h.encoding, h.position, geometry)
+        if h.encoding != encoding and not convert:
+            raise _encoding_mismatch(h.encoding, encoding)
+        layers = reader.layers()  # reading starts now, beside the allocation
+        cache = make_prompt_cache(model, context, plane_dtype=dtype)
+        installed = 0
+        for layer, start, k, v in layers:
+            cut = LayerCut(start, k, v)
+            _check_cut(geometry, h.encoding, h.position, layer, cut)
+            if h.encoding != encoding:  # convert=True: round to nearest even
+                cut = LayerCut(start, k.astype(dtype), v.astype(dtype))
+            cache[layer].install(cut.start, cut.keys, cut.values)
+            mx.async_eval(cache[layer].kv_state)
+            installed += 1
+    if installed != len(cache):  # the reader yields every layer or raises
+        raise SnapshotMismatch("layers installed", len(cache), installed)
+    mx.eval([a for c in cache for a in c.kv_state])
     return cache

@@ -15,13 +15,15 @@ file's own name for the type, so a U16 tensor is never mistaken for one.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import reprlib
 import struct
+import sys
 from dataclasses import dataclass
-from typing import Dict, Mapping, Tuple, Union
+from typing import BinaryIO, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -70,23 +72,101 @@ class Tensor:
         return DTYPE_NAMES[self.dtype]
 
 
+#: Bytes per read or write call: large enough that a call's overhead vanishes,
+#: small enough that reading overlaps whatever consumes the bytes.
+CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a file's table: its dtype name, shape and absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+
+def head(tensors: Sequence[Tuple[str, str, Sequence[int]]], metadata: Mapping[str, str]) -> bytes:
+    """The bytes before the data of a file holding ``tensors`` (``(name, dtype,
+    shape)``, in order, back to back) with ``metadata``: the u64 length and the
+    JSON header, padded with spaces to 8 bytes."""
+    table: Dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * STORAGE[dtype].itemsize
+        table[name] = {"dtype": dtype, "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_all(fd: int, data: Union[bytes, memoryview, np.ndarray],
+              chunk: Optional[int] = None) -> None:
+    """Every byte of ``data`` (C-contiguous) to ``fd`` at its offset, ``chunk``
+    (default ``CHUNK``) at a time."""
+    chunk = chunk or CHUNK
+    view = memoryview(data).cast("B") if len(memoryview(data)) else memoryview(b"")
+    while view:
+        view = view[os.write(fd, view[:chunk]):]
+
+
+def _sync_file_range() -> Optional[object]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``fd``'s bytes ``[offset, offset + nbytes)``
+    to the device now (Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so
+    the device works while the writer goes on and the final fsync has less to
+    wait for. Best effort, and no durability promise: only fsync makes one."""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def prefetch(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start reading ``fd``'s bytes ``[offset, offset + nbytes)``
+    into the page cache now (``posix_fadvise(WILLNEED)``), so the device has the
+    next read queued while this one is consumed. Best effort."""
+    if hasattr(os, "posix_fadvise") and nbytes > 0:
+        try:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+
 def write(path: PathLike, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> None:
     """Stream ``tensors`` (in order) to ``path`` in the safetensors layout, straight
     from their buffers: no second copy of the payload is built in memory."""
-    table: Dict[str, object] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name, t in tensors.items():
-        table[name] = {"dtype": t.dtype, "shape": list(t.data.shape),
-                       "data_offsets": [offset, offset + t.data.nbytes]}
-        offset += t.data.nbytes
-    head = json.dumps(table, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
+    prefix = head([(n, t.dtype, t.data.shape) for n, t in tensors.items()], metadata)
+    with open(path, "wb", buffering=0) as f:
+        write_all(f.fileno(), prefix)
         for t in tensors.values():
             if t.data.size:
-                f.write(memoryview(np.ascontiguousarray(t.data)).cast("B"))
+                write_all(f.fileno(), np.ascontiguousarray(t.data))
 
 
 def _header(raw: bytes) -> dict:
@@ -99,62 +179,92 @@ def _header(raw: bytes) -> dict:
     return header
 
 
+def read_table(f: BinaryIO) -> Tuple[Dict[str, str], List[Entry]]:
+    """``(metadata, entries)`` of the open file ``f`` (entries in the header's
+    order), reading only its header: every entry's dtype, shape and byte span
+    checked, the spans tiling the data exactly to the file's end; else
+    ``TensorFileError`` naming what is wrong."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise TensorFileError(f"truncated: {size} bytes, no header length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > min(MAX_HEADER, size - 8):
+        raise TensorFileError(f"truncated or not safetensors: header length {n}, file {size} bytes")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise TensorFileError(f"truncated: header of {n} bytes, read {len(raw)}")
+    header = _header(raw)
+    data_len = size - 8 - n
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TensorFileError("__metadata__ expected a JSON object of strings")
+    entries = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise TensorFileError(f"tensor {show(name)}: entry expected dtype, shape and "
+                                  f"data_offsets, got {show(entry)}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in STORAGE:
+            raise TensorFileError(f"tensor {show(name)}: dtype expected one of {sorted(STORAGE)}, "
+                                  f"got {show(dtype)}")
+        if not (isinstance(shape, list) and all(
+                type(d) is int and d >= 0 for d in shape)):
+            raise TensorFileError(f"tensor {show(name)}: shape expected a list of sizes, "
+                                  f"got {show(shape)}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+                type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise TensorFileError(f"tensor {show(name)}: data_offsets expected [begin, end], "
+                                  f"got {show(offsets)}")
+        nbytes = math.prod(shape) * STORAGE[dtype].itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise TensorFileError(f"tensor {show(name)}: {dtype} {shape} needs {nbytes} bytes, "
+                                  f"data_offsets span {offsets[1] - offsets[0]}")
+        entries.append(Entry(name, dtype, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1]))
+    end = 8 + n
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin != end:
+            raise TensorFileError(f"tensor {show(e.name)}: data starts at byte {e.begin - 8 - n}, "
+                                  f"expected {end - 8 - n} (tensors must tile the data)")
+        end = e.end
+    if end - 8 - n != data_len:
+        raise TensorFileError(f"truncated: tensors need {end - 8 - n} data bytes, file has "
+                              f"{data_len}")
+    return metadata, entries
+
+
+def read_into(f: BinaryIO, entry: Entry, out: Union[memoryview, np.ndarray],
+              chunk: Optional[int] = None) -> None:
+    """``entry``'s bytes into ``out`` (writable, C-contiguous, at least
+    ``entry.nbytes``), ``chunk`` (default ``CHUNK``) at a time with ``readinto``;
+    a file that ends early (it shrank since its table was read) is
+    ``TensorFileError``."""
+    chunk = chunk or CHUNK
+    if not entry.nbytes:
+        return
+    view = memoryview(out).cast("B")[:entry.nbytes]
+    f.seek(entry.begin)
+    done = 0
+    while done < entry.nbytes:
+        got = f.readinto(view[done:done + chunk])
+        if not got:
+            raise TensorFileError(f"truncated: tensor {show(entry.name)} short by "
+                                  f"{entry.nbytes - done} bytes")
+        done += got
+
+
 def read(path: PathLike) -> Tuple[Dict[str, str], Dict[str, Tensor]]:
-    """``(metadata, tensors)`` of a safetensors file, or ``TensorFileError`` naming
-    what is wrong (``FileNotFoundError`` and other ``OSError`` pass through)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise TensorFileError(f"truncated: {size} bytes, no header length")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > min(MAX_HEADER, size - 8):
-            raise TensorFileError(f"truncated or not safetensors: header length {n}, file {size} bytes")
-        header = _header(f.read(n))
-        data_len = size - 8 - n
-        metadata = header.pop("__metadata__", {})
-        if not isinstance(metadata, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise TensorFileError("__metadata__ expected a JSON object of strings")
-        spans = []
-        for name, entry in header.items():
-            if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-                raise TensorFileError(f"tensor {show(name)}: entry expected dtype, shape and "
-                                      f"data_offsets, got {show(entry)}")
-            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not isinstance(dtype, str) or dtype not in STORAGE:
-                raise TensorFileError(f"tensor {show(name)}: dtype expected one of {sorted(STORAGE)}, "
-                                      f"got {show(dtype)}")
-            if not (isinstance(shape, list) and all(
-                    type(d) is int and d >= 0 for d in shape)):
-                raise TensorFileError(f"tensor {show(name)}: shape expected a list of sizes, "
-                                      f"got {show(shape)}")
-            if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-                    type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
-                raise TensorFileError(f"tensor {show(name)}: data_offsets expected [begin, end], "
-                                      f"got {show(offsets)}")
-            nbytes = math.prod(shape) * STORAGE[dtype].itemsize
-            if offsets[1] - offsets[0] != nbytes:
-                raise TensorFileError(f"tensor {show(name)}: {dtype} {shape} needs {nbytes} bytes, "
-                                      f"data_offsets span {offsets[1] - offsets[0]}")
-            spans.append((offsets[0], offsets[1], name, dtype, shape))
-        spans.sort()
-        end = 0
-        for begin, stop, name, _, _ in spans:
-            if begin != end:
-                raise TensorFileError(f"tensor {show(name)}: data starts at byte {begin}, "
-                                      f"expected {end} (tensors must tile the data)")
-            end = stop
-        if end != data_len:
-            raise TensorFileError(f"truncated: tensors need {end} data bytes, file has {data_len}")
+    """``(metadata, tensors)`` of a safetensors file, in the header's order, or
+    ``TensorFileError`` naming what is wrong (``FileNotFoundError`` and other
+    ``OSError`` pass through)."""
+    with open(path, "rb", buffering=0) as f:
+        metadata, entries = read_table(f)
         tensors: Dict[str, Tensor] = {}
-        for begin, stop, name, dtype, shape in spans:
-            storage = STORAGE[dtype]
-            f.seek(8 + n + begin)
-            data = np.fromfile(f, dtype=storage, count=(stop - begin) // storage.itemsize)
-            if data.nbytes != stop - begin:
-                raise TensorFileError(f"truncated: tensor {show(name)} short by "
-                                      f"{stop - begin - data.nbytes} bytes")
-            tensors[name] = Tensor(dtype, data.reshape(shape))
-    order = [name for name in header]  # the header's own order
-    return metadata, {name: tensors[name] for name in order}
+        for e in sorted(entries, key=lambda e: e.begin):  # file order: one forward pass
+            storage = STORAGE[e.dtype]
+            data = np.empty(e.nbytes // storage.itemsize, storage)
+            read_into(f, e, data)
+            tensors[e.name] = Tensor(e.dtype, data.reshape(e.shape))
+    return metadata, {e.name: tensors[e.name] for e in entries}

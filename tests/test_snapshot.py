@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+import xxhash
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -246,7 +247,11 @@ def test_logical_cut_contract_on_disk(model, tmp_path, position):
             ek, ev = unrotated(c)  # logical order, never rotated
             np.testing.assert_array_equal(bits(k), bits(ek))
             np.testing.assert_array_equal(bits(v), bits(ev))
-    assert meta["format"] == "muser-kv-session" and meta["version"] == "2"
+            # version 3's digest, computed independently: XXH3-128 of the bytes
+            checksums = json.loads(meta["checksums"])
+            for name, t in ((f"layers.{i}.keys", k), (f"layers.{i}.values", v)):
+                assert checksums[name] == xxhash.xxh3_128(t.tobytes()).hexdigest()
+    assert meta["format"] == "muser-kv-session" and meta["version"] == "3"
     assert json.loads(meta["position"]) == position
     assert json.loads(meta["geometry"])["window"] == WINDOW
 
@@ -391,12 +396,18 @@ def test_load_refuses_another_geometry(saved):
 
 def test_load_refuses_unknown_format_and_version(saved, model):
     path, _ = saved
-    rewrite(path, header={"version": "3"})
-    refuse(path, model, SessionFileError, r"unsupported version: expected '2', got '3'")
+    rewrite(path, header={"version": "4"})
+    refuse(path, model, SessionFileError,
+           r"unsupported version: expected one of \['2', '3'\], got '4'")
     rewrite(path, header={"version": "1"})
     refuse(path, model, SessionFileError,
-           r"unsupported version: expected '2', got '1' \(version 1 files carry no header checksum")
-    rewrite(path, header={"version": "2", "format": "kvpack"})
+           r"unsupported version: expected one of \['2', '3'\], got '1' \(version 1 files carry "
+           r"no header checksum")
+    # a version 3 file relabelled 2: its XXH3-128 digests are not sha256s
+    rewrite(path, header={"version": "2"})
+    refuse(path, model, SessionFileError,
+           r"corrupted tensor \(checksum mismatch\) 'layers.0.keys': sha256 expected")
+    rewrite(path, header={"version": "3", "format": "kvpack"})
     refuse(path, model, SessionFileError, r"format expected 'muser-kv-session', got 'kvpack'")
 
 
@@ -432,7 +443,7 @@ def test_load_refuses_a_flipped_bit(saved, model):
     blob[payload_offset(bytes(blob), "layers.3.values") + 77] ^= 0x10
     path.write_bytes(bytes(blob))
     refuse(path, model, SessionFileError,
-           r"corrupted tensor \(checksum mismatch\) 'layers.3.values': sha256 expected")
+           r"corrupted tensor \(checksum mismatch\) 'layers.3.values': xxh3-128 expected")
 
 
 def test_load_refuses_a_missing_or_unexpected_tensor(saved, model):
@@ -525,7 +536,8 @@ def test_inspect_prints_the_header_and_verifies(saved, capsys):
     path, _ = saved
     assert muser_kv.cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    for text in ("format: muser-kv-session", "version: 2", "position: 40", "encoding: f16le",
+    for text in ("format: muser-kv-session", "version: 3", "tensor checksums: xxh3-128",
+                 "position: 40", "encoding: f16le",
                  '"prompt": "hello"', "window 16", "max_context 128", "2 KV heads x 128",
                  "gate: OK", "result: OK"):
         assert text in out, text
