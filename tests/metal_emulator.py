@@ -134,7 +134,10 @@ class Compiler:
         runtime = (SHIM_DIR / "runtime.cpp").read_text()
         types = metal_text.mlx_include_root() / "mlx" / "types"
         mlx_types = "".join((types / n).read_text() for n in ("fp16.h", "bf16.h"))
-        self.base = _digest(self.version, shim, runtime, mlx_types, self.preamble, CHECK, RUN)
+        # the paths too: a precompiled header records the absolute include paths
+        # it was built with, and another checkout's (since deleted) would not load
+        self.base = _digest(self.version, shim, runtime, mlx_types, self.preamble, CHECK, RUN,
+                            str(SHIM_DIR), str(metal_text.mlx_include_root()))
         self.include = self.dir / f"include_{self.base}"
         self.include.mkdir(exist_ok=True)
         header = self.include / "mlx_jit_preamble.h"
@@ -200,7 +203,8 @@ class Compiler:
                 tmp.replace(target)
                 return target
             tmp.unlink(missing_ok=True)
-            if attempt or "precompiled header" not in run.stderr:
+            stale = "precompiled header" in run.stderr or "AST file" in run.stderr
+            if attempt or not stale:
                 raise MetalCompileError(f"clang++ rejected {what} (run build):\n{run.stderr[:6000]}")
             self.pch.unlink(missing_ok=True)  # stale (its header was rewritten): rebuild once
             self._build(self.pch, self.pch_command, "MLX's preamble (run build)")
