@@ -266,6 +266,10 @@ class _Link:
                                f"{type(value).__name__}: {value}") from value
         return value
 
+    def arrived(self) -> int:
+        """Posted transfers that have completed and wait to be taken."""
+        return self._done.qsize()
+
     def drain(self, timeout: float, what: str) -> None:
         while self.pending:
             self.take(timeout, what)
@@ -596,17 +600,18 @@ def _gate(header: snapshot.SessionHeader, target: _Target, fingerprint: Optional
 def _receive_tensors(link: _Link, header: snapshot.SessionHeader, target: _Target, model: Any,
                      into: Optional[Sequence[Any]], timeout: float,
                      source: str) -> ReceivedSession:
-    """Post every tensor's receive, then install layer by layer as they arrive;
-    on a refusal take the rest of the stream, undo, and answer the verdict."""
+    """Post every tensor's receive, then verify and install the layers as they
+    arrive: at least the next one, with every later one whose tensors are in
+    already (one ``tensor_digests`` call, hashing them side by side). On a
+    refusal take the rest of the stream, undo, and answer the verdict."""
     geometry = header.geometry
     dtype = ENCODINGS[header.encoding][0]
-    shapes = []
-    for i in range(geometry.num_layers):
-        rows = snapshot.expected_cut(geometry, i, header.position)[1]
-        shapes.append((rows, geometry.kv_heads, geometry.head_dim))
-        if rows:
-            link.post_recv(shapes[-1], dtype)
-            link.post_recv(shapes[-1], dtype)
+    shapes = [(snapshot.expected_cut(geometry, i, header.position)[1], geometry.kv_heads,
+               geometry.head_dim) for i in range(geometry.num_layers)]
+    for shape in shapes:
+        if shape[0]:
+            link.post_recv(shape, dtype)
+            link.post_recv(shape, dtype)
     cache = into if into is not None else make_prompt_cache(
         model, geometry.max_context, plane_dtype=target.plane_dtype)
     held: List[Any] = []
@@ -614,17 +619,17 @@ def _receive_tensors(link: _Link, header: snapshot.SessionHeader, target: _Targe
     refusal: Optional[Exception] = None
     nbytes = 0
     try:
-        for i, shape in enumerate(shapes):
-            names = snapshot.tensor_names(i)
-            if shape[0]:
-                pair = [link.take(timeout, f"{n} ({shape[0]} rows)") for n in names]
-            else:
-                pair = [mx.zeros(shape, dtype) for _ in names]
+        i = 0
+        while i < len(shapes):
+            batch: Dict[int, List[mx.array]] = {}
+            while i < len(shapes) and (not batch or link.arrived() >= (2 if shapes[i][0] else 0)):
+                batch[i] = _take_layer(link, i, shapes[i], dtype, timeout)
+                i += 1
             if refusal is not None:
                 continue  # taking the rest of the stream, to stay in step
             try:
-                nbytes += _install_layer(cache[i], header, i, pair, held, source)
-                cuts.append(LayerCut(header.starts[i], *pair))
+                nbytes += _install_batch(cache, header, batch, held, source)
+                cuts.extend(LayerCut(header.starts[j], *pair) for j, pair in batch.items())
             except (SnapshotError, ValueError, TypeError) as e:
                 refusal = e
         if refusal is None:
@@ -634,37 +639,47 @@ def _receive_tensors(link: _Link, header: snapshot.SessionHeader, target: _Targe
             except SnapshotError as e:
                 refusal = e
     except BaseException:
-        _undo(cache, held)
+        _undo(held)
         raise
     if refusal is not None:
-        _undo(cache, held)
+        _undo(held)
         _refuse(link, REFUSED, refusal, timeout)
         raise refusal
     try:
         _accept(link, timeout)
     except BaseException:
-        _undo(cache, held)
+        _undo(held)
         raise
     return ReceivedSession(cache, header.user, header.position, nbytes)
 
 
-def _install_layer(layer: Any, header: snapshot.SessionHeader, i: int, pair: List[mx.array],
-                   held: List[Any], source: str) -> int:
-    """Check one layer's tensors against their digests and install them; ``held``
-    gets what puts the layer back."""
-    names = snapshot.tensor_names(i)
-    digests = snapshot.tensor_digests({n: _stored(x) for n, x in zip(names, pair)})
-    for n in names:
+def _take_layer(link: _Link, i: int, shape: Tuple[int, int, int], dtype: Any,
+                timeout: float) -> List[mx.array]:
+    """Layer ``i``'s keys and values as they came (an empty layer sends nothing)."""
+    if not shape[0]:
+        return [mx.zeros(shape, dtype), mx.zeros(shape, dtype)]
+    return [link.take(timeout, f"{n} ({shape[0]} rows)") for n in snapshot.tensor_names(i)]
+
+
+def _install_batch(cache: Sequence[Any], header: snapshot.SessionHeader,
+                   batch: Mapping[int, List[mx.array]], held: List[Any], source: str) -> int:
+    """Check the batch's tensors against their digests, then install each layer
+    (``held`` gets what puts it back); returns the bytes installed."""
+    named = {n: x for i, pair in batch.items() for n, x in zip(snapshot.tensor_names(i), pair)}
+    digests = snapshot.tensor_digests({n: _stored(x) for n, x in named.items()})
+    for n in named:
         if digests[n] != header.checksums[n]:
             raise PayloadError(source, f"corrupted tensor {n!r} (checksum mismatch): sha256 "
                                        f"expected {header.checksums[n]}, got {digests[n]}")
-    held.append((layer, layer.hold()))
-    layer.install(header.starts[i], pair[0], pair[1])
-    mx.eval(layer.kv_state)
-    return pair[0].nbytes + pair[1].nbytes
+    for i, (keys, values) in batch.items():
+        layer = cache[i]
+        held.append((layer, layer.hold()))
+        layer.install(header.starts[i], keys, values)
+        mx.eval(layer.kv_state)
+    return sum(x.nbytes for x in named.values())
 
 
-def _undo(cache: Sequence[Any], held: List[Any]) -> None:
+def _undo(held: List[Any]) -> None:
     for layer, state in reversed(held):
         layer.release(state)
     held.clear()
