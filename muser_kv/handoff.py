@@ -178,7 +178,7 @@ class ReceivedSession:
     """A session installed by ``recv_session``: the cache list (``into`` when given),
     the sender's user metadata, the position of the next token, the tensor bytes."""
 
-    cache: List[Any]
+    cache: Sequence[Any]
     metadata: Dict[str, Any]
     position: int
     nbytes: int
@@ -503,7 +503,7 @@ def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[An
             header = _parse(raw, source)
             target = into_target or _new_target(header, model, plane_dtype, source)
             _gate(header, target, fingerprint, source)
-        except SnapshotError as e:
+        except Exception as e:  # refused: the sender is told, the link stays in step
             _refuse(link, REFUSED, e, timeout)
             raise
         _accept(link, timeout)
@@ -612,13 +612,17 @@ def _receive_tensors(link: _Link, header: snapshot.SessionHeader, target: _Targe
         if shape[0]:
             link.post_recv(shape, dtype)
             link.post_recv(shape, dtype)
-    cache = into if into is not None else make_prompt_cache(
-        model, geometry.max_context, plane_dtype=target.plane_dtype)
     held: List[Any] = []
     cuts: List[LayerCut] = []
     refusal: Optional[Exception] = None
     nbytes = 0
+    cache: Sequence[Any] = []
     try:
+        try:
+            cache = into if into is not None else make_prompt_cache(
+                model, geometry.max_context, plane_dtype=target.plane_dtype)
+        except Exception as e:
+            refusal = e
         i = 0
         while i < len(shapes):
             batch: Dict[int, List[mx.array]] = {}
@@ -630,13 +634,13 @@ def _receive_tensors(link: _Link, header: snapshot.SessionHeader, target: _Targe
             try:
                 nbytes += _install_batch(cache, header, batch, held, source)
                 cuts.extend(LayerCut(header.starts[j], *pair) for j, pair in batch.items())
-            except (SnapshotError, ValueError, TypeError) as e:
+            except Exception as e:
                 refusal = e
         if refusal is None:
             try:
                 SessionSnapshot(geometry, header.position, header.encoding, tuple(cuts),
                                 header.model).check(target.geometry)
-            except SnapshotError as e:
+            except Exception as e:
                 refusal = e
     except BaseException:
         _undo(held)
