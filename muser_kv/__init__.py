@@ -126,3 +126,7 @@ __all__ += ["Installed", "install", "installed", "uninstall"]
 from . import prompt_files as _prompt_files  # noqa: E402
 
 _prompt_files.register()  # mlx-lm's load_prompt_cache finds muser_kv.SlidingKVCache & co.
+
+from .handoff import recv_session, send_session  # noqa: E402  (sessions between processes)
+
+__all__ += ["recv_session", "send_session"]
