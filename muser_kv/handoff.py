@@ -403,8 +403,8 @@ def send_session(cache: Union[Sequence[Any], SessionSnapshot], dst: int, group: 
     else:
         cut = SessionSnapshot.capture(cache, model)
     cut.check(cut.geometry)
-    arrays = snapshot._arrays(cut)
-    header = snapshot._header(cut, arrays, user)
+    arrays = snapshot.session_arrays(cut)
+    header = snapshot.session_header(cut, arrays, user)
     raw = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
     with link.lock, _guarded(link):
         link.post_send(_outgoing("preamble", _bytes_array(_preamble(len(raw)))))
@@ -529,7 +529,7 @@ class _guarded:
 def _into_target(into: Sequence[Any], model: Any) -> _Target:
     geometry = snapshot.cache_geometry(into)
     try:
-        snapshot._check_geometry(geometry, snapshot.kv_geometry(
+        snapshot.check_geometry(geometry, snapshot.kv_geometry(
             MuseGeometry.from_model_args(model.args, geometry.max_context)))
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"into: {e.field} (expected: the model's; got: the cache list's)",
@@ -572,7 +572,7 @@ def _gate(header: snapshot.SessionHeader, target: _Target, fingerprint: Optional
     """Everything about the session that its header settles, before any tensor:
     geometry, model, encoding, the starts and the tensor set."""
     try:
-        snapshot._check_geometry(header.geometry, target.geometry)
+        snapshot.check_geometry(header.geometry, target.geometry)
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"{e.field} (expected: the receiver's; got: the session {source})",
                                e.expected, e.got) from None

@@ -1046,6 +1046,26 @@ def _signed(fields: Mapping[str, str], digests: Mapping[str, str]) -> Dict[str, 
     return header
 
 
+def session_arrays(snapshot: SessionSnapshot) -> Dict[str, np.ndarray]:
+    """Every tensor of ``snapshot`` by its name in a session file, as numpy
+    views of MLX's buffers (evaluated; the snapshot keeps them alive)."""
+    return {name: np.ascontiguousarray(_to_numpy(x)) for name, x in _tensors(snapshot)}
+
+
+def session_header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
+                   user: Mapping[str, Any]) -> Dict[str, str]:
+    """The header a session file of ``snapshot`` carries (``session_arrays``'
+    digests, the header checksum over every field): what a reader verifies,
+    whether the bytes come from a file or another process (``handoff``)."""
+    return _signed(_header_fields(snapshot, user), tensor_digests(arrays))
+
+
+def check_geometry(have: MuseGeometry, want: MuseGeometry) -> None:
+    """Refuse a session of geometry ``have`` for a cache of geometry ``want``
+    (``SnapshotMismatch`` naming the first field that differs)."""
+    _check_geometry(have, want)
+
+
 def _tensors(snapshot: SessionSnapshot) -> List[Tuple[str, mx.array]]:
     return [(name, x) for i, cut in enumerate(snapshot.layers)
             for name, x in zip(tensor_names(i), (cut.keys, cut.values))]
