@@ -15,7 +15,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 import muser_kv
 from conftest import tiny_model
 from local_tokenizer import tokenizer
-from oracle import bits
+from test_slots import live_bits
 from test_speculative import noisy_copy
 
 CONTEXT = 160
@@ -34,14 +34,6 @@ def draft(target):
 def greedy(model, prompt, n, **kw):
     cache = muser_kv.make_prompt_cache(model, CONTEXT, **kw)
     return [t for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache)]
-
-
-def live_bits(cache):
-    out = []
-    for c in cache:
-        start, k, v = c.snapshot()
-        out.append((c.meta_state, start, bits(k).copy(), bits(v).copy()))
-    return out
 
 
 @pytest.mark.parametrize("num_draft", [2, 8, 20])
