@@ -8,6 +8,8 @@
 #   bash benchmarks/device.sh batched    # batched decode, B = 1, 2, 4, 8 at 8k and 32k
 #   bash benchmarks/device.sh sessions   # save / load against raw disk, rollback
 #   bash benchmarks/device.sh returning  # TTFT of a returning 32k chat through the server's prompt cache
+#   bash benchmarks/device.sh disk       # save / load against raw disk only (sessions.py section 1)
+#   bash benchmarks/device.sh resume     # 130k session: load + first token against re-prefill, real geometry
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -39,5 +41,11 @@ sessions)
   ;;
 returning)
   b returning_chat 560 benchmarks/returning_chat.py --json "$out/returning_chat.json"
+  ;;
+disk)
+  b disk 300 benchmarks/sessions.py --skip 2,3 --json "$out/disk.json"
+  ;;
+resume)
+  b resume 560 benchmarks/resume.py --dtype "${2:-bfloat16}" --json "$out/resume_${2:-bfloat16}.json"
   ;;
 esac

@@ -77,6 +77,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and across the wrap -- and decode are compiled before timing; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE")
+    add_geometry_flags(p)
+    args = p.parse_args(argv)
+    for d in args.dtypes:
+        if d not in ("float16", "bfloat16", "float32"):
+            p.error(f"unknown dtype {d!r}")
+    if args.warmup is None:
+        args.warmup = (args.window or muse_glimmer.ModelArgs().sliding_window) + 2 * args.prefill_step
+    return args
+
+
+def add_geometry_flags(p: argparse.ArgumentParser) -> None:
+    """The model's geometry (what ``build_model`` reads), defaults the real Muse Glimmer's."""
     g = p.add_argument_group("model geometry (defaults: the real Muse Glimmer)")
     g.add_argument("--layers", type=int, default=None)
     g.add_argument("--hidden", type=int, default=None)
@@ -85,13 +97,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--heads", type=int, default=None)
     g.add_argument("--window", type=int, default=None)
     g.add_argument("--max-position", type=int, default=None)
-    args = p.parse_args(argv)
-    for d in args.dtypes:
-        if d not in ("float16", "bfloat16", "float32"):
-            p.error(f"unknown dtype {d!r}")
-    if args.warmup is None:
-        args.warmup = (args.window or muse_glimmer.ModelArgs().sliding_window) + 2 * args.prefill_step
-    return args
 
 
 def build_model(args: argparse.Namespace, dtype: str) -> muse_glimmer.Model:

@@ -577,10 +577,14 @@ def make_prompt_cache(
 def make_cache_for(
     geometry: MuseGeometry, retain: int = DEFAULT_RETAIN, sliding_layout: str = "token_major",
     plane_dtype: DtypeLike = PLANE_DTYPE, *, model: Any = None, batch_slots: int = 1,
+    allocate: bool = True,
 ) -> List[MuseKVCache]:
     """One cache per layer of ``geometry``, with planes of ``plane_dtype``, bound
     into one list (``muser_kv.cachelist``); ``model``, when given, is the model
-    the list serves (a session saved from it records that model's fingerprint)."""
+    the list serves (a session saved from it records that model's fingerprint).
+    ``allocate=False`` leaves the planes unallocated, for a caller that installs
+    every layer before anyone else sees the list (``load_session``): their
+    zeros would be replaced unread."""
     from .growing import GlobalKVCache
     from .sliding import SlidingKVCache
 
@@ -596,12 +600,14 @@ def make_cache_for(
         capacity = geometry.capacity(i)
         if geometry.layer_kind(i) is LayerKind.SLIDING:
             planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
-                            capacity=capacity, layout=sliding_layout, dtype=dtype)
+                            capacity=capacity, layout=sliding_layout, dtype=dtype,
+                            allocate=allocate)
             caches.append(SlidingKVCache(planes, window=geometry.window,
                                          max_context=geometry.max_context, layer=i, retain=retain))
         else:
             planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
-                            capacity=capacity, layout=kernels.HEAD_MAJOR, dtype=dtype)
+                            capacity=capacity, layout=kernels.HEAD_MAJOR, dtype=dtype,
+                            allocate=allocate)
             caches.append(GlobalKVCache(planes, window=geometry.window,
                                         max_context=geometry.max_context, layer=i))
     for c in caches:

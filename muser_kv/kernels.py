@@ -176,16 +176,29 @@ class ReferenceBackend:
 
     def install(self, rows_keys: mx.array, rows_values: mx.array, layout: str, ring: Ring,
                 shape: Tuple[int, ...]) -> Pair:
-        """A fresh zero-filled plane of ``shape`` (rows >= the ring's capacity) in
-        the rows' type, holding ``[n, H*D]`` logical rows at rotation ``ring.origin_physical``."""
+        """A fresh plane of ``shape`` (rows >= the ring's capacity) in the rows'
+        type, holding ``[n, H*D]`` logical rows at rotation ``ring.origin_physical``
+        and zeros elsewhere. Built in physical order from its pieces, so every
+        byte is written once (a zero-filled plane placed into is written twice)."""
+        axis = 0 if layout == TOKEN_MAJOR else 1
+        total = shape[axis]
+        runs = sorted(ring.live_runs(), key=lambda r: r.physical)
         out = []
         for rows in (rows_keys, rows_values):
-            # token-major rows are whole tokens: one "head" of H*D is the same memory
-            h, d = (1, shape[1]) if layout == TOKEN_MAJOR else (shape[0], shape[2])
-            plane = attention_view(mx.zeros(shape, rows.dtype), layout, h, d)
             if layout == HEAD_MAJOR:
-                rows = rows.reshape(rows.shape[0], h, d).transpose(1, 0, 2)
-            out.append(physical_view(place(plane, rows, ring.live_runs(), layout), layout))
+                rows = rows.reshape(rows.shape[0], shape[0], shape[2]).transpose(1, 0, 2)
+            pieces, at = [], 0
+            for run in runs + [Run(total, 0, 0)]:
+                if run.physical > at:
+                    gap = list(shape)
+                    gap[axis] = run.physical - at
+                    pieces.append(mx.zeros(gap, rows.dtype))
+                if run.length:
+                    src = slice(run.source, run.source + run.length)
+                    pieces.append(rows[src] if axis == 0 else rows[:, src, :])
+                at = run.physical + run.length
+            plane = mx.concatenate(pieces, axis=axis) if len(pieces) > 1 else mx.contiguous(pieces[0])
+            out.append(plane)
         return out[0], out[1]
 
 

@@ -78,13 +78,13 @@ import errno
 import hashlib
 import json
 import os
-import queue
 import re
 import secrets
 import stat
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +95,7 @@ import numpy as np
 import xxhash
 
 from . import tensorfile
-from .cache import make_prompt_cache
+from .cache import make_cache_for
 from .counts import optional_count
 from .fingerprint import check_fingerprint, differs, model_fingerprint
 from .geometry import LayerKind, MuseGeometry
@@ -825,11 +825,40 @@ def open_session(path: PathLike, *, tidy: bool = True) -> SessionFile:
 
 # -- reading, streamed ----------------------------------------------------------------
 
-#: Staging buffers a load cycles through (each the size of the largest tensor):
-#: the reader fills one while the caller uploads another.
-STAGING = 3
-#: Tensors past the one being read that the kernel is asked to read ahead.
-PREFETCH = 2
+#: MLX storage of each stored dtype (bf16 arrives as its uint16 bits, then a view).
+_MLX_STORAGE = {"F16": mx.float16, "BF16": mx.uint16, "F32": mx.float32}
+
+
+@lru_cache(maxsize=None)
+def _fill_streams() -> Tuple[Any, ...]:
+    """CPU streams the destinations of a load are allocated on: each has its
+    own thread, so first touches of fresh memory run side by side."""
+    return tuple(mx.new_stream(mx.cpu) for _ in range(min(4, _workers())))
+
+
+def _destination(entry: tensorfile.Entry, stream: Any) -> mx.array:
+    """A new MLX array of ``entry``'s storage dtype and shape in host-visible
+    memory (allocated by a CPU stream; lazy until evaluated)."""
+    return mx.zeros(entry.shape, _MLX_STORAGE[entry.dtype], stream=stream)
+
+
+def _writable(x: mx.array) -> np.ndarray:
+    """The bytes of the evaluated array ``x`` that no one else holds, as a
+    writable numpy view of MLX's own buffer. The read lands there and the
+    digest is taken there: what is verified is what the cache installs."""
+    view = _to_numpy(x)
+    if view.nbytes and not view.flags.writeable:
+        raise RuntimeError("session load: MLX gave a read-only view of a new array; "
+                           "refusing to read into it")
+    return view.reshape(-1).view(np.uint8)
+
+
+def _read_verified(fd: int, entry: tensorfile.Entry, view: np.ndarray, algorithm: str) -> str:
+    """One reader thread's task: ``entry``'s bytes into ``view`` (its whole range
+    asked of the kernel first, so the device has it queued), then their digest."""
+    tensorfile.prefetch(fd, entry.begin, entry.nbytes)
+    tensorfile.read_at(fd, entry, view)
+    return digest_bytes(view, algorithm)
 
 
 class _Reader:
@@ -838,17 +867,22 @@ class _Reader:
     Opening reads only the header: it is verified and parsed, and the tensor
     table is checked against it, before any data is read. ``layers()`` then
     yields ``(layer, start, keys, values)`` for every layer whose two tensors
-    were read and verified, in file order. Three kinds of work overlap: a
-    reader thread ``readinto``-s each tensor, ``tensorfile.CHUNK`` at a time,
-    into one of ``STAGING`` reused buffers; the caller's thread copies the
-    buffer into an MLX array (the upload; the buffer is then free again); and a
-    pool hashes the MLX array's own bytes. A digest that does not match raises
-    ``SessionFileError`` naming the tensor, and nothing of that layer is yielded."""
+    were read and verified, in file order.
+
+    Every tensor is read straight into the MLX array that will hold it: the
+    caller's thread allocates each destination (on a few CPU streams, side by
+    side) and hands a view of its buffer to a pool of reader threads, which read
+    with positional reads of the one open file (several tensors in flight: the
+    device sees a queue, the page cache several copies at once) and hash the
+    bytes where they landed. No one else holds a destination until it is
+    yielded, so nothing reads it while a reader writes it. A digest that does
+    not match raises ``SessionFileError`` naming the tensor, and nothing of
+    that layer is yielded."""
 
     def __init__(self, path: PathLike, *, tidy: bool = True):
         self.path = path
         self._active: Optional[Iterator[Any]] = None
-        self._threads: Optional[Any] = None  # stops the reader thread and the pool
+        self._pool: Optional[ThreadPoolExecutor] = None
         if tidy:
             tidy_temporaries(path)
         try:
@@ -871,14 +905,14 @@ class _Reader:
             raise
 
     def close(self) -> None:
-        """Stop the reader thread and the digests (if ``layers()`` was called),
-        then close the file."""
+        """Stop the readers (queued reads are dropped, running ones finish: they
+        write only into this load's own arrays), then close the file."""
         if self._active is not None:
             self._active.close()
             self._active = None
-        if self._threads is not None:
-            self._threads()
-            self._threads = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -890,98 +924,41 @@ class _Reader:
         self.close()
 
     def layers(self) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
-        """Start reading now (the reader thread runs ahead of the caller, who may
-        do other work first), and iterate over the verified layers."""
+        """Start reading now (the readers run ahead of the caller, who may do
+        other work first), and iterate over the verified layers."""
         order = sorted(self.entries.values(), key=lambda e: e.begin)
-        largest = max(e.nbytes for e in order)
-        free: "queue.Queue[np.ndarray]" = queue.Queue()
-        for _ in range(min(STAGING, len(order))):
-            free.put(np.empty(largest, np.uint8))
-        ready: "queue.Queue[Any]" = queue.Queue()
-        stop = threading.Event()
         f = self._file
-        assert f is not None and self._threads is None
-
-        def read() -> None:
-            try:
-                for i, e in enumerate(order):
-                    for ahead in order[i + 1:i + 1 + PREFETCH]:
-                        tensorfile.prefetch(f.fileno(), ahead.begin, ahead.nbytes)
-                    buf = free.get()
-                    if stop.is_set():
-                        return
-                    tensorfile.read_into(f, e, buf)
-                    ready.put((e, buf))
-            except BaseException as exc:  # handed to the caller's thread
-                ready.put(exc)
-
-        reader = threading.Thread(target=read, name="muser-kv session reader", daemon=True)
-        pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv digest")
-
-        def end() -> None:
-            stop.set()
-            for _ in range(STAGING):
-                free.put(np.empty(0, np.uint8))  # wakes a reader waiting for a buffer
-            reader.join()
-            pool.shutdown(wait=True, cancel_futures=True)
-
-        self._threads = end
-        reader.start()
-        self._active = self._consume(order, ready, free, pool)
+        assert f is not None and self._pool is None
+        streams = _fill_streams()
+        arrays = [_destination(e, streams[i % len(streams)]) for i, e in enumerate(order)]
+        mx.async_eval(arrays)
+        self._pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv session reader")
+        digests: Dict[str, "Future[str]"] = {}
+        for e, x in zip(order, arrays):
+            digests[e.name] = self._pool.submit(_read_verified, f.fileno(), e, _writable(x),
+                                                self.header.digest)
+        self._active = self._consume(order, arrays, digests)
         return self._active
 
-    def _consume(self, order: Sequence[tensorfile.Entry], ready: "queue.Queue[Any]",
-                 free: "queue.Queue[np.ndarray]", pool: ThreadPoolExecutor,
+    def _consume(self, order: Sequence[tensorfile.Entry], arrays: Sequence[mx.array],
+                 digests: Mapping[str, "Future[str]"],
                  ) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
         h = self.header
+        by_name = {e.name: (e, x) for e, x in zip(order, arrays)}
         layer_of = {n: i for i in range(h.geometry.num_layers) for n in tensor_names(i)}
-        arrays: Dict[str, mx.array] = {}
-        digests: Dict[str, "Future[str]"] = {}
-        pending: List[int] = []  # layers whose tensors are in, digests maybe not
-        for _ in order:
-            item = ready.get()
-            if isinstance(item, BaseException):
-                if isinstance(item, (tensorfile.TensorFileError, OSError)):
-                    raise _unreadable(self.path, item) from None
-                raise item
-            e, buf = item
-            x, host = _upload(buf, e)
-            free.put(buf)
-            arrays[e.name] = x
-            digests[e.name] = pool.submit(digest_bytes, host, h.digest)
-            layer = layer_of[e.name]
-            if all(n in arrays for n in tensor_names(layer)):
-                pending.append(layer)
-            while pending and all(digests[n].done() for n in tensor_names(pending[0])):
-                yield self._verified(pending.pop(0), arrays, digests)
-        while pending:
-            yield self._verified(pending.pop(0), arrays, digests)
-
-    def _verified(self, layer: int, arrays: Dict[str, mx.array],
-                  digests: Mapping[str, "Future[str]"]) -> Tuple[int, int, mx.array, mx.array]:
-        h = self.header
-        for name in tensor_names(layer):
-            check = _digest_check(h, name, digests[name].result())
-            if not check.ok:
-                raise _refusal(self.path, check)
-        k, v = (arrays.pop(n) for n in tensor_names(layer))
-        return layer, h.starts[layer], k, v
-
-
-def _upload(buf: np.ndarray, entry: tensorfile.Entry) -> Tuple[mx.array, np.ndarray]:
-    """Staged bytes -> ``(an MLX array of the entry's dtype and shape, a numpy
-    view of that array's own buffer)``. ``mx.array`` copies; should it ever
-    share the staging buffer instead, the buffer's reuse would change it, so
-    that is refused rather than trusted."""
-    storage = tensorfile.STORAGE[entry.dtype]
-    x = mx.array(buf[:entry.nbytes].view(storage).reshape(entry.shape))
-    if entry.dtype == "BF16":
-        x = x.view(mx.bfloat16)
-    host = _to_numpy(x)
-    if host.nbytes and np.may_share_memory(host, buf):
-        raise RuntimeError("session load: mx.array shared the staging buffer instead of "
-                           "copying it; refusing to reuse the buffer under it")
-    return x, host
+        for layer in dict.fromkeys(layer_of[e.name] for e in order):  # file order
+            out = []
+            for name in tensor_names(layer):
+                try:
+                    digest = digests[name].result()
+                except (tensorfile.TensorFileError, OSError) as exc:
+                    raise _unreadable(self.path, exc) from None
+                check = _digest_check(h, name, digest)
+                if not check.ok:
+                    raise _refusal(self.path, check)
+                entry, x = by_name[name]
+                out.append(x.view(mx.bfloat16) if entry.dtype == "BF16" else x)
+            yield layer, h.starts[layer], out[0], out[1]
 
 
 def read_session(path: PathLike) -> SessionSnapshot:
@@ -1306,8 +1283,10 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         _check_whole(file_geometry, h.encoding, h.position, geometry)
         if h.encoding != encoding and not convert:
             raise _encoding_mismatch(h.encoding, encoding)
-        layers = reader.layers()  # reading starts now, beside the allocation
-        cache = make_prompt_cache(model, context, plane_dtype=dtype)
+        layers = reader.layers()  # reading starts now
+        # planes unallocated: each layer's install makes its own
+        cache = make_cache_for(MuseGeometry.from_model(model, context), plane_dtype=dtype,
+                               model=model, allocate=False)
         installed = 0
         for layer, start, k, v in layers:
             cut = LayerCut(start, k, v)

@@ -255,6 +255,36 @@ def read_into(f: BinaryIO, entry: Entry, out: Union[memoryview, np.ndarray],
         done += got
 
 
+def read_at(fd: int, entry: Entry, out: Union[memoryview, np.ndarray],
+            chunk: Optional[int] = None) -> None:
+    """``entry``'s bytes into ``out`` (writable, C-contiguous, at least
+    ``entry.nbytes``) with positional reads of ``chunk`` (default ``CHUNK``)
+    bytes: they never move the descriptor's offset, so threads may read
+    different entries of one open file at once (the file a header was verified
+    from, never a second open that a rename could have swapped). A file that
+    ends early is ``TensorFileError``."""
+    chunk = chunk or CHUNK
+    if not entry.nbytes:
+        return
+    view = memoryview(out).cast("B")[:entry.nbytes]
+    done = 0
+    while done < entry.nbytes:
+        part = view[done:done + chunk]
+        if _PREADV:
+            got = os.preadv(fd, [part], entry.begin + done)
+        else:  # no preadv (some platforms): read, then copy
+            data = os.pread(fd, len(part), entry.begin + done)
+            got = len(data)
+            part[:got] = data
+        if not got:
+            raise TensorFileError(f"truncated: tensor {show(entry.name)} short by "
+                                  f"{entry.nbytes - done} bytes")
+        done += got
+
+
+_PREADV = hasattr(os, "preadv")
+
+
 def read(path: PathLike) -> Tuple[Dict[str, str], Dict[str, Tensor]]:
     """``(metadata, tensors)`` of a safetensors file, in the header's order, or
     ``TensorFileError`` naming what is wrong (``FileNotFoundError`` and other

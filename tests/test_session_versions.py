@@ -402,15 +402,15 @@ def odd_session(dtype, head_dim: int, kv_heads: int, position: int, max_context:
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("chunk,staging", [(1, 1), (7, 2), (1000, 3), (None, 3)])
+@pytest.mark.parametrize("chunk,readers", [(1, 1), (7, 2), (1000, 3), (None, 8)])
 def test_the_streamed_read_and_write_give_the_planes_bitwise(tmp_path, monkeypatch, dtype,
-                                                             chunk, staging):
+                                                             chunk, readers):
     """Tensors of 3 x 5 x 2 B (odd rows, heads and head_dim) that no chunk size
-    here divides, one staging buffer or several: read back bit for bit, at the
+    here divides, one reader thread or several: read back bit for bit, at the
     live rotation, and the digests are of the bytes on disk."""
     if chunk:
         monkeypatch.setattr(tensorfile, "CHUNK", chunk)
-    monkeypatch.setattr(snapshot, "STAGING", staging)
+    monkeypatch.setattr(snapshot, "_workers", lambda: readers)
     geo, live = odd_session(dtype, head_dim=5, kv_heads=3, position=37, max_context=77)
     path = tmp_path / "odd.safetensors"
     save_session(path, live)
@@ -466,21 +466,39 @@ def test_a_file_that_shrinks_while_read_is_refused_and_the_threads_end(session40
     assert threading.active_count() == threads
 
 
-def test_a_staging_buffer_mlx_kept_is_refused(session40, tmp_path, monkeypatch):
-    """Should ``mx.array`` ever share the staging buffer instead of copying it,
-    reusing the buffer would change a tensor already verified: refused."""
+def test_a_destination_mlx_will_not_let_us_write_is_refused(session40, tmp_path, monkeypatch):
+    """Tensors are read straight into MLX's buffers; should MLX ever hand out a
+    read-only view of a new array, the load refuses rather than writing
+    through it."""
     _, data = session40
     path = tmp_path / "s.safetensors"
     path.write_bytes(data)
-    monkeypatch.setattr(snapshot, "STAGING", 1)  # one buffer: the one the reader last filled
-    monkeypatch.setattr(snapshot, "_to_numpy", lambda x: staged[0])
-    real_read_into = tensorfile.read_into
-    staged = []
+    real = snapshot._to_numpy
 
-    def read_into(f, entry, out, chunk=None):
-        staged[:] = [out[:entry.nbytes]]
-        return real_read_into(f, entry, out, chunk)
+    def read_only(x):
+        view = real(x)
+        view.flags.writeable = False
+        return view
 
-    monkeypatch.setattr(tensorfile, "read_into", read_into)
-    with pytest.raises(RuntimeError, match="shared the staging buffer"):
+    monkeypatch.setattr(snapshot, "_to_numpy", read_only)
+    with pytest.raises(RuntimeError, match="read-only view of a new array"):
+        read_session(path)
+
+
+def test_the_digest_is_of_the_bytes_the_cache_installs(session40, tmp_path, monkeypatch):
+    """The reader hashes the MLX array it read into, not a copy: a byte changed
+    in that array after the read (as a reader racing a consumer would) fails
+    that tensor's digest."""
+    _, data = session40
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(data)
+    real = tensorfile.read_at
+
+    def read_then_change(fd, entry, out, chunk=None):
+        real(fd, entry, out, chunk)
+        if entry.name == "layers.5.values" and entry.nbytes:
+            memoryview(out).cast("B")[0] ^= 1
+
+    monkeypatch.setattr(tensorfile, "read_at", read_then_change)
+    with pytest.raises(SessionFileError, match=r"layers\.5\.values"):
         read_session(path)
