@@ -56,23 +56,29 @@ def _spans(n: int) -> List[slice]:
     return [slice(s, s + k) for s in starts]
 
 
-def _samples(w: mx.array) -> List[mx.array]:
+def _samples(w: mx.array) -> Optional[mx.array]:
+    """The sampled elements of ``w`` as one flat array, in the scheme's order
+    (for each sampled row: its start, middle and end spans), gathered by index:
+    one small op per parameter, and never a whole tensor read."""
     if w.ndim == 0:
-        return [w.reshape(1)]
+        return w.reshape(1)
     if w.size == 0:
-        return []
+        return None
+    if w.ndim == 1:
+        return w[mx.array([i for s in _spans(w.shape[0]) for i in range(s.start, s.stop)])]
     rows = sorted({0, w.shape[0] // 2, w.shape[0] - 1})
-    out = []
-    for r in rows:
-        row = w[r].reshape(-1) if w.ndim > 1 else w
-        out.extend(row[s] for s in _spans(row.shape[0]))
-        if w.ndim == 1:
-            break
-    return out
+    width = w.size // w.shape[0]
+    columns = [i for s in _spans(width) for i in range(s.start, s.stop)]
+    if w.ndim == 2:
+        return w[mx.array([r for r in rows for _ in columns]), mx.array(columns * len(rows))]
+    # a row of more dimensions: its flat view (of that row only), then the columns
+    return mx.concatenate([mx.take(w[r].reshape(-1), mx.array(columns)) for r in rows])
 
 
 def model_fingerprint(model: Any) -> Dict[str, str]:
-    """``{"scheme", "config", "weights"}`` for an mlx-lm model (see the module doc)."""
+    """``{"scheme", "config", "weights"}`` for an mlx-lm model (see the module doc).
+    Every sample is gathered on the model's device and their bytes, in order,
+    come back in one array: one evaluation, one copy to the host."""
     args = getattr(model, "args", None)
     config = hashlib.sha256(_config_json(args).encode() if args is not None else b"")
     weights = hashlib.sha256()
@@ -81,13 +87,10 @@ def model_fingerprint(model: Any) -> Dict[str, str]:
     for name, w in params:
         weights.update(f"{name}:{w.dtype}:{list(w.shape)};".encode())
         picked = _samples(w)
-        samples.append(picked)
-    mx.eval([s for picked in samples for s in picked])
-    for picked in samples:
-        for s in picked:
-            if s.dtype == mx.bfloat16:
-                s = s.view(mx.uint16)
-            weights.update(np.ascontiguousarray(np.array(s)).tobytes())
+        if picked is not None:
+            samples.append(picked if picked.dtype == mx.uint8 else picked.view(mx.uint8))
+    if samples:
+        weights.update(np.asarray(mx.concatenate(samples)).tobytes())
     return {"scheme": SCHEME, "config": config.hexdigest(), "weights": weights.hexdigest()}
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -455,6 +456,60 @@ def test_restore_into_a_list_of_another_model_is_refused(model):
     assert all(c.offset == 0 for c in target)
     muser_kv.restore_into(target, snap, allow_other_model=True)
     assert all(c.offset == 3 for c in target)
+
+
+def _oracle_fingerprint_weights(params):
+    """The fingerprint's weights digest, spelled out with numpy on whole copies:
+    names, dtypes and shapes, then for each parameter (by name) the elements of
+    its start, middle and end spans of its first, middle and last rows."""
+    k = muser_kv.fingerprint.SAMPLE
+    h = hashlib.sha256()
+    for name, w in sorted(params.items()):
+        h.update(f"{name}:{w.dtype}:{list(w.shape)};".encode())
+    for name, w in sorted(params.items()):
+        a = np.array(w.view(mx.uint16) if w.dtype == mx.bfloat16 else w)
+        if a.ndim == 0:
+            h.update(a.reshape(1).tobytes())
+            continue
+        if a.size == 0:
+            continue
+        rows = [a] if a.ndim == 1 else [a[r].reshape(-1) for r in
+                                        sorted({0, a.shape[0] // 2, a.shape[0] - 1})]
+        for row in rows:
+            n = row.shape[0]
+            m = min(k, n)
+            for start in sorted({0, max(0, n // 2 - m // 2), n - m}):
+                h.update(np.ascontiguousarray(row[start:start + m]).tobytes())
+    return h.hexdigest()
+
+
+def test_the_fingerprint_is_the_schemes_bytes_for_every_kind_of_parameter():
+    """Sessions saved earlier carry this digest: it must stay what the scheme
+    says, for 0-d, 1-d, 2-d and 3-d parameters, empty ones, overlapping spans,
+    a transposed (strided) view, and every dtype a model holds."""
+    rng = np.random.default_rng(3)
+
+    class Params:
+        args = None
+
+        def __init__(self):
+            self.p = {
+                "a": mx.array(3.5), "b": mx.arange(7, dtype=mx.float32),
+                "c": mx.array(rng.standard_normal((5, 3, 40))).astype(mx.bfloat16),
+                "d": mx.zeros((0, 4)), "e": mx.array(rng.standard_normal((20, 20))).astype(mx.float16),
+                "f": mx.array([True, False, True]),
+                "g": mx.array(rng.integers(0, 2 ** 31, (4, 100)), dtype=mx.uint32),
+                "h": mx.array(rng.standard_normal(300)).astype(mx.bfloat16),
+                "i": mx.array(rng.standard_normal((40, 3))).T,
+            }
+            mx.eval(self.p)
+
+        def parameters(self):
+            return self.p
+
+    for model in (Params(), tiny_model(), tiny_model(seed=2)):
+        params = dict(tree_flatten(model.parameters()))
+        assert muser_kv.model_fingerprint(model)["weights"] == _oracle_fingerprint_weights(params)
 
 
 def test_the_fingerprint_reads_slices_not_weights():
