@@ -8,6 +8,7 @@
 #   bash benchmarks/device.sh batched    # batched decode, B = 1, 2, 4, 8 at 8k and 32k
 #   bash benchmarks/device.sh sessions   # save / load against raw disk, rollback
 #   bash benchmarks/device.sh returning  # TTFT of a returning 32k chat through the server's prompt cache
+#   bash benchmarks/device.sh store      # one in-place store op per layer vs two slice updates; race check
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -39,5 +40,9 @@ sessions)
   ;;
 returning)
   b returning_chat 560 benchmarks/returning_chat.py --json "$out/returning_chat.json"
+  ;;
+store)
+  b store 240 benchmarks/store_ceiling.py --repeats 5 --race-steps 0 --json "$out/store.json"
+  b store 320 benchmarks/store_ceiling.py --race-only --race-steps 10000 --json "$out/store_race.json"
   ;;
 esac

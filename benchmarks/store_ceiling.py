@@ -95,7 +95,8 @@ skipped with a printed line, and the race check runs slice against slice, which
 exercises the harness only.
 
     python benchmarks/store_ceiling.py                                  # GPU, full
-    python benchmarks/store_ceiling.py --repeats 5 --race-steps 10000 --json store.json
+    python benchmarks/store_ceiling.py --repeats 5 --race-steps 0 --json store.json
+    python benchmarks/store_ceiling.py --race-only --race-steps 10000 --json store_race.json
     python benchmarks/store_ceiling.py --depths 2048 --layers 4 --steps 8 --warmup 2 \\
         --repeats 2 --race-steps 20                                     # CPU
 """
@@ -508,6 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="race check steps per mode (default 10000 on GPU, 100 on CPU; 0: skip)")
     p.add_argument("--race-depth", type=int, default=None,
                    help="depth the race check starts at (default the smallest --depths)")
+    p.add_argument("--race-only", action="store_true",
+                   help="skip the timing, run only the race check")
     add_model_flags(p)
     add_common_flags(p)
     args = p.parse_args(argv)
@@ -553,7 +556,7 @@ def main(argv=None) -> Dict[str, Any]:
     mx.eval(q0)
 
     results: List[Dict[str, Any]] = []
-    for depth in args.depths:
+    for depth in ([] if args.race_only else args.depths):
         results += time_depth(depth, args, systems, kernel, dtype, q0)
 
     nan = float("nan")
@@ -572,14 +575,15 @@ def main(argv=None) -> Dict[str, Any]:
                     + [r["ratios"][f"mlx-lm/{s}"] for s in ("muser-kv", "slice", "inplace", "attend")]
                     + [speedup, f">= {need}" if need else "-",
                        {None: "-", True: "yes", False: "NO"}[r["meets_bar"]]])
-    print("Decode ms/token (median of alternating blocks) and ratios")
-    print()
-    print_table(["depth", "mode"] + [f"{s} ms" for s in SYSTEMS]
-                + ["mlx-lm/muser-kv", "mlx-lm/slice", "mlx-lm/inplace", "mlx-lm/attend",
-                   "slice/inplace", "bar", "meets"], rows, digits=3)
-    print("slice/inplace: the speed-up of one in-place store op per layer over two slice "
-          "updates; the bars are issue 14's (>= 1.25 at 131072 pipelined, >= 1.0 at 2048)")
-    print()
+    if results:
+        print("Decode ms/token (median of alternating blocks) and ratios")
+        print()
+        print_table(["depth", "mode"] + [f"{s} ms" for s in SYSTEMS]
+                    + ["mlx-lm/muser-kv", "mlx-lm/slice", "mlx-lm/inplace", "mlx-lm/attend",
+                       "slice/inplace", "bar", "meets"], rows, digits=3)
+        print("slice/inplace: the speed-up of one in-place store op per layer over two slice "
+              "updates; the bars are issue 14's (>= 1.25 at 131072 pipelined, >= 1.0 at 2048)")
+        print()
     payload = {"benchmark": "store_ceiling", "args": vars(args), "kernel_backend": backend,
                "systems": list(systems), "results": results, "race": []}
     write_json(args.json, payload)  # the timing survives a race check cut short
