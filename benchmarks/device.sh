@@ -10,6 +10,7 @@
 #   bash benchmarks/device.sh returning  # TTFT of a returning 32k chat through the server's prompt cache
 #   bash benchmarks/device.sh disk       # save / load against raw disk only (sessions.py section 1)
 #   bash benchmarks/device.sh resume     # 130k session: load + first token against re-prefill, real geometry
+#   bash benchmarks/device.sh store      # one in-place store op per layer vs two slice updates; race check
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -47,5 +48,9 @@ disk)
   ;;
 resume)
   b resume 560 benchmarks/resume.py --dtype "${2:-bfloat16}" --json "$out/resume_${2:-bfloat16}.json"
+  ;;
+store)
+  b store 240 benchmarks/store_ceiling.py --repeats 5 --race-steps 0 --json "$out/store.json"
+  b store 320 benchmarks/store_ceiling.py --race-only --race-steps 10000 --json "$out/store_race.json"
   ;;
 esac
