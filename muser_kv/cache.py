@@ -412,6 +412,16 @@ class MuseKVCache:
                 raise TypeError(f"{where}: installed {name} must be {self.dtype}, got {x.dtype}")
             if tuple(x.shape) != shape:
                 raise ValueError(f"{where}: installed {name} must be {shape}, got {tuple(x.shape)}")
+        ring = self.install_ring(start, n)
+        flat = (n, self.kv_dim)
+        one = self.planes.memory_shape[1:]
+        k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring, one)
+        self._installed(ring, k.reshape(one), v.reshape(one))
+
+    def install_ring(self, start: int, n: int) -> Ring:
+        """The ring an install of ``n`` rows from ``start`` leaves (its live runs
+        say where each row goes), or ``ValueError`` for one this cache cannot hold."""
+        where = f"KV cache for layer {self.layer}"
         capacity = self.capacity
         if n > capacity or start < 0 or start + n > self.max_context:
             raise ValueError(f"{where}: cannot install {n} rows from position {start} "
@@ -419,14 +429,25 @@ class MuseKVCache:
         if n < capacity and start != 0:
             raise ValueError(f"{where}: a ring that is not full must start at position 0, "
                              f"got {start}")
-        ring = Ring.installed(capacity, start, n, self.layer)
-        flat = (n, self.kv_dim)
+        return Ring.installed(capacity, start, n, self.layer)
+
+    def install_planes(self, ring: Ring, keys: mx.array, values: mx.array) -> None:
+        """Adopt planes already holding ``ring``'s rows where its live runs put
+        them and zeros elsewhere (``install_ring``'s ring; one slot in memory
+        order, ``memory_shape[1:]``): what ``install`` builds, made by a caller
+        that wrote the rows straight into them (``load_session``)."""
         one = self.planes.memory_shape[1:]
-        k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring, one)
+        for name, x in (("keys", keys), ("values", values)):
+            if x.dtype != self.dtype or tuple(x.shape) != one:
+                raise ValueError(f"KV cache for layer {self.layer}: installed {name} planes must "
+                                 f"be {self.dtype} {one}, got {x.dtype} {tuple(x.shape)}")
+        self._installed(ring, keys, values)
+
+    def _installed(self, ring: Ring, k: mx.array, v: mx.array) -> None:
         if self.planes.slots == 1:
             self.planes.set(k.reshape(self.planes.memory_shape), v.reshape(self.planes.memory_shape))
         else:
-            fresh = Planes(kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=capacity,
+            fresh = Planes(kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=self.capacity,
                            layout=self.layout, dtype=self.dtype, allocate=False)
             fresh.set(k.reshape(fresh.memory_shape), v.reshape(fresh.memory_shape))
             self.planes.copy_slot(self.slot, fresh)

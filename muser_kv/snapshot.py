@@ -78,6 +78,7 @@ import errno
 import hashlib
 import json
 import os
+import queue
 import re
 import secrets
 import stat
@@ -94,13 +95,14 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import tensorfile
+from . import kernels, tensorfile
 from .cache import make_cache_for
 from .counts import optional_count
 from .fingerprint import check_fingerprint, differs, model_fingerprint
 from .geometry import LayerKind, MuseGeometry
 from .cache import MuseKVCache
 from .precision import DtypeLike, plane_dtype_for
+from .ring import Ring, Run
 
 FORMAT = "muser-kv-session"
 #: The version written. Version 2 added the header checksum and the model
@@ -273,17 +275,40 @@ def _check_tensor(name: str, x: Any, rows: int, geometry: MuseGeometry, encoding
         fail("type", "mlx.core.array", type(x).__name__)
     if x.dtype != dtype:
         fail(f"dtype (encoding {encoding})", str(dtype), str(x.dtype))
-    if x.ndim != 3:
-        fail("shape", (rows, geometry.kv_heads, geometry.head_dim), tuple(x.shape))
-    if x.shape[0] != rows:
-        fail("rows", rows, int(x.shape[0]))
-    if x.shape[1] != geometry.kv_heads:
-        fail("kv_heads", geometry.kv_heads, int(x.shape[1]))
-    if x.shape[2] != geometry.head_dim:
-        fail("head_dim", geometry.head_dim, int(x.shape[2]))
-    nbytes = rows * geometry.kv_dim * dtype.size
-    if x.nbytes != nbytes:
-        fail("bytes", nbytes, int(x.nbytes))
+    _check_shape(fail, tuple(x.shape), x.nbytes, rows, geometry, dtype.size)
+
+
+def _check_shape(fail: Any, shape: Tuple[int, ...], nbytes: int, rows: int,
+                 geometry: MuseGeometry, itemsize: int) -> None:
+    if len(shape) != 3:
+        fail("shape", (rows, geometry.kv_heads, geometry.head_dim), shape)
+    if shape[0] != rows:
+        fail("rows", rows, int(shape[0]))
+    if shape[1] != geometry.kv_heads:
+        fail("kv_heads", geometry.kv_heads, int(shape[1]))
+    if shape[2] != geometry.head_dim:
+        fail("head_dim", geometry.head_dim, int(shape[2]))
+    want = rows * geometry.kv_dim * itemsize
+    if nbytes != want:
+        fail("bytes", want, int(nbytes))
+
+
+def _check_entries(geometry: MuseGeometry, encoding: str, position: int, layer: int,
+                   start: int, entries: Mapping[str, tensorfile.Entry]) -> int:
+    """``_check_cut`` for a layer not yet read, from the file's table: its start
+    and both tensors' shapes and sizes (their dtypes are the table checks').
+    Returns the layer's rows."""
+    kind = geometry.layer_kind(layer)
+    want, rows = expected_cut(geometry, layer, position)
+    if start != want:
+        raise SnapshotMismatch("start", want, start, layer, kind)
+    for name, tensor in zip(("keys", "values"), tensor_names(layer)):
+        def fail(field: str, expected: Any, got: Any, name: str = name) -> None:
+            raise SnapshotMismatch(f"{name} {field}", expected, got, layer, kind)
+
+        e = entries[tensor]
+        _check_shape(fail, e.shape, e.nbytes, rows, geometry, ENCODINGS[encoding][0].size)
+    return rows
 
 
 def _check_whole(have: MuseGeometry, encoding: str, position: Any, geometry: MuseGeometry) -> None:
@@ -850,7 +875,7 @@ def _writable(x: mx.array) -> np.ndarray:
     if view.nbytes and not view.flags.writeable:
         raise RuntimeError("session load: MLX gave a read-only view of a new array; "
                            "refusing to read into it")
-    return view.reshape(-1).view(np.uint8)
+    return view
 
 
 def _read_verified(fd: int, entry: tensorfile.Entry, view: np.ndarray, algorithm: str) -> str:
@@ -859,6 +884,65 @@ def _read_verified(fd: int, entry: tensorfile.Entry, view: np.ndarray, algorithm
     tensorfile.prefetch(fd, entry.begin, entry.nbytes)
     tensorfile.read_at(fd, entry, view)
     return digest_bytes(view, algorithm)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor's logical rows go in a plane the host can write: the new
+    plane (evaluated, held by no one else), its layout, and the live runs of the
+    ring the install leaves (``MuseKVCache.install_ring``: the ring decides)."""
+
+    plane: mx.array
+    layout: str
+    runs: Tuple[Run, ...]
+
+
+#: Bytes a reader thread stages at a time on the way into a plane.
+PLACE_CHUNK = 4 << 20
+
+
+def _scatter(plane: np.ndarray, layout: str, runs: Sequence[Run], rows: np.ndarray,
+             first: int) -> None:
+    """Logical rows ``first .. first + len(rows)`` (``[m, H, D]``) into the plane
+    (``[R, H*D]`` token-major, ``[H, R, D]`` head-major) along the runs."""
+    last = first + rows.shape[0]
+    for run in runs:
+        lo, hi = max(first, run.source), min(last, run.source + run.length)
+        if lo >= hi:
+            continue
+        at = run.physical + lo - run.source
+        part = rows[lo - first:hi - first]
+        if layout == kernels.TOKEN_MAJOR:
+            plane[at:at + hi - lo] = part.reshape(hi - lo, -1)
+        else:
+            plane[:, at:at + hi - lo, :] = part.transpose(1, 0, 2)
+
+
+def _read_placed(fd: int, entry: tensorfile.Entry, plane: np.ndarray, where: Placement,
+                 algorithm: str, free: "queue.Queue[np.ndarray]") -> str:
+    """One reader thread's task for a placed tensor: its bytes, ``PLACE_CHUNK``
+    at a time, into a staging buffer the thread reuses, hashed there and copied
+    (bits, never values) into the plane where the runs say; returns the digest."""
+    tensorfile.prefetch(fd, entry.begin, entry.nbytes)
+    h = _hasher(algorithm)
+    n = entry.shape[0]
+    if not entry.nbytes:
+        return h.hexdigest()
+    row = entry.nbytes // n
+    buf = free.get()
+    try:
+        per = max(1, buf.nbytes // row)
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            part = buf[:(b - a) * row]
+            tensorfile.read_at(fd, dataclasses.replace(
+                entry, begin=entry.begin + a * row, end=entry.begin + b * row), part)
+            h.update(part)
+            _scatter(plane, where.layout, where.runs,
+                     part.view(plane.dtype).reshape(b - a, *entry.shape[1:]), a)
+    finally:
+        free.put(buf)
+    return h.hexdigest()
 
 
 class _Reader:
@@ -923,20 +1007,38 @@ class _Reader:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def layers(self) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
+    def layers(self, placements: Optional[Mapping[str, Placement]] = None,
+               ) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
         """Start reading now (the readers run ahead of the caller, who may do
-        other work first), and iterate over the verified layers."""
+        other work first), and iterate over the verified layers. A tensor with
+        a placement is read into its plane (and the plane is what is yielded);
+        any other into a new array of its own shape."""
+        placements = placements or {}
         order = sorted(self.entries.values(), key=lambda e: e.begin)
         f = self._file
         assert f is not None and self._pool is None
         streams = _fill_streams()
-        arrays = [_destination(e, streams[i % len(streams)]) for i, e in enumerate(order)]
+        arrays = [placements[e.name].plane if e.name in placements
+                  else _destination(e, streams[i % len(streams)]) for i, e in enumerate(order)]
         mx.async_eval(arrays)
-        self._pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv session reader")
+        workers = _workers()
+        free: "queue.Queue[np.ndarray]" = queue.Queue()
+        if placements:  # each at least a row, at most the largest tensor
+            largest = max(e.nbytes for e in order)
+            row = max((e.nbytes // e.shape[0] for e in order if e.shape[0]), default=1)
+            for _ in range(workers):
+                free.put(np.empty(max(row, min(PLACE_CHUNK, largest)), np.uint8))
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="muser-kv session reader")
         digests: Dict[str, "Future[str]"] = {}
         for e, x in zip(order, arrays):
-            digests[e.name] = self._pool.submit(_read_verified, f.fileno(), e, _writable(x),
-                                                self.header.digest)
+            where = placements.get(e.name)
+            if where is None:
+                task = (_read_verified, f.fileno(), e, _writable(x).reshape(-1).view(np.uint8),
+                        self.header.digest)
+            else:
+                task = (_read_placed, f.fileno(), e, _writable(x).view(np.uint16), where,
+                        self.header.digest, free)
+            digests[e.name] = self._pool.submit(*task)
         self._active = self._consume(order, arrays, digests)
         return self._active
 
@@ -1235,6 +1337,37 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
     return snapshot
 
 
+#: Whether a load reads rows straight into new planes from the host (``None``:
+#: decide by device). Right where the planes are memory the host writes in
+#: place -- the CPU, Metal's unified memory; on CUDA a host write would move a
+#: plane into managed memory for good, so there the rows go up as arrays of
+#: their own and the install kernel places them on the GPU.
+HOST_PLACES: Optional[bool] = None
+
+
+def _host_places() -> bool:
+    if HOST_PLACES is not None:
+        return HOST_PLACES
+    return mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
+
+
+def _placements(cache: Sequence[MuseKVCache], geometry: MuseGeometry, h: SessionHeader,
+                entries: Mapping[str, tensorfile.Entry],
+                ) -> Tuple[List[Ring], Dict[str, Placement]]:
+    """For every layer, checked from the table before a byte is read: the ring
+    its install leaves and two new zero planes its rows are read into."""
+    rings, placements = [], {}
+    for layer, c in enumerate(cache):
+        rows = _check_entries(geometry, h.encoding, h.position, layer, h.starts[layer], entries)
+        ring = c.install_ring(h.starts[layer], rows)
+        rings.append(ring)
+        runs = tuple(ring.live_runs())
+        for name in tensor_names(layer):
+            plane = mx.zeros(c.planes.memory_shape[1:], c.dtype)
+            placements[name] = Placement(plane, c.layout, runs)
+    return rings, placements
+
+
 def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, *,
                  convert: bool = False, plane_dtype: DtypeLike = None,
                  allow_other_model: bool = False) -> List[Any]:
@@ -1283,17 +1416,23 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         _check_whole(file_geometry, h.encoding, h.position, geometry)
         if h.encoding != encoding and not convert:
             raise _encoding_mismatch(h.encoding, encoding)
-        layers = reader.layers()  # reading starts now
         # planes unallocated: each layer's install makes its own
         cache = make_cache_for(MuseGeometry.from_model(model, context), plane_dtype=dtype,
                                model=model, allocate=False)
+        rings, placements = None, None
+        if h.encoding == encoding and _host_places():
+            rings, placements = _placements(cache, geometry, h, reader.entries)
+        layers = reader.layers(placements)  # reading starts now
         installed = 0
         for layer, start, k, v in layers:
-            cut = LayerCut(start, k, v)
-            _check_cut(geometry, h.encoding, h.position, layer, cut)
-            if h.encoding != encoding:  # convert=True: round to nearest even
-                cut = LayerCut(start, k.astype(dtype), v.astype(dtype))
-            cache[layer].install(cut.start, cut.keys, cut.values)
+            if rings is not None:  # read straight into this layer's planes
+                cache[layer].install_planes(rings[layer], k, v)
+            else:
+                cut = LayerCut(start, k, v)
+                _check_cut(geometry, h.encoding, h.position, layer, cut)
+                if h.encoding != encoding:  # convert=True: round to nearest even
+                    cut = LayerCut(start, k.astype(dtype), v.astype(dtype))
+                cache[layer].install(cut.start, cut.keys, cut.values)
             mx.async_eval(cache[layer].kv_state)
             installed += 1
     if installed != len(cache):  # the reader yields every layer or raises

@@ -502,3 +502,42 @@ def test_the_digest_is_of_the_bytes_the_cache_installs(session40, tmp_path, monk
     monkeypatch.setattr(tensorfile, "read_at", read_then_change)
     with pytest.raises(SessionFileError, match=r"layers\.5\.values"):
         read_session(path)
+
+
+@pytest.mark.parametrize("places", [True, False])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("position,chunk,readers", [(5, None, 2), (37, 1000, 3), (83, 7, 1)])
+def test_load_session_is_bitwise_whichever_way_rows_reach_the_planes(
+        tmp_path, monkeypatch, places, dtype, position, chunk, readers):
+    """Rows read straight into new planes on the host (the CPU's and Metal's
+    way) or uploaded as arrays and placed by the install (CUDA's way): the same
+    planes and rings bit for bit, the zeros past the live rows included, before
+    the wrap and rotated after it, and through chunks no row size divides."""
+    monkeypatch.setattr(snapshot, "HOST_PLACES", places)
+    monkeypatch.setattr(snapshot, "PLACE_CHUNK", chunk or snapshot.PLACE_CHUNK)
+    monkeypatch.setattr(snapshot, "_workers", lambda: readers)
+    model = tiny_model(dtype, sliding_window=WINDOW)
+    live = filled(model, position)
+    path = tmp_path / "s.safetensors"
+    save_session(path, live)
+    restored = load_session(path, model)
+    assert_state(restored, state(live))
+    toks = mx.array([tokens(3, seed=position)])
+    np.testing.assert_array_equal(u16(model(toks, cache=restored)), u16(model(toks, cache=live)))
+
+
+def test_a_placed_tensor_that_fails_its_digest_names_it_and_nothing_is_returned(
+        tmp_path, monkeypatch):
+    """A byte flipped in a tensor read straight into a plane: the load refuses,
+    naming that tensor."""
+    monkeypatch.setattr(snapshot, "HOST_PLACES", True)
+    model = tiny_model(mx.float16, sliding_window=WINDOW)
+    path = tmp_path / "s.safetensors"
+    save_session(path, filled(model, 40))
+    data = bytearray(path.read_bytes())
+    table, _ = split(bytes(data))
+    begin, _ = table["layers.3.keys"]["data_offsets"]
+    data[8 + struct.unpack("<Q", bytes(data[:8]))[0] + begin + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(SessionFileError, match=r"layers\.3\.keys"):
+        load_session(path, model)
