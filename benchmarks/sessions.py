@@ -22,7 +22,9 @@ process, with the ratio:
    >= 0.8. Every load is checked bit for bit against the source planes and rings,
    every raw read against the planes' bytes. A second table (``--no-parts`` skips
    it) times muser-kv's parts alone: the cut, XXH3-128 and (for comparison,
-   version 2's digest) sha256 of every tensor, ``read_session``, ``restore_into``.
+   version 2's digest) sha256 of every tensor, ``read_session``, ``restore_into``,
+   and the floor under any load: the payload's bytes of fresh memory as MLX
+   allocates them (a load's planes) and as numpy does (the raw read's buffer).
 
 2. **Speculative rollback, ms.** A second cache (``max_context = depth +
    max(blocks)``) is filled to ``depth`` (rings wrapped, retained rows at their
@@ -328,7 +330,22 @@ def ours_parts(path: str, cache) -> Dict[str, float]:
     mx.eval(planes(target))
     parts["restore_into"] = now() - t0
     del target, snap
+    settle()
+    # the floor under any load: fresh memory for the planes, as MLX allocates it
+    # (a load must produce MLX arrays) and as numpy does (the raw read's buffer)
+    t0 = now()
+    fresh = mx.zeros((sum(p.nbytes for p in planes(cache)),), mx.uint8)
+    mx.eval(fresh)
+    parts["fresh MLX memory"] = now() - t0
+    del fresh
+    settle()
+    t0 = now()
+    buf = np.empty(sum(p.nbytes for p in planes(cache)), np.uint8)
+    buf.fill(0)
+    parts["fresh numpy memory"] = now() - t0
+    del buf
     return parts
+
 
 
 def bench_sessions(args, workdir: str) -> Dict[str, Any]:
@@ -602,7 +619,8 @@ def main(argv=None) -> Dict[str, Any]:
                   "overlap them, so shares add up to more)")
             part_rows = []
             for name, ref in (("capture", save_s), ("xxh3-128", save_s), ("sha256", save_s),
-                              ("read_session", load_s), ("restore_into", load_s)):
+                              ("read_session", load_s), ("restore_into", load_s),
+                              ("fresh MLX memory", load_s), ("fresh numpy memory", load_s)):
                 v = median(parts[name])
                 part_rows.append([name, v, s["payload_bytes"] / v / GB, 100 * v / ref])
             print_table(["part", "s", "GB/s", "% of save/load"], part_rows, digits=3)
@@ -610,7 +628,10 @@ def main(argv=None) -> Dict[str, Any]:
                   "xxh3-128 / sha256 = tensor_digests of every tensor (version 3's digest; "
                   "version 2's, for comparison), on the save's digest threads; read_session = "
                   "read + verify" + (" (file evicted first)" if s["evicted_loads"] else "")
-                  + "; restore_into = make_cache_for + install, evaluated")
+                  + "; restore_into = make_cache_for + install, evaluated; fresh MLX / numpy "
+                  "memory = the payload's bytes newly allocated and written once, by mx.zeros "
+                  "(what a load's planes cost before a byte is read) / np.empty + fill (the "
+                  "raw read's buffer; numpy asks for transparent huge pages)")
             print()
 
     if do_rollback:
