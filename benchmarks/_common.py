@@ -142,6 +142,20 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
 
 
+def can_evict() -> bool:
+    return hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
+
+
+def evict(path: str) -> None:
+    """Drop this (fsync'd, so clean) file's pages from the page cache; nothing else."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def settle() -> None:
     """Finish outstanding work and drop cached buffers before a measurement."""
     gc.collect()

@@ -55,7 +55,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import muse_glimmer  # noqa: E402
 
 import muser_kv  # noqa: E402
-from _common import median, now, print_header, print_table, settle, write_json  # noqa: E402
+from _common import evict, median, now, print_header, print_table, settle, write_json  # noqa: E402
 from end_to_end import add_geometry_flags, build_model, weight_bytes  # noqa: E402
 
 GB = 1e9
@@ -90,16 +90,6 @@ def first_token(prompt: mx.array, model, cache: List[Any], step: int) -> Tuple[i
                                          prefill_step_size=step))
     mx.eval(logprobs)
     return int(token), logprobs
-
-
-def evict(path: str) -> None:
-    """Drop this (fsync'd, so clean) file's pages from the page cache; nothing else."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def resume(path: str, model, y0: int, step: int) -> Dict[str, Any]:

@@ -70,7 +70,7 @@ import numpy as np  # noqa: E402
 import muser_kv  # noqa: E402
 from muser_kv.tensorfile import CHUNK  # noqa: E402  (the bytes per call, both sides)
 from _common import (  # noqa: E402
-    DTYPES, MB, PeakProbe, add_common_flags, int_list, median, now, print_header,
+    DTYPES, MB, PeakProbe, add_common_flags, can_evict, evict, int_list, median, now, print_header,
     print_table, settle, write_json,
 )
 
@@ -194,18 +194,6 @@ def filesystem(path: str) -> str:
     return f"{best[2]} on {best[0]} ({best[1]})"
 
 
-def can_evict() -> bool:
-    return hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
-
-
-def evict(path: str) -> None:
-    """Drop this (fsynced, so clean) file's pages from the page cache; nothing else."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def check_disk(directory: str, payload: int) -> None:
