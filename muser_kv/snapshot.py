@@ -953,12 +953,14 @@ class _Reader:
     yields ``(layer, start, keys, values)`` for every layer whose two tensors
     were read and verified, in file order.
 
-    Every tensor is read straight into the MLX array that will hold it: the
-    caller's thread allocates each destination (on a few CPU streams, side by
-    side) and hands a view of its buffer to a pool of reader threads, which read
+    Every tensor is read straight into MLX memory: the caller's thread hands a
+    view of each destination's buffer to a pool of reader threads, which read
     with positional reads of the one open file (several tensors in flight: the
-    device sees a queue, the page cache several copies at once) and hash the
-    bytes where they landed. No one else holds a destination until it is
+    device sees a queue, the page cache several copies at once). A destination
+    is either a new array of the tensor's shape (allocated on a few CPU
+    streams, side by side), hashed where the bytes landed, or the plane of a
+    ``Placement``: the bytes are staged a chunk at a time, hashed there, and
+    placed along the ring's runs. No one else holds a destination until it is
     yielded, so nothing reads it while a reader writes it. A digest that does
     not match raises ``SessionFileError`` naming the tensor, and nothing of
     that layer is yielded."""
@@ -1046,7 +1048,7 @@ class _Reader:
                  digests: Mapping[str, "Future[str]"],
                  ) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
         h = self.header
-        by_name = {e.name: (e, x) for e, x in zip(order, arrays)}
+        arrays_of = {e.name: x for e, x in zip(order, arrays)}
         layer_of = {n: i for i in range(h.geometry.num_layers) for n in tensor_names(i)}
         for layer in dict.fromkeys(layer_of[e.name] for e in order):  # file order
             out = []
@@ -1058,8 +1060,8 @@ class _Reader:
                 check = _digest_check(h, name, digest)
                 if not check.ok:
                     raise _refusal(self.path, check)
-                entry, x = by_name[name]
-                out.append(x.view(mx.bfloat16) if entry.dtype == "BF16" else x)
+                x = arrays_of[name]
+                out.append(x.view(mx.bfloat16) if x.dtype == mx.uint16 else x)  # bf16 bits
             yield layer, h.starts[layer], out[0], out[1]
 
 

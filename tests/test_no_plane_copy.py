@@ -86,6 +86,27 @@ def test_synchronous_stores_keep_every_buffer(model):
         assert after == before, f"step {t}: a plane moved to a new buffer"
 
 
+@pytest.mark.parametrize("places", [True, False], ids=["read-into-planes", "install-kernel"])
+def test_a_loaded_session_keeps_every_buffer(model, tmp_path, monkeypatch, places):
+    """``load_session`` hands over planes no one else holds, whichever way the
+    rows reached them (read straight into the planes, or uploaded and placed by
+    the install): every store after the load reuses the plane's buffer."""
+    import muser_kv.snapshot as snapshot
+
+    monkeypatch.setattr(snapshot, "HOST_PLACES", places)
+    live = muser_kv.make_prompt_cache(model, max_context=4096)
+    model(mx.array([list(range(1, 41))]), cache=live)  # past the 16-row rings' wrap
+    muser_kv.save_session(tmp_path / "s.safetensors", live)
+    cache = muser_kv.load_session(tmp_path / "s.safetensors", model)
+    before = [(_address(c.keys), _address(c.values)) for c in cache]
+    for t in range(20):
+        out = model(mx.array([[t % 256]]), cache=cache)
+        mx.eval(out, [c.state for c in cache])
+        del out
+        after = [(_address(c.keys), _address(c.values)) for c in cache]
+        assert after == before, f"step {t}: a plane moved to a new buffer"
+
+
 def test_decode_right_after_a_restore_copies_no_ring():
     """After an install (a restored session) the rings hold no copies of the rows
     their next tokens overwrite; taking them in the same graph as the first
