@@ -77,6 +77,8 @@ def nvrtc_mod():
     try:
         return nvrtc, nvrtc.Nvrtc()
     except nvrtc.NvrtcUnavailable as e:
+        if os.environ.get("MUSER_KV_REQUIRE_NVRTC") == "1":
+            pytest.fail(f"{e} (MUSER_KV_REQUIRE_NVRTC=1: CI requires these tests)", pytrace=False)
         pytest.skip(str(e))
 
 
@@ -196,11 +198,14 @@ def test_metal_text_compiles_and_the_emulator_refuses_the_write():
 
     if not (platform.system() == "Linux" and platform.machine() == "x86_64"):
         pytest.skip("the Metal emulator runs on Linux x86-64")
-    from metal_emulator import ClangMissing, EmulatedMetal, MetalFault
+    from metal_emulator import REQUIRE_ENV, ClangMissing, EmulatedMetal, MetalFault
 
     try:
         emulator = EmulatedMetal()
     except ClangMissing as e:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(f"{e} ({REQUIRE_ENV} is set: CI must compile the Metal text)",
+                        pytrace=False)
         pytest.skip(str(e))
     kernel = emulator(name="muser_kv_store_inplace", input_names=sc.STORE_INPUTS,
                       output_names=sc.STORE_OUTPUTS, source=sc.store_source(),
