@@ -2,7 +2,7 @@
 
 The server is mlx-lm's own (``mlx_lm.server.main``, 0.32.2): its argument
 parser and every flag, its HTTP handler, its batching and its prompt-cache
-logic. While it runs, three names it looks up at run time are substituted,
+logic. While it runs, four names it looks up at run time are substituted,
 here and nowhere else (``substituted``), and put back afterwards:
 
 ==================  =========================================================
@@ -13,6 +13,10 @@ here and nowhere else (``substituted``), and put back afterwards:
 ``ModelProvider``   ``MuseModelProvider``: mlx-lm's loader, then
                     ``muser_kv.install`` on every model it loads
 ``LRUPromptCache``  ``ExactPromptCache`` (``muser_kv.prompt_cache``)
+``_run_http_server`` the same function, serving with ``MuseAPIHandler``
+                    (mlx-lm's handler; a request whose ``num_draft_tokens``
+                    is deeper than the caches roll back exactly is refused
+                    with 400 before it runs)
 ==================  =========================================================
 
 Everything else is mlx-lm's. The server builds each request's caches with
@@ -47,9 +51,9 @@ PROG = "muser-kv serve"
 
 #: what ``substituted`` replaces in ``mlx_lm.server``; a server without them is
 #: not the one this module was written against
-SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache")
+SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "_run_http_server")
 
-for _name in SUBSTITUTED + ("main",):
+for _name in SUBSTITUTED + ("main", "APIHandler", "ThreadingHTTPServer"):
     if not hasattr(server, _name):  # pragma: no cover - another mlx-lm
         raise ImportError(f"muser-kv serve wraps mlx-lm 0.32.2's server; mlx_lm.server has no "
                           f"{_name!r} (mlx-lm {getattr(server, '__version__', '?')})")
@@ -184,12 +188,45 @@ class MuseModelProvider(server.ModelProvider):
             hasattr(c, "merge") for c in make_prompt_cache(self.model))
 
 
+def rollback_depth(cli_args: argparse.Namespace) -> int:
+    """How deep every cache the server installs with a draft model rolls back
+    exactly: ``--retain``, raised to ``--num-draft-tokens`` (``MuseModelProvider``)."""
+    return max(cli_args.retain, cli_args.num_draft_tokens)
+
+
+class MuseAPIHandler(server.APIHandler):
+    """mlx-lm's handler, refusing up front what muser-kv's caches cannot do
+    exactly: a speculative request whose ``num_draft_tokens`` exceeds
+    ``rollback_depth`` would fail at its first deep rollback, mid-request.
+    mlx-lm answers a refusal here as any invalid parameter: HTTP 400, one line."""
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        cli = self.response_generator.model_provider.cli_args
+        drafting = cli.draft_model is not None or self.requested_draft_model != "default_model"
+        depth = rollback_depth(cli)
+        if drafting and self.num_draft_tokens > depth:
+            raise ValueError(
+                f"num_draft_tokens must be at most {depth}: muser-kv's caches roll back "
+                f"exactly {depth} rows (the server's --retain / --num-draft-tokens), got "
+                f"{self.num_draft_tokens}")
+
+
+def _serving_with(run_http_server: Any) -> Any:
+    def run_with_our_handler(host: str, port: int, response_generator: Any,
+                             server_class: Any = server.ThreadingHTTPServer,
+                             handler_class: Any = None) -> Any:
+        return run_http_server(host, port, response_generator, server_class, MuseAPIHandler)
+    return run_with_our_handler
+
+
 @contextlib.contextmanager
 def substituted(argv: Sequence[str]) -> Iterator[None]:
     """``mlx_lm.server`` with ``SUBSTITUTED`` replaced (module doc), for the
     duration of the block."""
     replacements = {"argparse": _argparse_with(argv), "ModelProvider": MuseModelProvider,
-                    "LRUPromptCache": ExactPromptCache}
+                    "LRUPromptCache": ExactPromptCache,
+                    "_run_http_server": _serving_with(server._run_http_server)}
     saved = {name: getattr(server, name) for name in replacements}
     for name, value in replacements.items():
         setattr(server, name, value)

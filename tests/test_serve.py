@@ -198,6 +198,21 @@ def test_concurrent_requests_give_their_solo_tokens(servers, name):
     assert len({tuple(t) for t in solo}) == len(solo)  # four different answers
 
 
+def test_a_draft_deeper_than_the_exact_rollback_is_refused_before_it_runs(servers):
+    """The draft server rolls back exactly 64 rows (--retain 64 >= --num-draft-tokens
+    3): a request asking for 65 draft tokens gets mlx-lm's 400 for an invalid
+    parameter, naming the limit, before any token; 64 is served, with the
+    tokens greedy decoding gives, and the server goes on serving."""
+    server = servers["draft"]
+    body = {"prompt": words(ids(37, 1)), "max_tokens": 10, "temperature": 0, "logprobs": True}
+    status, out = server.send("/v1/completions", dict(body, num_draft_tokens=65))
+    assert status == 400, (status, out)
+    assert "num_draft_tokens must be at most 64" in out["error"] and "got 65" in out["error"]
+    deep = server.post("/v1/completions", dict(body, num_draft_tokens=64))
+    got = [t["id"] for t in deep["choices"][0]["logprobs"]["content"]]
+    assert got == send(servers["batched"], REQUESTS[0])
+
+
 def test_a_returning_conversation_reuses_wrapped_entries_exactly(servers):
     server = servers["cached"]
     first = ids(64, 10)
