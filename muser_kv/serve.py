@@ -38,11 +38,12 @@ import types
 from typing import Any, Iterator, List, Optional, Sequence
 
 import mlx_lm.server as server
-from mlx_lm.models.cache import make_prompt_cache
 
 from .geometry import MuseGeometry, UnsupportedModel
+from .growing import GlobalKVCache
 from .install import install
 from .prompt_cache import ExactPromptCache
+from .sliding import SlidingKVCache
 from .speculative import DEFAULT_RETAIN
 
 log = logging.getLogger(__name__)
@@ -183,9 +184,12 @@ class MuseModelProvider(server.ModelProvider):
         except Exception:
             self.reset()  # no model is left serving without muser-kv's caches
             raise
-        # mlx-lm decided batchability on its own caches; decide it on these
-        self.is_batchable = self.is_batchable and all(
-            hasattr(c, "merge") for c in make_prompt_cache(self.model))
+        # mlx-lm decided batchability on its own caches; these are muser-kv's,
+        # which all merge (muser_kv.batch): mlx-lm's other rule, no draft model,
+        # is what remains. Decided without building a cache (its planes are
+        # preallocated: at 131k a cache list is 1.8 GB).
+        self.is_batchable = self.draft_model is None and all(
+            hasattr(cls, "merge") for cls in (SlidingKVCache, GlobalKVCache))
 
 
 def rollback_depth(cli_args: argparse.Namespace) -> int:

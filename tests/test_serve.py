@@ -262,6 +262,21 @@ def test_the_provider_installs_muser_kv_on_every_model_it_loads(model_dir):
     assert plain.is_batchable and muser_kv.installed(plain.model).max_context == 64
 
 
+def test_the_provider_decides_batchability_without_building_a_cache(model_dir, monkeypatch):
+    """A cache list preallocates its planes (1.8 GB at 131k): loading a model
+    builds none, yet the provider batches it."""
+    install_module = sys.modules["muser_kv.install"]  # the module (the package exports its function)
+    built = []
+    real = install_module.make_cache_for
+    monkeypatch.setattr(install_module, "make_cache_for",
+                        lambda *a, **k: built.append(1) or real(*a, **k))
+    provider = serve.MuseModelProvider(parse(["--model", str(model_dir)]))
+    provider.load("default_model")
+    assert provider.is_batchable and built == []
+    provider.model.make_cache()
+    assert built == [1]  # the counter sees a build
+
+
 def test_a_draft_model_muser_kv_does_not_serve_keeps_mlx_lm_caches(model_dir):
     llama = write_local_model(model_dir.parent / "llama-draft", model_type="llama")
     provider = serve.MuseModelProvider(parse(["--model", str(model_dir), "--draft-model",
