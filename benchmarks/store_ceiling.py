@@ -81,9 +81,12 @@ folded from every earlier digest (bit patterns built with integer ops), plus
 ``0 * tanh(h)`` so that they still depend, as data, on the previous layers'
 attention outputs (the model's ordering above). After each layer's attention, an
 exact uint32 digest (sum of bit patterns x odd weights, wrapping) of the K and
-V views that attention read is folded into the chain; its weights are made to
-depend on the query the SDPA used (``q'`` for inplace), so the digest reads the
-planes after the store, exactly as the SDPA does. A race anywhere changes a
+V views that attention read is folded into the chain; the op that reads each
+view also takes a zero drawn from the query the SDPA used (``q'`` for
+inplace), so the digest reads the planes after the store, as the SDPA does.
+(In the one H200 run so far, which failed from step 0, only the digest's
+weights took it: that reader had no edge from the kernel.) A
+race anywhere changes a
 digest, hence the chain, hence every later K/V. Compared: the chain after every
 step (bitwise; first mismatching step reported), every plane bitwise at the
 end, and the final hidden states only to a tolerance, because on MLX 0.32.4 CUDA
@@ -410,9 +413,13 @@ class RacePath:
         return bits.astype(mx.uint16).view(mx.float16).astype(self.dtype)
 
     def digest(self, view: mx.array, g: bool, dep: mx.array) -> mx.array:
+        """An exact digest of ``view`` read after the store: the first op that
+        reads the plane takes ``dep`` (0, from ``q'``) as an input too, so it
+        has a buffer edge from the kernel (an op reading the view alone would
+        not, and could run before the write)."""
         live = view.shape[2]
-        w = self.weights[g][:, :, :live] + dep  # dep is 0, read from q': after the store
-        return (view.view(mx.uint16).astype(mx.uint32) * w).sum()
+        after = view + dep.astype(view.dtype)  # x + 0: the same bits (the rows are never -0)
+        return (after.view(mx.uint16).astype(mx.uint32) * self.weights[g][:, :, :live]).sum()
 
     def step(self, x: mx.array, c: mx.array) -> Tuple[mx.array, mx.array]:
         a, p = self.args, self.p
