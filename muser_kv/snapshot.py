@@ -1353,15 +1353,13 @@ def _host_places() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
 
 
-def _placements(cache: Sequence[MuseKVCache], geometry: MuseGeometry, h: SessionHeader,
-                entries: Mapping[str, tensorfile.Entry],
+def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[int],
                 ) -> Tuple[List[Ring], Dict[str, Placement]]:
-    """For every layer, checked from the table before a byte is read: the ring
-    its install leaves and two new zero planes its rows are read into."""
+    """For every layer: the ring its install of ``rows[layer]`` rows leaves and
+    two new zero planes its rows are read into."""
     rings, placements = [], {}
     for layer, c in enumerate(cache):
-        rows = _check_entries(geometry, h.encoding, h.position, layer, h.starts[layer], entries)
-        ring = c.install_ring(h.starts[layer], rows)
+        ring = c.install_ring(h.starts[layer], rows[layer])
         rings.append(ring)
         runs = tuple(ring.live_runs())
         for name in tensor_names(layer):
@@ -1421,20 +1419,21 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         # planes unallocated: each layer's install makes its own
         cache = make_cache_for(MuseGeometry.from_model(model, context), plane_dtype=dtype,
                                model=model, allocate=False)
+        # every layer's start and shapes, from the table, before a byte is read
+        rows = [_check_entries(geometry, h.encoding, h.position, layer, h.starts[layer],
+                               reader.entries) for layer in range(len(cache))]
         rings, placements = None, None
         if h.encoding == encoding and _host_places():
-            rings, placements = _placements(cache, geometry, h, reader.entries)
+            rings, placements = _placements(cache, h, rows)
         layers = reader.layers(placements)  # reading starts now
         installed = 0
         for layer, start, k, v in layers:
             if rings is not None:  # read straight into this layer's planes
                 cache[layer].install_planes(rings[layer], k, v)
             else:
-                cut = LayerCut(start, k, v)
-                _check_cut(geometry, h.encoding, h.position, layer, cut)
                 if h.encoding != encoding:  # convert=True: round to nearest even
-                    cut = LayerCut(start, k.astype(dtype), v.astype(dtype))
-                cache[layer].install(cut.start, cut.keys, cut.values)
+                    k, v = k.astype(dtype), v.astype(dtype)
+                cache[layer].install(start, k, v)
             mx.async_eval(cache[layer].kv_state)
             installed += 1
     if installed != len(cache):  # the reader yields every layer or raises
