@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -140,6 +141,21 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
                    help="timed repeats per cell; the table shows the median (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
+
+
+def launch_port() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free (mlx.launch takes consecutive ports)."""
+    for _ in range(20):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free loopback ports")
 
 
 def can_evict() -> bool:

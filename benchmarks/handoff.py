@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,9 @@ import numpy as np  # noqa: E402
 
 import muser_kv  # noqa: E402
 from muser_kv import handoff  # noqa: E402
-from _common import int_list, median, now, print_header, print_table, settle, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    int_list, launch_port, median, now, print_header, print_table, settle, write_json,
+)
 
 GB = 1e9
 MIB = 1 << 20
@@ -99,16 +100,7 @@ def launch(argv: Sequence[str]) -> int:
     if launcher is None:
         raise SystemExit("handoff.py: mlx.launch not found beside this Python; run it as "
                          "mlx.launch -n 2 --backend ring --python PY benchmarks/handoff.py")
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            break
-        except OSError:
-            continue
+    port = launch_port()
     cmd = [launcher, "-n", "2", "--backend", "ring", "--python", sys.executable, "-p", str(port),
            os.path.abspath(__file__), *argv]
     return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode

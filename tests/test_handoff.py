@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,9 @@ from handoff_child import (
 )
 from muser_kv import Ring, handoff
 from ring_pair import ROOT, RingPair, child_env
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import launch_port  # noqa: E402  (mlx.launch wants two consecutive ports)
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "handoff_child.py"
@@ -192,21 +194,6 @@ def test_peer_ranks_outside_the_group_are_refused(model):
         handoff.recv_session(model, 1, group)
     with pytest.raises(TypeError, match="peer rank must be an int"):
         handoff.recv_session(model, True, group)
-
-
-def launch_port() -> int:
-    """A port ``p`` with ``p`` and ``p + 1`` free (mlx.launch takes consecutive ports)."""
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free loopback ports")
 
 
 @pytest.mark.skipif(bool(os.environ.get(EMULATOR_ENV)),
