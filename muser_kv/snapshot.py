@@ -95,7 +95,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import kernels, tensorfile
+from . import kernels, managed, tensorfile
 from .cache import make_cache_for
 from .counts import optional_count
 from .fingerprint import check_fingerprint, differs, model_fingerprint
@@ -858,7 +858,7 @@ _MLX_STORAGE = {"F16": mx.float16, "BF16": mx.uint16, "F32": mx.float32}
 def _fill_streams() -> Tuple[Any, ...]:
     """CPU streams the destinations of a load are allocated on: each has its
     own thread, so first touches of fresh memory run side by side."""
-    return tuple(mx.new_stream(mx.cpu) for _ in range(min(4, _workers())))
+    return tuple(mx.new_stream(mx.cpu) for _ in range(_workers()))
 
 
 def _destination(entry: tensorfile.Entry, stream: Any) -> mx.array:
@@ -880,10 +880,14 @@ def _writable(x: mx.array) -> np.ndarray:
 
 def _read_verified(fd: int, entry: tensorfile.Entry, view: np.ndarray, algorithm: str) -> str:
     """One reader thread's task: ``entry``'s bytes into ``view`` (its whole range
-    asked of the kernel first, so the device has it queued), then their digest."""
+    asked of the kernel first, so the device has it queued), then their digest;
+    then, on CUDA, the bytes moved to the GPU in bulk while the other readers
+    read on (``managed.to_gpu``), so the install finds them there."""
     tensorfile.prefetch(fd, entry.begin, entry.nbytes)
     tensorfile.read_at(fd, entry, view)
-    return digest_bytes(view, algorithm)
+    digest = digest_bytes(view, algorithm)
+    managed.to_gpu(view)
+    return digest
 
 
 @dataclass(frozen=True)
@@ -1358,12 +1362,14 @@ def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[i
     """For every layer: the ring its install of ``rows[layer]`` rows leaves and
     two new zero planes its rows are read into."""
     rings, placements = [], {}
+    streams = _fill_streams()
     for layer, c in enumerate(cache):
         ring = c.install_ring(h.starts[layer], rows[layer])
         rings.append(ring)
         runs = tuple(ring.live_runs())
         for name in tensor_names(layer):
-            plane = mx.zeros(c.planes.memory_shape[1:], c.dtype)
+            plane = mx.zeros(c.planes.memory_shape[1:], c.dtype,
+                             stream=streams[len(placements) % len(streams)])
             placements[name] = Placement(plane, c.layout, runs)
     return rings, placements
 

@@ -1,0 +1,129 @@
+"""Moving MLX CUDA's host-visible arrays to the GPU in bulk.
+
+On MLX CUDA an array made by a CPU stream lives in managed memory
+(``cudaMallocManaged``): the host writes it in place, and the first GPU kernel
+to read it pulls its pages over one fault at a time, at a fraction of the
+link's speed. ``to_gpu`` asks the CUDA runtime to migrate a range now
+(``cudaMemPrefetchAsync``) and waits for it, so a kernel launched afterwards
+finds the pages already there.
+
+It is a hint and never a condition of correctness: managed memory is coherent
+whether the pages moved early, late or not at all, so where there is no CUDA
+runtime (the CPU, Metal) or the range is not managed memory, ``to_gpu`` does
+nothing and says so by returning ``False``. The runtime is the one MLX loaded
+(found in the process's mappings), so its calls act on MLX's own context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import lru_cache
+from typing import Any, Optional
+
+import numpy as np
+
+#: Whether ``to_gpu`` migrates at all (off: the GPU pulls pages in as it faults on them).
+ENABLED = True
+#: ``cudaMemLocationTypeDevice`` and ``cudaStreamNonBlocking`` from the CUDA runtime's headers.
+LOCATION_DEVICE = 1
+STREAM_NON_BLOCKING = 1
+#: The runtime version from which ``cudaMemPrefetchAsync`` takes a ``cudaMemLocation``
+#: (before 13.0 that form is ``cudaMemPrefetchAsync_v2``, from 12.2).
+LOCATION_ARGUMENT = 13000
+V2_SINCE = 12020
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+def loaded_runtime(maps: str = "/proc/self/maps") -> Optional[str]:
+    """The path of the CUDA runtime library this process has mapped, if any."""
+    try:
+        with open(maps) as f:
+            for line in f:
+                path = line.split(maxsplit=5)[-1].strip()
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+class Prefetcher:
+    """``cudaMemPrefetchAsync`` to one device, on a non-blocking stream per
+    calling thread (reader threads migrate their own tensors side by side)."""
+
+    def __init__(self, runtime: Any, device: int):
+        self._rt = runtime
+        self.device = device
+        version = ctypes.c_int(0)
+        self._check(runtime.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
+        self.version = version.value
+        self._local = threading.local()
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            self._rt.cudaGetLastError()  # not left for MLX's own checks to find on this thread
+            raise OSError(f"{what} failed with CUDA error {code}")
+
+    def _stream(self) -> ctypes.c_void_p:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = ctypes.c_void_p()
+            self._check(self._rt.cudaStreamCreateWithFlags(ctypes.byref(stream),
+                                                           STREAM_NON_BLOCKING),
+                        "cudaStreamCreateWithFlags")
+            self._local.stream = stream
+        return stream
+
+    def prefetch(self, address: int, nbytes: int) -> None:
+        """Migrate ``[address, address + nbytes)`` to the device and wait for it."""
+        stream = self._stream()
+        ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
+        if self.version >= LOCATION_ARGUMENT:
+            code = self._rt.cudaMemPrefetchAsync(
+                ptr, size, MemLocation(LOCATION_DEVICE, self.device), ctypes.c_uint(0), stream)
+        elif self.version >= V2_SINCE:
+            code = self._rt.cudaMemPrefetchAsync_v2(
+                ptr, size, MemLocation(LOCATION_DEVICE, self.device), ctypes.c_uint(0), stream)
+        else:
+            code = self._rt.cudaMemPrefetchAsync(ptr, size, ctypes.c_int(self.device), stream)
+        self._check(code, "cudaMemPrefetchAsync")
+        self._check(self._rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+@lru_cache(maxsize=None)
+def prefetcher() -> Optional[Prefetcher]:
+    """The process's prefetcher, or ``None`` where MLX runs without CUDA."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return None
+    mx.eval(mx.zeros((1,), stream=mx.gpu))  # MLX has loaded its runtime and made its context
+    path = loaded_runtime()
+    if path is None:
+        return None
+    try:
+        runtime = ctypes.CDLL(path)
+        device = ctypes.c_int(0)
+        if runtime.cudaGetDevice(ctypes.byref(device)) != 0:
+            return None
+        return Prefetcher(runtime, device.value)
+    except (OSError, AttributeError):
+        return None
+
+
+def to_gpu(view: np.ndarray) -> bool:
+    """Migrate the managed memory under ``view`` to the GPU now (a hint: see the
+    module); ``True`` if the runtime did it, ``False`` where it cannot."""
+    p = prefetcher() if ENABLED else None
+    if p is None or not view.nbytes:
+        return False
+    try:
+        p.prefetch(view.ctypes.data, view.nbytes)
+    except OSError:
+        return False
+    return True
