@@ -1156,11 +1156,61 @@ def _tensors(snapshot: SessionSnapshot) -> List[Tuple[str, mx.array]]:
             for name, x in zip(tensor_names(i), (cut.keys, cut.values))]
 
 
+@dataclass(frozen=True)
+class PlaneRows:
+    """A session tensor as it lies in a plane the host reads in place: its
+    logical rows (``shape``, the file's ``[rows, H, D]``) along the ring's live
+    runs, in a numpy view of the plane (``[R, H*D]`` token-major, ``[H, R, D]``
+    head-major). The inverse of ``_scatter``: the ring decides where each row
+    is, the writer follows the runs."""
+
+    plane: np.ndarray
+    layout: str
+    runs: Tuple[Run, ...]
+    shape: Tuple[int, ...]
+
+    @property
+    def row(self) -> int:
+        """Elements per logical row."""
+        return int(np.prod(self.shape[1:]))
+
+    def blocks(self, staging: np.ndarray) -> Iterator[np.ndarray]:
+        """The rows in logical order as C-contiguous blocks: a token-major run is
+        a view of the plane; head-major rows are transposed through ``staging``
+        (of the plane's dtype, at least a row), as many rows at a time as it holds."""
+        row = self.row
+        per = staging.size // row
+        for run in self.runs:
+            if self.layout == kernels.TOKEN_MAJOR:
+                yield self.plane[run.physical:run.physical + run.length]
+                continue
+            for a in range(0, run.length, per):
+                m = min(per, run.length - a)
+                at = run.physical + a
+                out = staging[:m * row].reshape(m, *self.shape[1:])
+                np.copyto(out, self.plane[:, at:at + m, :].transpose(1, 0, 2))
+                yield out
+
+
+def _plane_rows(cache: Sequence[MuseKVCache]) -> List[Tuple[str, PlaneRows]]:
+    """Every tensor of a cache list's session, read from its planes in place."""
+    out = []
+    for i, c in enumerate(cache):
+        runs = tuple(c.ring.live_runs())
+        shape = (c.ring.len, c.kv_heads, c.head_dim)
+        for name, plane in zip(tensor_names(i), c.planes.physical(c.slot)):
+            out.append((name, PlaneRows(_to_numpy(plane), c.layout, runs, shape)))
+    return out
+
+
+Source = Union[mx.array, PlaneRows]
+
+
 #: Tensors whose gather is started ahead of the one being written.
 AHEAD = 4
 
 
-def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, mx.array]],
+def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, Source]],
                    fields: Dict[str, str]) -> Dict[str, str]:
     """The one writer (tests replace it to fail mid-save): the file at ``path``
     (which exists) becomes the session, its header ``fields`` signed with the
@@ -1168,9 +1218,10 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, mx.array]],
 
     The data goes first, at the offset the header will end at (its length is
     fixed before any digest is known: digests are fixed-length hex), each
-    tensor straight from MLX's buffer while a pool hashes the same buffer and
-    the next ``AHEAD`` tensors are gathered, its writeback started as soon as
-    it is out; then the header."""
+    tensor's writeback started as soon as it is out; then the header. An MLX
+    array goes straight from its buffer while a pool hashes the same buffer and
+    the next ``AHEAD`` arrays are gathered; ``PlaneRows`` go block by block
+    from the plane, each block hashed as it is written."""
     if sys.byteorder != "little":
         raise SnapshotError("session files are little-endian; this host is not")
     stored = ENCODINGS[fields["encoding"]][1]
@@ -1179,20 +1230,36 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, mx.array]],
     names = [n for n, _ in tensors]
     reserved = len(tensorfile.head(table, _signed(fields, {
         n: "0" * DIGEST_HEX[algorithm] for n in names})))
-    futures = []
+    digests: List[Union[str, "Future[str]"]] = []
+    staging: Optional[np.ndarray] = None
     with open(path, "r+b", buffering=0) as f, ThreadPoolExecutor(
             _workers(), thread_name_prefix="muser-kv digest") as pool:
         fd = f.fileno()
         os.lseek(fd, reserved, os.SEEK_SET)
         for i, (name, x) in enumerate(tensors):
-            mx.async_eval([t for _, t in tensors[i:i + 1 + AHEAD]])  # this one first
-            data = np.ascontiguousarray(_to_numpy(x))  # waits for x's gather; a view
-            futures.append(pool.submit(digest_bytes, data, algorithm))
-            if data.nbytes:
-                at = os.lseek(fd, 0, os.SEEK_CUR)
+            at = os.lseek(fd, 0, os.SEEK_CUR)
+            if isinstance(x, PlaneRows):
+                if (staging is None or staging.dtype != x.plane.dtype
+                        or staging.size < x.row):
+                    staging = np.empty(max(x.row, PLACE_CHUNK // x.plane.itemsize),
+                                       x.plane.dtype)
+                h = _hasher(algorithm)
+                for block in x.blocks(staging):
+                    data = block.reshape(-1).view(np.uint8)
+                    h.update(data)
+                    tensorfile.write_all(fd, data)
+                digests.append(h.hexdigest())
+            else:
+                mx.async_eval([t for _, t in tensors[i:i + 1 + AHEAD]
+                               if isinstance(t, mx.array)])  # this one first
+                data = np.ascontiguousarray(_to_numpy(x))  # waits for x's gather; a view
+                digests.append(pool.submit(digest_bytes, data, algorithm))
                 tensorfile.write_all(fd, data)
-                tensorfile.start_writeback(fd, at, data.nbytes)
-        header = _signed(fields, {n: fut.result() for n, fut in zip(names, futures)})
+            end = os.lseek(fd, 0, os.SEEK_CUR)
+            if end > at:
+                tensorfile.start_writeback(fd, at, end - at)
+        header = _signed(fields, {n: d if isinstance(d, str) else d.result()
+                                  for n, d in zip(names, digests)})
         head = tensorfile.head(table, header)
         if len(head) != reserved:  # cannot happen while digests are fixed-length hex
             raise SnapshotError(f"session header expected {reserved} bytes, got {len(head)}")
@@ -1282,8 +1349,8 @@ def _saving(path: Path, e: OSError) -> OSError:
                             f"{e.strerror or e}", os.fspath(path))
 
 
-def _atomic_write(path: Path, tensors: Sequence[Tuple[str, mx.array]],
-                  fields: Dict[str, str]) -> None:
+def _atomic_write(path: Path, tensors: Sequence[Tuple[str, Source]],
+                  fields: Dict[str, str]) -> Dict[str, str]:
     """Temp file beside ``path`` -> written and closed -> fsync (its bytes are on
     disk) -> ``os.replace`` (atomic rename) -> fsync the directory (the rename
     is on disk). Any failure before the rename removes the temp file and leaves
@@ -1302,7 +1369,7 @@ def _atomic_write(path: Path, tensors: Sequence[Tuple[str, mx.array]],
         except OSError as e:
             raise _saving(path, e) from e
         try:
-            _write_tensors(tmp, tensors, fields)
+            header = _write_tensors(tmp, tensors, fields)
             _fsync_path(tmp)
             os.replace(tmp, path)
         except BaseException as e:
@@ -1315,11 +1382,28 @@ def _atomic_write(path: Path, tensors: Sequence[Tuple[str, mx.array]],
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.discard(str(tmp))
     _fsync_path(directory, directory=True)
+    return header
+
+
+#: Whether the host reads and writes planes in place (``None``: decide by
+#: device): a save then writes rows straight from the planes and a load reads
+#: them straight into new planes. Right where the planes are memory the host
+#: touches in place -- the CPU, Metal's unified memory; on CUDA a host access
+#: would move a plane into managed memory for good, so there a save writes a
+#: gathered cut and a load uploads arrays of their own that the install kernel
+#: places on the GPU.
+HOST_PLACES: Optional[bool] = None
+
+
+def _host_places() -> bool:
+    if HOST_PLACES is not None:
+        return HOST_PLACES
+    return mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
 
 
 def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
                  metadata: Optional[Mapping[str, Any]] = None, *,
-                 encoding: Optional[str] = None, model: Any = None) -> SessionSnapshot:
+                 encoding: Optional[str] = None, model: Any = None) -> SessionHeader:
     """Write a session (a live cache list, or a snapshot) to ``path``, atomically.
 
     The file carries the planes' own encoding (``f16le`` or ``bf16le``) unless
@@ -1329,32 +1413,28 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
     (``SessionMetadataError`` otherwise, before the disk is touched). The file
     records the fingerprint of ``model``, else of the model the cache list was
     built for, else the snapshot's (none, for a list built from a bare
-    geometry). Returns what was written (evaluated)."""
+    geometry). Returns the header written (what ``open_session`` reads back);
+    ``SessionSnapshot.capture`` takes the rows themselves into memory.
+
+    Where the host reads planes in place (``HOST_PLACES``), a live list's rows
+    in its own encoding are written straight from the planes; elsewhere a cut
+    is gathered, a few tensors ahead of the one being written."""
     user = user_metadata(metadata)  # refused before touching the disk
     if isinstance(cache, SessionSnapshot):
         snapshot = cache
         if model is not None:
             snapshot = dataclasses.replace(snapshot, model=model_fingerprint(model))
     else:
-        snapshot = SessionSnapshot._capture(cache, model)  # gathered while written
-    snapshot = snapshot.encoded(encoding or snapshot.encoding)
+        snapshot = SessionSnapshot._capture(cache, model)  # lazy: the gate, and the header
+    encoding = encoding or snapshot.encoding
+    direct = (not isinstance(cache, SessionSnapshot) and encoding == snapshot.encoding
+              and _host_places())
+    snapshot = snapshot.encoded(encoding)
     snapshot.check(snapshot.geometry)
-    _atomic_write(Path(path), _tensors(snapshot), _header_fields(snapshot, user))
-    return snapshot
-
-
-#: Whether a load reads rows straight into new planes from the host (``None``:
-#: decide by device). Right where the planes are memory the host writes in
-#: place -- the CPU, Metal's unified memory; on CUDA a host write would move a
-#: plane into managed memory for good, so there the rows go up as arrays of
-#: their own and the install kernel places them on the GPU.
-HOST_PLACES: Optional[bool] = None
-
-
-def _host_places() -> bool:
-    if HOST_PLACES is not None:
-        return HOST_PLACES
-    return mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
+    tensors: Sequence[Tuple[str, Source]] = (
+        _plane_rows(cache) if direct else _tensors(snapshot))
+    header = _atomic_write(Path(path), tensors, _header_fields(snapshot, user))
+    return parse_header(header, path)
 
 
 def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[int],

@@ -274,8 +274,8 @@ def test_bf16_session_round_trip_and_encoding_refusals(models, tmp_path, capsys)
     live = muser_kv.make_prompt_cache(bf16, max_context=128)
     bf16(prompt(41, seed=8)[None], cache=live)
     path = tmp_path / "bf16.safetensors"
-    snap = muser_kv.save_session(path, live)
-    assert snap.encoding == "bf16le"
+    assert muser_kv.save_session(path, live).encoding == "bf16le"
+    snap = muser_kv.SessionSnapshot.capture(live)
     restored = muser_kv.load_session(path, bf16)
     for a, b in zip(live, restored):
         assert a.meta_state == b.meta_state and b.dtype == mx.bfloat16

@@ -37,10 +37,11 @@ def tokens(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in (np.arange(n) * 7 + 3 + 11 * seed) % 251 + 1]
 
 
-def filled(model, position: int, max_context: int = 128, seed: int = 0):
+def filled(model, position: int, max_context: int = 128, seed: int = 0,
+           sliding_layout: str = "token_major"):
     """Filled as mlx-lm drives it: a prefill chunk, then chunks of 5 and single
     tokens, so the rings wrap and rotate."""
-    cache = muser_kv.make_prompt_cache(model, max_context)
+    cache = muser_kv.make_prompt_cache(model, max_context, sliding_layout=sliding_layout)
     toks = tokens(position, seed)
     sizes, i, k = [11, 1, 5, 1, 1], 0, 0
     while i < position:
@@ -524,6 +525,45 @@ def test_load_session_is_bitwise_whichever_way_rows_reach_the_planes(
     assert_state(restored, state(live))
     toks = mx.array([tokens(3, seed=position)])
     np.testing.assert_array_equal(u16(model(toks, cache=restored)), u16(model(toks, cache=live)))
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("position,chunk", [(5, None), (37, 1000), (83, 7)])
+def test_a_save_from_the_planes_writes_the_file_a_gathered_cut_writes(
+        tmp_path, monkeypatch, layout, dtype, position, chunk):
+    """Rows written straight from the planes, along the ring's runs (the CPU's
+    and Metal's way), or from a gathered cut (CUDA's): the same file byte for
+    byte, both layouts, before the wrap and rotated after it, through staging
+    no row size divides; and its tensors are the logical cut, by an oracle that
+    unrotates the planes with numpy."""
+    monkeypatch.setattr(snapshot, "PLACE_CHUNK", chunk or snapshot.PLACE_CHUNK)
+    model = tiny_model(dtype, sliding_window=WINDOW)
+    live = filled(model, position, sliding_layout=layout)
+    direct = []
+    real = snapshot._plane_rows
+    monkeypatch.setattr(snapshot, "_plane_rows", lambda c: direct.append(1) or real(c))
+    files = {}
+    for places in (True, False):
+        monkeypatch.setattr(snapshot, "HOST_PLACES", places)
+        path = tmp_path / f"{places}.safetensors"
+        header = save_session(path, live)
+        assert (header.position, header.encoding) == (position, snapshot.plane_encoding(dtype))
+        files[places] = path.read_bytes()
+    assert direct == [1]  # the planes were read in place once, for HOST_PLACES only
+    assert files[True] == files[False]
+    table, _ = split(files[True])
+    base = 8 + struct.unpack("<Q", files[True][:8])[0]
+    for c in live:
+        order = [r.physical + i for r in c.ring.live_runs() for i in range(r.length)]
+        for name, plane in zip(snapshot.tensor_names(c.layer), (u16(c.keys), u16(c.values))):
+            if c.layout == "token_major":  # [R, H*D]
+                want = plane[order].reshape(len(order), c.kv_heads, c.head_dim)
+            else:  # [H, R, D]
+                want = plane[:, order, :].transpose(1, 0, 2)
+            lo, hi = table[name]["data_offsets"]
+            got = np.frombuffer(files[True][base + lo:base + hi], np.uint16)
+            np.testing.assert_array_equal(got.reshape(want.shape), want, err_msg=name)
 
 
 def test_a_placed_tensor_that_fails_its_digest_names_it_and_nothing_is_returned(

@@ -238,10 +238,10 @@ def test_logical_cut_contract_on_disk(model, tmp_path, position):
         for i, c in enumerate(live):
             if c.kind is LayerKind.SLIDING:
                 count = min(position, WINDOW)
-                assert (starts[i], snap.layers[i].start) == (position - count,) * 2
+                assert (starts[i], snap.starts[i]) == (position - count,) * 2
             else:
                 count = position
-                assert starts[i] == snap.layers[i].start == 0
+                assert starts[i] == snap.starts[i] == 0
             k, v = f.get_tensor(f"layers.{i}.keys"), f.get_tensor(f"layers.{i}.values")
             assert k.shape == v.shape == (count, 2, 128) and k.dtype == np.float16
             ek, ev = unrotated(c)  # logical order, never rotated
