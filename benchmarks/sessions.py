@@ -7,7 +7,8 @@ process, with the ratio:
 1. **Sessions at disk speed (issue 14): save / load GB/s against raw I/O of the
    same bytes.** A cache at full depth (default 131,072 positions x 52 layers:
    1,826,619,392 B of planes, every row live) is saved with
-   ``muser_kv.save_session`` (the logical cut, XXH3-128 of every tensor,
+   ``muser_kv.save_session`` (the logical cut -- written from the planes on
+   the CPU and Metal, gathered first on CUDA --, XXH3-128 of every tensor,
    safetensors, fsync, atomic rename, directory fsync) and loaded with
    ``muser_kv.load_session`` (read, verify every digest, a cache for a tiny
    ``mlx_lm.models.muse_glimmer.Model`` with ``max_position_embeddings =
@@ -24,7 +25,8 @@ process, with the ratio:
    it) times muser-kv's parts alone: the cut, XXH3-128 and (for comparison,
    version 2's digest) sha256 of every tensor, ``read_session``, ``restore_into``,
    and the floor under any load: the payload's bytes of fresh memory as MLX
-   allocates them (a load's planes) and as numpy does (the raw read's buffer).
+   allocates them (a load's planes) and as numpy does (the raw read's buffer),
+   and the warm raw read again into one MLX buffer instead of numpy's.
 
 2. **Speculative rollback, ms.** A second cache (``max_context = depth +
    max(blocks)``) is filled to ``depth`` (rings wrapped, retained rows at their
@@ -264,11 +266,18 @@ def save_raw(path: str, cache) -> float:
     return now() - t0
 
 
-def load_raw(path: str) -> Tuple[float, np.ndarray]:
-    """The file's bytes into one new buffer of its size, ``CHUNK`` per ``readinto``."""
+def load_raw(path: str, into_mlx: bool = False) -> Tuple[float, np.ndarray]:
+    """The file's bytes into one new buffer of its size, ``CHUNK`` per ``readinto``:
+    numpy's (``np.empty``), or with ``into_mlx`` an ``mx.zeros`` (a load must end
+    in MLX memory; on the CPU that is 4 KiB pages where numpy's are huge)."""
     t0 = now()
     with open(path, "rb", buffering=0) as f:
-        out = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
+        size = os.fstat(f.fileno()).st_size
+        if into_mlx:
+            out = np.asarray(mx.zeros((size,), mx.uint8))
+            assert out.flags.writeable
+        else:
+            out = np.empty(size, np.uint8)
         view, done = memoryview(out), 0
         while done < out.nbytes:
             got = f.readinto(view[done:done + CHUNK])
@@ -332,6 +341,9 @@ def ours_parts(path: str, cache) -> Dict[str, float]:
     buf.fill(0)
     parts["fresh numpy memory"] = now() - t0
     del buf
+    settle()
+    parts["raw read into MLX memory"] = load_raw(path, into_mlx=True)[0]  # warm: read above
+    settle()
     return parts
 
 
@@ -585,7 +597,8 @@ def main(argv=None) -> Dict[str, Any]:
               f"{args.repeats}; GB = 1e9 B; target muser-kv / raw >= {s['target']}")
         print_table(["operation", "muser-kv s", "muser-kv GB/s", "raw s", "raw GB/s",
                      "muser-kv / raw", f">= {s['target']}"], s["rows"], digits=3)
-        print("muser-kv: save_session (logical cut, XXH3-128 of every tensor, safetensors, fsync, "
+        print("muser-kv: save_session (logical cut, from the planes where the host reads them "
+              "in place, XXH3-128 of every tensor, safetensors, fsync, "
               "rename, directory fsync) / load_session (read, verify every digest, a new cache "
               "for a tiny Model, install at the live rotation, evaluated). raw: write = the "
               f"planes' bytes as they lie, {CHUNK >> 20} MiB per os.write, fsync; read = the "
@@ -608,18 +621,21 @@ def main(argv=None) -> Dict[str, Any]:
             part_rows = []
             for name, ref in (("capture", save_s), ("xxh3-128", save_s), ("sha256", save_s),
                               ("read_session", load_s), ("restore_into", load_s),
-                              ("fresh MLX memory", load_s), ("fresh numpy memory", load_s)):
+                              ("fresh MLX memory", load_s), ("fresh numpy memory", load_s),
+                              ("raw read into MLX memory", load_s)):
                 v = median(parts[name])
                 part_rows.append([name, v, s["payload_bytes"] / v / GB, 100 * v / ref])
             print_table(["part", "s", "GB/s", "% of save/load"], part_rows, digits=3)
-            print("capture = SessionSnapshot.capture (the cut in logical order, evaluated); "
+            print("capture = SessionSnapshot.capture (the cut in logical order, evaluated: "
+                  "what a save gathers on CUDA; on the CPU and Metal it writes from the planes); "
                   "xxh3-128 / sha256 = tensor_digests of every tensor (version 3's digest; "
                   "version 2's, for comparison), on the save's digest threads; read_session = "
                   "read + verify" + (" (file evicted first)" if s["evicted_loads"] else "")
                   + "; restore_into = make_cache_for + install, evaluated; fresh MLX / numpy "
                   "memory = the payload's bytes newly allocated and written once, by mx.zeros "
                   "(what a load's planes cost before a byte is read) / np.empty + fill (the "
-                  "raw read's buffer; numpy asks for transparent huge pages)")
+                  "raw read's buffer; numpy asks for transparent huge pages); raw read into "
+                  "MLX memory = the raw read, warm, into one mx.zeros buffer instead")
             print()
 
     if do_rollback:
