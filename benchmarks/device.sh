@@ -11,6 +11,7 @@
 #   bash benchmarks/device.sh disk       # save / load against raw disk only (sessions.py section 1)
 #   bash benchmarks/device.sh resume     # 130k session: load + first token against re-prefill, real geometry
 #   bash benchmarks/device.sh store      # one in-place store op per layer vs two slice updates; race check
+#   bash benchmarks/device.sh determinism  # the same decode step twice: SDPA, then the real model
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -48,6 +49,9 @@ disk)
   ;;
 resume)
   b resume 560 benchmarks/resume.py --dtype "${2:-bfloat16}" --json "$out/resume_${2:-bfloat16}.json"
+  ;;
+determinism)
+  b determinism 300 benchmarks/determinism.py --model --json "$out/determinism.json"
   ;;
 store)
   b store 240 benchmarks/store_ceiling.py --repeats 5 --race-steps 0 --json "$out/store.json"
