@@ -227,15 +227,29 @@ def environment() -> Dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        "huge_pages": huge_pages(),
         "argv": sys.argv,
     }
+
+
+def huge_pages() -> str:
+    """Whether fresh MLX memory on the CPU gets transparent huge pages: the
+    kernel's THP mode, and glibc's ``hugetlb`` tunable (MLX's CPU allocator is
+    ``malloc``; with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` glibc asks for
+    THP on its large chunks, as numpy does for its arrays)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = next((w.strip("[]") for w in f.read().split() if w.startswith("[")), "?")
+    except OSError:
+        mode = "n/a"
+    return f"THP {mode}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', 'unset')}"
 
 
 def print_header(title: str, args: argparse.Namespace, extra: Optional[str] = None) -> None:
     env = environment()
     print(f"# {title}")
     print(f"device {env['device']} {env['device_info'].get('device_name', '')} | "
-          f"mlx {env['mlx']} | mlx-lm {env['mlx_lm']} | {env['cpus']} CPUs")
+          f"mlx {env['mlx']} | mlx-lm {env['mlx_lm']} | {env['cpus']} CPUs | {env['huge_pages']}")
     flags = " ".join(f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in vars(args).items()
                      if v is not None and k != "json")
     print(f"flags: {flags}")
