@@ -1024,6 +1024,7 @@ class _Reader:
         f = self._file
         assert f is not None and self._pool is None
         streams = _fill_streams()
+        managed.prefetcher()  # found once, here, rather than by racing readers
         arrays = [placements[e.name].plane if e.name in placements
                   else _destination(e, streams[i % len(streams)]) for i, e in enumerate(order)]
         mx.async_eval(arrays)

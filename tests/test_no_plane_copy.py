@@ -107,6 +107,28 @@ def test_a_loaded_session_keeps_every_buffer(model, tmp_path, monkeypatch, place
         assert after == before, f"step {t}: a plane moved to a new buffer"
 
 
+@pytest.mark.parametrize("places", [True, False], ids=["from-the-planes", "gathered-cut"])
+def test_a_saved_session_keeps_every_buffer(model, tmp_path, monkeypatch, places):
+    """``save_session`` holds nothing of the live planes once it returns,
+    whether it wrote from views of them or from a gathered cut: every store
+    after the save reuses the plane's buffer."""
+    import muser_kv.snapshot as snapshot
+
+    monkeypatch.setattr(snapshot, "HOST_PLACES", places)
+    live = muser_kv.make_prompt_cache(model, max_context=4096)
+    model(mx.array([list(range(1, 41))]), cache=live)  # past the 16-row rings' wrap
+    mx.eval([c.state for c in live])
+    before = [(_address(c.keys), _address(c.values)) for c in live]
+    header = muser_kv.save_session(tmp_path / "s.safetensors", live)
+    assert header.position == 40
+    for t in range(20):
+        out = model(mx.array([[t % 256]]), cache=live)
+        mx.eval(out, [c.state for c in live])
+        del out
+        after = [(_address(c.keys), _address(c.values)) for c in live]
+        assert after == before, f"step {t}: a plane moved to a new buffer"
+
+
 def test_decode_right_after_a_restore_copies_no_ring():
     """After an install (a restored session) the rings hold no copies of the rows
     their next tokens overwrite; taking them in the same graph as the first
