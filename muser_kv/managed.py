@@ -17,8 +17,8 @@ nothing and says so by returning ``False``. The runtime is the one MLX loaded
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
-from functools import lru_cache
 from typing import Any, Optional
 
 import numpy as np
@@ -52,8 +52,9 @@ def loaded_runtime(maps: str = "/proc/self/maps") -> Optional[str]:
 
 
 class Prefetcher:
-    """``cudaMemPrefetchAsync`` to one device, on a non-blocking stream per
-    calling thread (reader threads migrate their own tensors side by side)."""
+    """``cudaMemPrefetchAsync`` to one device, each call on a non-blocking stream
+    of a pool (reader threads migrate their own tensors side by side; the pool
+    holds as many streams as there were calls at once, reused by every load)."""
 
     def __init__(self, runtime: Any, device: int):
         self._rt = runtime
@@ -61,7 +62,13 @@ class Prefetcher:
         version = ctypes.c_int(0)
         self._check(runtime.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
         self.version = version.value
-        self._local = threading.local()
+        if self.version >= LOCATION_ARGUMENT or self.version < V2_SINCE:
+            self._prefetch = runtime.cudaMemPrefetchAsync
+        else:
+            self._prefetch = runtime.cudaMemPrefetchAsync_v2
+        for name in ("cudaSetDevice", "cudaStreamCreateWithFlags", "cudaStreamSynchronize"):
+            getattr(runtime, name)  # every entry point found now, or no prefetcher
+        self._streams: "queue.SimpleQueue[ctypes.c_void_p]" = queue.SimpleQueue()
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
@@ -69,34 +76,38 @@ class Prefetcher:
             raise OSError(f"{what} failed with CUDA error {code}")
 
     def _stream(self) -> ctypes.c_void_p:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
+        try:
+            return self._streams.get_nowait()
+        except queue.Empty:
             stream = ctypes.c_void_p()
             self._check(self._rt.cudaStreamCreateWithFlags(ctypes.byref(stream),
                                                            STREAM_NON_BLOCKING),
                         "cudaStreamCreateWithFlags")
-            self._local.stream = stream
-        return stream
+            return stream
 
     def prefetch(self, address: int, nbytes: int) -> None:
         """Migrate ``[address, address + nbytes)`` to the device and wait for it."""
+        self._check(self._rt.cudaSetDevice(self.device), "cudaSetDevice")  # this thread's
         stream = self._stream()
-        ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
-        if self.version >= LOCATION_ARGUMENT:
-            code = self._rt.cudaMemPrefetchAsync(
-                ptr, size, MemLocation(LOCATION_DEVICE, self.device), ctypes.c_uint(0), stream)
-        elif self.version >= V2_SINCE:
-            code = self._rt.cudaMemPrefetchAsync_v2(
-                ptr, size, MemLocation(LOCATION_DEVICE, self.device), ctypes.c_uint(0), stream)
-        else:
-            code = self._rt.cudaMemPrefetchAsync(ptr, size, ctypes.c_int(self.device), stream)
-        self._check(code, "cudaMemPrefetchAsync")
-        self._check(self._rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        try:
+            ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
+            if self.version >= V2_SINCE:
+                code = self._prefetch(ptr, size, MemLocation(LOCATION_DEVICE, self.device),
+                                      ctypes.c_uint(0), stream)
+            else:
+                code = self._prefetch(ptr, size, ctypes.c_int(self.device), stream)
+            self._check(code, "cudaMemPrefetchAsync")
+            self._check(self._rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        finally:
+            self._streams.put(stream)
 
 
-@lru_cache(maxsize=None)
-def prefetcher() -> Optional[Prefetcher]:
-    """The process's prefetcher, or ``None`` where MLX runs without CUDA."""
+_BUILD = threading.Lock()
+_UNSET = object()
+_PREFETCHER: Any = _UNSET
+
+
+def _build() -> Optional[Prefetcher]:
     import mlx.core as mx
 
     cuda = getattr(mx, "cuda", None)
@@ -106,14 +117,25 @@ def prefetcher() -> Optional[Prefetcher]:
     path = loaded_runtime()
     if path is None:
         return None
-    try:
-        runtime = ctypes.CDLL(path)
-        device = ctypes.c_int(0)
-        if runtime.cudaGetDevice(ctypes.byref(device)) != 0:
-            return None
-        return Prefetcher(runtime, device.value)
-    except (OSError, AttributeError):
+    runtime = ctypes.CDLL(path)
+    device = ctypes.c_int(0)
+    if runtime.cudaGetDevice(ctypes.byref(device)) != 0:
         return None
+    return Prefetcher(runtime, device.value)
+
+
+def prefetcher() -> Optional[Prefetcher]:
+    """The process's prefetcher, built once (by whichever thread asks first), or
+    ``None`` where MLX runs without CUDA or its runtime cannot be used: a hint
+    never fails a load."""
+    global _PREFETCHER
+    with _BUILD:
+        if _PREFETCHER is _UNSET:
+            try:
+                _PREFETCHER = _build()
+            except Exception:
+                _PREFETCHER = None
+        return _PREFETCHER
 
 
 def to_gpu(view: np.ndarray) -> bool:
@@ -124,6 +146,6 @@ def to_gpu(view: np.ndarray) -> bool:
         return False
     try:
         p.prefetch(view.ctypes.data, view.nbytes)
-    except OSError:
+    except Exception:  # a hint that did not happen; the memory is coherent either way
         return False
     return True

@@ -1024,7 +1024,8 @@ class _Reader:
         f = self._file
         assert f is not None and self._pool is None
         streams = _fill_streams()
-        managed.prefetcher()  # found once, here, rather than by racing readers
+        if managed.ENABLED:
+            managed.prefetcher()  # built here, before the readers ask for it
         arrays = [placements[e.name].plane if e.name in placements
                   else _destination(e, streams[i % len(streams)]) for i, e in enumerate(order)]
         mx.async_eval(arrays)
@@ -1351,11 +1352,13 @@ def _saving(path: Path, e: OSError) -> OSError:
 
 
 def _atomic_write(path: Path, tensors: Sequence[Tuple[str, Source]],
-                  fields: Dict[str, str]) -> Dict[str, str]:
+                  fields: Dict[str, str]) -> SessionHeader:
     """Temp file beside ``path`` -> written and closed -> fsync (its bytes are on
     disk) -> ``os.replace`` (atomic rename) -> fsync the directory (the rename
     is on disk). Any failure before the rename removes the temp file and leaves
-    ``path`` as it was; stale temporaries of ``path`` (killed saves) go first."""
+    ``path`` as it was; stale temporaries of ``path`` (killed saves) go first.
+    Returns the header written, parsed before the rename (nothing after it can
+    fail but the directory's fsync)."""
     directory = path.parent
     if not directory.is_dir():
         raise OSError(errno.ENOENT, f"cannot save the session to {os.fspath(path)}: directory "
@@ -1370,7 +1373,7 @@ def _atomic_write(path: Path, tensors: Sequence[Tuple[str, Source]],
         except OSError as e:
             raise _saving(path, e) from e
         try:
-            header = _write_tensors(tmp, tensors, fields)
+            header = parse_header(_write_tensors(tmp, tensors, fields), path)
             _fsync_path(tmp)
             os.replace(tmp, path)
         except BaseException as e:
@@ -1434,8 +1437,7 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
     snapshot.check(snapshot.geometry)
     tensors: Sequence[Tuple[str, Source]] = (
         _plane_rows(cache) if direct else _tensors(snapshot))
-    header = _atomic_write(Path(path), tensors, _header_fields(snapshot, user))
-    return parse_header(header, path)
+    return _atomic_write(Path(path), tensors, _header_fields(snapshot, user))
 
 
 def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[int],

@@ -16,6 +16,7 @@ class FakeRuntime:
 
     def __init__(self, version: int, fail: int = 0):
         self.version, self.fail, self.calls = version, fail, []
+        self.barrier = None
 
     def cudaRuntimeGetVersion(self, out):
         out._obj.value = self.version
@@ -38,6 +39,12 @@ class FakeRuntime:
 
     def cudaStreamSynchronize(self, stream):
         self.calls.append(("sync", stream.value))
+        if self.barrier is not None:
+            self.barrier.wait(timeout=10)
+        return 0
+
+    def cudaSetDevice(self, device):
+        self.calls.append(("device", device))
         return 0
 
     def cudaGetLastError(self):
@@ -69,24 +76,51 @@ def test_the_prefetch_uses_the_runtime_versions_own_form(version, symbol, locate
     else:
         device, stream = args[2:]
         assert device.value == 3
-    # on a non-blocking stream of its own, waited for before it returns
-    assert rt.calls[0] == ("stream", managed.STREAM_NON_BLOCKING)
+    # on this thread's device, on a non-blocking stream, waited for before it returns
+    assert rt.calls[:2] == [("device", 3), ("stream", managed.STREAM_NON_BLOCKING)]
     assert rt.calls[-1] == ("sync", stream.value)
 
 
-def test_each_thread_prefetches_on_its_own_stream_and_reuses_it():
+def test_calls_at_once_get_streams_of_their_own_and_later_calls_reuse_them():
+    """As many streams as calls in flight at once, kept for every later load
+    (one stream per load's reader thread would leak a set per load)."""
     import threading
 
     rt = FakeRuntime(13000)
     p = managed.Prefetcher(rt, device=0)
     view = np.zeros(8, np.uint8)
-    p.prefetch(view.ctypes.data, 8)
-    p.prefetch(view.ctypes.data, 8)
-    t = threading.Thread(target=p.prefetch, args=(view.ctypes.data, 8))
-    t.start()
-    t.join()
-    streams = {args[-1].value for name, args in (c for c in rt.calls if c[0].startswith("cudaMem"))}
-    assert len(streams) == 2 and [c[0] for c in rt.calls].count("stream") == 2
+    rt.barrier = threading.Barrier(2)  # both in flight before either returns
+    threads = [threading.Thread(target=p.prefetch, args=(view.ctypes.data, 8)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rt.barrier = None
+    for _ in range(3):  # later calls, from this thread and from new ones
+        p.prefetch(view.ctypes.data, 8)
+        t = threading.Thread(target=p.prefetch, args=(view.ctypes.data, 8))
+        t.start()
+        t.join()
+    used = {args[-1].value for name, args in rt.calls if name.startswith("cudaMem")}
+    assert [c[0] for c in rt.calls].count("stream") == 2 and len(used) == 2
+
+
+class NoV2(FakeRuntime):
+    """A 12.2+ runtime that lacks ``cudaMemPrefetchAsync_v2``."""
+
+    def __getattribute__(self, name):
+        if name == "cudaMemPrefetchAsync_v2":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_runtime_without_the_entry_point_is_no_prefetcher(monkeypatch):
+    with pytest.raises(AttributeError):
+        managed.Prefetcher(NoV2(12080), device=0)  # found at construction, never mid-load
+    monkeypatch.setattr(managed, "_PREFETCHER", managed._UNSET)
+    monkeypatch.setattr(managed, "_build", lambda: managed.Prefetcher(NoV2(12080), device=0))
+    assert managed.prefetcher() is None
+    assert managed.to_gpu(np.zeros(16, np.uint8)) is False
 
 
 def test_a_failed_prefetch_is_false_and_clears_the_runtimes_error(monkeypatch):
