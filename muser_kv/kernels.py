@@ -157,8 +157,9 @@ class ReferenceBackend:
             if layout == TOKEN_MAJOR or plane.shape[0] == 1 or not runs:
                 # a whole run of a token-major plane, or of one head transposed,
                 # is no copy: take copies
-                index = mx.array([r.physical + i for r in runs for i in range(r.length)],
-                                 dtype=mx.int32)
+                index = (mx.concatenate([mx.arange(r.physical, r.physical + r.length,
+                                                   dtype=mx.int32) for r in runs])
+                         if runs else mx.zeros((0,), mx.int32))
                 if layout == TOKEN_MAJOR:
                     out.append(mx.take(plane, index, axis=0))
                 else:
