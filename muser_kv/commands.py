@@ -177,11 +177,11 @@ class Session:
         if cache is None:
             raise CommandError(f"--session {self.path}: no cache was built to save")
         try:
-            snapshot = save_session(self.path, cache, metadata=self.metadata)
+            header = save_session(self.path, cache, metadata=self.metadata)
         except OSError as e:
             raise CommandError(f"--session {self.path}: cannot save it ({e}); the file is as "
                                "it was") from None
-        print(f"muser-kv: session saved to {self.path} ({snapshot.position} tokens)",
+        print(f"muser-kv: session saved to {self.path} ({header.position} tokens)",
               file=sys.stderr, flush=True)
 
 
