@@ -73,17 +73,22 @@ def _address(x: mx.array) -> int:
         del a
 
 
-def test_synchronous_stores_keep_every_buffer(model):
-    cache = muser_kv.make_prompt_cache(model, max_context=4096)
-    model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
-    mx.eval([c.state for c in cache])
+def assert_stores_keep_buffers(model, cache, steps: int) -> None:
+    """``steps`` synchronous one-token steps; every plane keeps its buffer."""
     before = [(_address(c.keys), _address(c.values)) for c in cache]
-    for t in range(40):  # wraps the 16-row rings twice
+    for t in range(steps):
         out = model(mx.array([[t % 256]]), cache=cache)
         mx.eval(out, [c.state for c in cache])
         del out
         after = [(_address(c.keys), _address(c.values)) for c in cache]
         assert after == before, f"step {t}: a plane moved to a new buffer"
+
+
+def test_synchronous_stores_keep_every_buffer(model):
+    cache = muser_kv.make_prompt_cache(model, max_context=4096)
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    assert_stores_keep_buffers(model, cache, 40)  # wraps the 16-row rings twice
 
 
 @pytest.mark.parametrize("places", [True, False], ids=["read-into-planes", "install-kernel"])
@@ -98,13 +103,7 @@ def test_a_loaded_session_keeps_every_buffer(model, tmp_path, monkeypatch, place
     model(mx.array([list(range(1, 41))]), cache=live)  # past the 16-row rings' wrap
     muser_kv.save_session(tmp_path / "s.safetensors", live)
     cache = muser_kv.load_session(tmp_path / "s.safetensors", model)
-    before = [(_address(c.keys), _address(c.values)) for c in cache]
-    for t in range(20):
-        out = model(mx.array([[t % 256]]), cache=cache)
-        mx.eval(out, [c.state for c in cache])
-        del out
-        after = [(_address(c.keys), _address(c.values)) for c in cache]
-        assert after == before, f"step {t}: a plane moved to a new buffer"
+    assert_stores_keep_buffers(model, cache, 20)
 
 
 @pytest.mark.parametrize("places", [True, False], ids=["from-the-planes", "gathered-cut"])
@@ -118,15 +117,8 @@ def test_a_saved_session_keeps_every_buffer(model, tmp_path, monkeypatch, places
     live = muser_kv.make_prompt_cache(model, max_context=4096)
     model(mx.array([list(range(1, 41))]), cache=live)  # past the 16-row rings' wrap
     mx.eval([c.state for c in live])
-    before = [(_address(c.keys), _address(c.values)) for c in live]
-    header = muser_kv.save_session(tmp_path / "s.safetensors", live)
-    assert header.position == 40
-    for t in range(20):
-        out = model(mx.array([[t % 256]]), cache=live)
-        mx.eval(out, [c.state for c in live])
-        del out
-        after = [(_address(c.keys), _address(c.values)) for c in live]
-        assert after == before, f"step {t}: a plane moved to a new buffer"
+    assert muser_kv.save_session(tmp_path / "s.safetensors", live).position == 40
+    assert_stores_keep_buffers(model, live, 20)
 
 
 def test_decode_right_after_a_restore_copies_no_ring():
