@@ -75,10 +75,16 @@ def _model_int(args: Any, name: str) -> int | None:
 
 
 def _layer_kinds(args: Any, num_layers: int) -> Tuple[LayerKind, ...]:
-    """``layer_types`` as layer kinds (Muse Glimmer's pattern when the args have none)."""
+    """``layer_types`` as layer kinds. Args without them are refused: which
+    layers are global is read from the model, never guessed (Gemma 3's args
+    have ``sliding_window_pattern`` instead, and Muse Glimmer's ``i % 4 == 3``
+    put its global layers in the wrong places)."""
     types = getattr(args, "layer_types", None)
     if not types:
-        return ()
+        raise UnsupportedModel(
+            f"{_args_name(args)} has no layer_types: muser-kv reads which layers are "
+            f"sliding-window and which are global from layer_types ({' / '.join(LAYER_TYPES)}) "
+            "and will not guess a layer plan")
     types = list(types)
     unknown = sorted({str(t) for t in types if t not in LAYER_TYPES})
     if unknown:
@@ -194,7 +200,13 @@ class MuseGeometry:
             raise UnsupportedModel(
                 f"{type(model).__name__} has {len(layers)} layers but its args say "
                 f"num_hidden_layers {geometry.num_layers}")
+        _check_own_plan(model, geometry)
         return geometry
+
+    def plan(self) -> Tuple[Tuple[LayerKind, int | None], ...]:
+        """Every layer's kind and window (``None`` for a global layer)."""
+        return tuple((k, self.window if k is LayerKind.SLIDING else None)
+                     for k in self.layer_kinds)
 
     def layer_kind(self, layer: int) -> LayerKind:
         if not 0 <= layer < self.num_layers:
@@ -269,3 +281,64 @@ def footprint(geometry: MuseGeometry, context: int, slots: int = 1) -> Footprint
         per_token_above_window=geometry.global_layers * row,
         formula_bytes=(geometry.sliding_layers * ring + geometry.global_layers * context) * row,
     )
+
+
+def _own_plan(model: Any) -> Tuple[Tuple[str, int | None], ...] | None:
+    """What the model's own ``make_cache()`` builds, layer by layer: ``("sliding",
+    window)`` for a ``RotatingKVCache``, ``("global", None)`` for a ``KVCache``,
+    ``(class name, None)`` for anything else. A model class without
+    ``make_cache`` gets a ``KVCache`` per layer from mlx-lm; ``None`` when the
+    model has no layer list either (nothing to compare). The class's method is
+    asked, never an ``install``ed one; mlx-lm's caches allocate nothing until
+    written, so asking costs no memory."""
+    own = getattr(type(model), "make_cache", None)
+    if own is None:
+        layers = getattr(model, "layers", None)
+        return None if layers is None else (("global", None),) * len(layers)
+    plan: list = []
+    for c in own(model):
+        name = type(c).__name__ if type(c).__module__ == _MLX_LM_CACHES else type(c).__qualname__
+        if name == "RotatingKVCache":
+            plan.append(("sliding", int(c.max_size)))
+        elif name == "KVCache":
+            plan.append(("global", None))
+        else:
+            plan.append((f"{type(c).__module__}.{type(c).__qualname__}", None))
+    return tuple(plan)
+
+
+#: the module of mlx-lm's cache classes (named, not imported: core needs no mlx-lm)
+_MLX_LM_CACHES = "mlx_lm.models.cache"
+
+
+def _check_own_plan(model: Any, geometry: MuseGeometry) -> None:
+    """Refuse a model whose own ``make_cache()`` disagrees with the plan read
+    from its args: a list built from a wrong plan would attend over the wrong
+    rows, silently (the guard for models whose plan is not read from the model)."""
+    own = _own_plan(model)
+    if own is None:
+        return
+    ours = tuple(("sliding", w) if k is LayerKind.SLIDING else ("global", None)
+                 for k, w in geometry.plan())
+    if own == ours:
+        return
+    if len(own) != len(ours):
+        detail = f"{len(own)} caches for {len(ours)} layers"
+    else:
+        layer = next(i for i, (a, b) in enumerate(zip(own, ours)) if a != b)
+        detail = (f"layer {layer}: the model's make_cache() gives {_describe(own[layer])}, "
+                  f"its args say {_describe(ours[layer])}")
+    raise UnsupportedModel(
+        f"{type(model).__name__} ({_args_name(getattr(model, 'args', None))}): its own "
+        f"make_cache() disagrees with the layer plan muser-kv reads from its args ({detail}); "
+        "muser-kv serves a model only when it knows which layers are sliding-window and which "
+        "global")
+
+
+def _describe(entry: Tuple[str, int | None]) -> str:
+    kind, window = entry
+    if kind == "sliding":
+        return f"a sliding window of {window}"
+    if kind == "global":
+        return "a global cache"
+    return f"a {kind}"

@@ -147,3 +147,99 @@ def test_a_model_with_the_fields_is_served_whatever_its_family():
                    layer_types=["sliding_attention", "full_attention"])
     cache = muser_kv.make_prompt_cache(model)
     assert [c.kind.value for c in cache] == ["sliding_attention", "full_attention"]
+
+
+def _gemma3(**kw):
+    """A tiny Gemma 3 text model: its args carry ``sliding_window_pattern``, not
+    ``layer_types``; its own ``make_cache()`` puts a global layer every third."""
+    from mlx_lm.models import gemma3_text
+
+    base = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6,
+                intermediate_size=128, num_attention_heads=4, head_dim=32,
+                num_key_value_heads=2, vocab_size=64, sliding_window=8,
+                sliding_window_pattern=3, rms_norm_eps=1e-6, rope_theta=10000.0,
+                rope_local_base_freq=10000.0, query_pre_attn_scalar=32.0)
+    base.update(kw)
+    return gemma3_text.Model(gemma3_text.ModelArgs(**base))
+
+
+def test_a_model_without_layer_types_is_refused_not_guessed(tmp_path):
+    """Gemma 3 has no layer_types; Muse Glimmer's i % 4 == 3 was assumed, the
+    global layers landed in the wrong places and the first token was wrong."""
+    import mlx.core as mx
+
+    import muser_kv
+    from muser_kv.slots import SlotPool
+
+    model = _gemma3()
+    for build in (lambda: muser_kv.make_prompt_cache(model),
+                  lambda: muser_kv.install(model),
+                  lambda: SlotPool(model, slots=1, max_context=32),
+                  lambda: MuseGeometry.from_model_args(model.args)):
+        with pytest.raises(muser_kv.UnsupportedModel, match=r"model_type 'gemma3_text'.*has no "
+                           r"layer_types.*will not guess a layer plan"):
+            build()
+    assert muser_kv.installed(model) is None and "make_cache" not in vars(model)
+    # a session saved from a Muse model does not load into it either
+    muse = tiny_muse()
+    cache = muser_kv.make_prompt_cache(muse)
+    for c in cache:
+        c.update_and_fetch(mx.zeros((1, 2, 3, 128)), mx.zeros((1, 2, 3, 128)))
+    muser_kv.save_session(tmp_path / "s.safetensors", cache)
+    with pytest.raises(muser_kv.UnsupportedModel, match="has no layer_types"):
+        muser_kv.load_session(tmp_path / "s.safetensors", model)
+
+
+def test_layer_types_that_disagree_with_the_models_own_caches_are_refused():
+    """The model's own make_cache() says which layers rotate and at what window:
+    a plan read from the args that disagrees with it is caught, by layer."""
+    import muser_kv
+
+    model = _gemma3()
+    # the Muse pattern a wrong reading would give: layer 2 is global in Gemma 3
+    model.args.layer_types = ["sliding_attention"] * 3 + ["full_attention"] + \
+        ["sliding_attention"] * 2
+    with pytest.raises(muser_kv.UnsupportedModel,
+                       match=r"layer 2: the model's make_cache\(\) gives a global cache, its "
+                             r"args say a sliding window of 8"):
+        muser_kv.make_prompt_cache(model)
+    # the right plan is served, and the list matches the model's own, layer by layer
+    model.args.layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    cache = muser_kv.make_prompt_cache(model)
+    own = type(model).make_cache(model)
+    assert [type(c).__name__ for c in own] == ["RotatingKVCache", "RotatingKVCache", "KVCache"] * 2
+    assert [c.kind for c in cache] == [LayerKind.SLIDING, LayerKind.SLIDING, LayerKind.GLOBAL] * 2
+
+
+def test_a_window_that_disagrees_with_the_models_own_caches_is_refused():
+    import muser_kv
+    from mlx_lm.models.cache import RotatingKVCache
+
+    muse = tiny_muse()
+
+    class OtherWindow(type(muse)):
+        def make_cache(self):
+            caches = super().make_cache()
+            caches[0] = RotatingKVCache(max_size=self.args.sliding_window * 2)
+            return caches
+
+    model = OtherWindow(muse.args)
+    with pytest.raises(muser_kv.UnsupportedModel,
+                       match=r"layer 0: the model's make_cache\(\) gives a sliding window of 32, "
+                             r"its args say a sliding window of 16"):
+        muser_kv.make_prompt_cache(model)
+
+    class Fewer(type(muse)):
+        def make_cache(self):
+            return super().make_cache()[:-1]
+
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"7 caches for 8 layers"):
+        muser_kv.make_prompt_cache(Fewer(muse.args))
+    # the model itself is served
+    assert len(muser_kv.make_prompt_cache(muse)) == 8
+
+
+def tiny_muse():
+    from conftest import tiny_model
+
+    return tiny_model()
