@@ -85,7 +85,6 @@ import stat
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -854,17 +853,68 @@ def open_session(path: PathLike, *, tidy: bool = True) -> SessionFile:
 _MLX_STORAGE = {"F16": mx.float16, "BF16": mx.uint16, "F32": mx.float32}
 
 
-@lru_cache(maxsize=None)
-def _fill_streams() -> Tuple[Any, ...]:
-    """CPU streams the destinations of a load are allocated on: each has its
-    own thread, so first touches of fresh memory run side by side."""
-    return tuple(mx.new_stream(mx.cpu) for _ in range(_workers()))
+class _Allocators:
+    """Daemon threads that allocate a load's fresh arrays side by side, each
+    on a CPU stream it made itself: first touches of fresh memory run in
+    parallel, and every array comes back evaluated.
+
+    MLX streams belong to the thread that made them (another thread's eval of
+    an array on one raises "There is no Stream(cpu, N) in current thread"), so
+    the streams live in these threads, not in whichever thread first loaded a
+    session; and a load from a new thread (a server's request threads) makes
+    no streams of its own, which MLX would never free. One set per process."""
+
+    def __init__(self, workers: int):
+        self._next = 0
+        self._lock = threading.Lock()
+        self._queues: List["queue.SimpleQueue[Tuple[Tuple[int, ...], Any, Future[mx.array]]]"] = []
+        for i in range(workers):
+            jobs: "queue.SimpleQueue[Tuple[Tuple[int, ...], Any, Future[mx.array]]]" = \
+                queue.SimpleQueue()
+            self._queues.append(jobs)
+            threading.Thread(target=self._run, args=(jobs,), daemon=True,
+                             name=f"muser-kv allocator {i}").start()
+
+    @staticmethod
+    def _run(jobs: "queue.SimpleQueue[Tuple[Tuple[int, ...], Any, Future[mx.array]]]") -> None:
+        stream = mx.new_stream(mx.cpu)
+        while True:
+            shape, dtype, done = jobs.get()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                x = mx.zeros(shape, dtype, stream=stream)
+                mx.eval(x)
+                done.set_result(x)
+            except BaseException as e:  # handed to the caller
+                done.set_exception(e)
+
+    def zeros(self, shape: Sequence[int], dtype: Any) -> "Future[mx.array]":
+        """A new evaluated zero array, allocated by one of the threads in turn."""
+        done: "Future[mx.array]" = Future()
+        with self._lock:
+            jobs = self._queues[self._next % len(self._queues)]
+            self._next += 1
+        jobs.put((tuple(shape), dtype, done))
+        return done
 
 
-def _destination(entry: tensorfile.Entry, stream: Any) -> mx.array:
+_ALLOCATORS: Optional[_Allocators] = None
+_ALLOCATORS_LOCK = threading.Lock()
+
+
+def _allocators() -> _Allocators:
+    global _ALLOCATORS
+    with _ALLOCATORS_LOCK:
+        if _ALLOCATORS is None:
+            _ALLOCATORS = _Allocators(_workers())
+        return _ALLOCATORS
+
+
+def _destination(entry: tensorfile.Entry) -> "Future[mx.array]":
     """A new MLX array of ``entry``'s storage dtype and shape in host-visible
-    memory (allocated by a CPU stream; lazy until evaluated)."""
-    return mx.zeros(entry.shape, _MLX_STORAGE[entry.dtype], stream=stream)
+    memory (allocated by a CPU stream, evaluated when the future is done)."""
+    return _allocators().zeros(entry.shape, _MLX_STORAGE[entry.dtype])
 
 
 def _writable(x: mx.array) -> np.ndarray:
@@ -1023,12 +1073,11 @@ class _Reader:
         order = sorted(self.entries.values(), key=lambda e: e.begin)
         f = self._file
         assert f is not None and self._pool is None
-        streams = _fill_streams()
         if managed.ENABLED:
             managed.prefetcher()  # built here, before the readers ask for it
-        arrays = [placements[e.name].plane if e.name in placements
-                  else _destination(e, streams[i % len(streams)]) for i, e in enumerate(order)]
-        mx.async_eval(arrays)
+        fresh = {e.name: _destination(e) for e in order if e.name not in placements}
+        arrays = [placements[e.name].plane if e.name in placements else fresh[e.name].result()
+                  for e in order]
         workers = _workers()
         free: "queue.Queue[np.ndarray]" = queue.Queue()
         if placements:  # each at least a row, at most the largest tensor
@@ -1444,17 +1493,16 @@ def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[i
                 ) -> Tuple[List[Ring], Dict[str, Placement]]:
     """For every layer: the ring its install of ``rows[layer]`` rows leaves and
     two new zero planes its rows are read into."""
-    rings, placements = [], {}
-    streams = _fill_streams()
+    rings, planes = [], {}
     for layer, c in enumerate(cache):
         ring = c.install_ring(h.starts[layer], rows[layer])
         rings.append(ring)
         runs = tuple(ring.live_runs())
         for name in tensor_names(layer):
-            plane = mx.zeros(c.planes.memory_shape[1:], c.dtype,
-                             stream=streams[len(placements) % len(streams)])
-            placements[name] = Placement(plane, c.layout, runs)
-    return rings, placements
+            planes[name] = (_allocators().zeros(c.planes.memory_shape[1:], c.dtype), c.layout,
+                            runs)
+    return rings, {name: Placement(plane.result(), layout, runs)
+                   for name, (plane, layout, runs) in planes.items()}
 
 
 def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, *,
