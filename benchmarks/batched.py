@@ -26,21 +26,21 @@ footprint of B sequences (muser-kv's planes are preallocated).
 from __future__ import annotations
 
 import argparse
-import statistics
 import os
+import statistics
 import sys
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
+from _common import DTYPES, int_list, now, print_header, print_table, settle, write_json  # noqa: E402
+from end_to_end import build_model, weight_bytes  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache as LmBatchKVCache  # noqa: E402
 from mlx_lm.models.cache import BatchRotatingKVCache  # noqa: E402
 
 import muser_kv  # noqa: E402
-from muser_kv.batch import BatchKVCache  # noqa: E402
-from _common import DTYPES, int_list, now, print_header, print_table, settle, write_json  # noqa: E402
-from end_to_end import build_model, weight_bytes  # noqa: E402
+from muser_kv.caches.batch import BatchKVCache  # noqa: E402
 
 GIB = 1 << 30
 SYSTEMS = ("muser-kv", "mlx-lm")

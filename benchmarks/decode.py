@@ -51,13 +51,30 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES,
+    MB,
+    SYSTEMS,
+    PeakProbe,
+    add_common_flags,
+    add_model_flags,
+    attend_layers,
+    geometry,
+    int_list,
+    make_caches,
+    median,
+    now,
+    on_gpu,
+    plane_dtype,
+    print_header,
+    print_table,
+    ratio,
+    settle,
+    str_list,
+    write_json,
+)
 
 import muser_kv  # noqa: E402
-from _common import (  # noqa: E402
-    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, attend_layers, add_model_flags, geometry, int_list,
-    make_caches, median, now, on_gpu, plane_dtype, print_header, print_table, ratio, settle,
-    str_list, write_json,
-)
 
 SETTLE_TOKENS = 4  # single-token updates that end the fill (steady ring state)
 

@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-
-import muser_kv  # noqa: E402
 from _common import DTYPES, print_header, print_table, write_json  # noqa: E402
 from end_to_end import add_geometry_flags, build_model  # noqa: E402
+
+import muser_kv  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

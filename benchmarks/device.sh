@@ -21,8 +21,8 @@ b() { local name=$1 limit=$2; shift 2; echo "== $name: $*" | tee -a "$out/$name.
       timeout "$limit" python3 "$@" 2>&1 | tee -a "$out/$name.md" | grep -v "it/s\]\|tok/s\]" | tail -40; }
 case "${1:-suite}" in
 suite)
-  python3 -c 'import mlx.core as mx, muser_kv.kernels as k; print("mlx", mx.__version__, "device", mx.default_device(), "backend", k.get_backend().name)' | tee "$out/backend.txt"
-  timeout 120 python3 -m muser_kv.cli selftest 2>&1 | tee "$out/selftest.txt"
+  python3 -c 'import mlx.core as mx, muser_kv.core.kernels as k; print("mlx", mx.__version__, "device", mx.default_device(), "backend", k.get_backend().name)' | tee "$out/backend.txt"
+  timeout 120 python3 -m muser_kv selftest 2>&1 | tee "$out/selftest.txt"
   echo "selftest exit ${PIPESTATUS[0]}" | tee -a "$out/selftest.txt"
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -15
   ;;

@@ -43,15 +43,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES,
+    int_list,
+    now,
+    print_header,
+    print_table,
+    settle,
+    str_list,
+    write_json,
+)
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import muse_glimmer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import muser_kv  # noqa: E402
-from _common import (  # noqa: E402
-    DTYPES, int_list, now, print_header, print_table, settle, str_list, write_json,
-)
 
 GIB = 1 << 30
 SYSTEMS = ("muser-kv", "mlx-lm")

@@ -55,12 +55,19 @@ sys.path.insert(0, os.path.dirname(HERE))  # this checkout's muser_kv, in both r
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    int_list,
+    launch_port,
+    median,
+    now,
+    print_header,
+    print_table,
+    settle,
+    write_json,
+)
 
 import muser_kv  # noqa: E402
-from muser_kv import handoff  # noqa: E402
-from _common import (  # noqa: E402
-    int_list, launch_port, median, now, print_header, print_table, settle, write_json,
-)
+from muser_kv.sessions import handoff  # noqa: E402
 
 GB = 1e9
 MIB = 1 << 20
@@ -214,7 +221,7 @@ def receiver(group, model, args: argparse.Namespace, workdir: str) -> List[Dict[
 def local(model, cells: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     """Rank 1 alone: the same first token from a session file and from a re-prefill,
     and the handoff's parts one at a time."""
-    from muser_kv import snapshot
+    from muser_kv.sessions import format as snapshot
 
     rng = np.random.default_rng(args.seed)
     for cell in cells:

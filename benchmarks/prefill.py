@@ -38,11 +38,24 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
-
 from _common import (  # noqa: E402
-    DTYPES, MB, SYSTEMS, PeakProbe, add_common_flags, attend_layers, add_model_flags, make_caches,
-    median, now, print_header, print_table, ratio, settle, write_json,
+    DTYPES,
+    MB,
+    SYSTEMS,
+    PeakProbe,
+    add_common_flags,
+    add_model_flags,
+    attend_layers,
+    make_caches,
+    median,
+    now,
+    print_header,
+    print_table,
+    ratio,
+    settle,
+    write_json,
 )
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

@@ -51,12 +51,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import evict, median, now, print_header, print_table, settle, write_json  # noqa: E402
+from end_to_end import add_geometry_flags, build_model, weight_bytes  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import muse_glimmer  # noqa: E402
 
 import muser_kv  # noqa: E402
-from _common import evict, median, now, print_header, print_table, settle, write_json  # noqa: E402
-from end_to_end import add_geometry_flags, build_model, weight_bytes  # noqa: E402
 
 GB = 1e9
 TARGET_S = 1.0  # issue 14: load_session + the first token under a second ...

@@ -54,16 +54,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES,
+    int_list,
+    median,
+    now,
+    print_header,
+    print_table,
+    ratio,
+    settle,
+    str_list,
+    write_json,
+)
 from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.models import muse_glimmer  # noqa: E402
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache  # noqa: E402
 
 import muser_kv  # noqa: E402
-from muser_kv.prompt_cache import ExactPromptCache  # noqa: E402
-from _common import (  # noqa: E402
-    DTYPES, int_list, median, now, print_header, print_table, ratio, settle, str_list,
-    write_json,
-)
+from muser_kv.serving.prompt_cache import ExactPromptCache  # noqa: E402
 
 SYSTEMS = ("mlx-lm", "muser-kv")
 PATHS = ("batched", "sequential")

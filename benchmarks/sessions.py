@@ -68,13 +68,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES,
+    MB,
+    PeakProbe,
+    add_common_flags,
+    can_evict,
+    evict,
+    int_list,
+    median,
+    now,
+    print_header,
+    print_table,
+    settle,
+    write_json,
+)
 
 import muser_kv  # noqa: E402
-from muser_kv.tensorfile import CHUNK  # noqa: E402  (the bytes per call, both sides)
-from _common import (  # noqa: E402
-    DTYPES, MB, PeakProbe, add_common_flags, can_evict, evict, int_list, median, now, print_header,
-    print_table, settle, write_json,
-)
+from muser_kv.sessions.tensorfile import CHUNK  # noqa: E402  (the bytes per call, both sides)
 
 GB = 1e9
 KIB = 1 << 10
@@ -302,7 +313,7 @@ def ours_parts(path: str, cache) -> Dict[str, float]:
     evaluated), XXH3-128 of every tensor on the save's digest threads, sha256
     (version 2's digest, for comparison), read_session (read and verify; the file
     evicted first), restore_into a ``make_cache_for`` cache (allocate, install)."""
-    from muser_kv.snapshot import tensor_digests
+    from muser_kv.sessions.format import tensor_digests
 
     parts = {}
     t0 = now()

@@ -116,14 +116,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-
-from muser_kv import kernels  # noqa: E402
 from _common import (  # noqa: E402
-    DTYPES, add_common_flags, add_model_flags, attend_layers, int_list, is_global, make_caches,
-    median, now, on_gpu, plane_dtype, print_header, print_table, ratio, settle, str_list,
+    DTYPES,
+    add_common_flags,
+    add_model_flags,
+    attend_layers,
+    int_list,
+    is_global,
+    make_caches,
+    median,
+    now,
+    on_gpu,
+    plane_dtype,
+    print_header,
+    print_table,
+    ratio,
+    settle,
+    str_list,
     write_json,
 )
 from decode import fill, next_input  # noqa: E402
+
+from muser_kv.core import kernels  # noqa: E402
 
 SYSTEMS = ("mlx-lm", "muser-kv", "slice", "inplace", "attend")
 PLANE_SYSTEMS = ("slice", "inplace", "attend")

@@ -39,7 +39,7 @@ from mlx_lm.models.muse_glimmer import Model, ModelArgs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import muser_kv
-from muser_kv import handoff
+from muser_kv.sessions import handoff
 
 WORDS = """
 the a an and or but of to in on at for with from by about as into over under after

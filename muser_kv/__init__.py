@@ -1,90 +1,38 @@
-"""muser-kv: exact, preallocated KV caches for Muse-shaped MLX models.
+"""muser-kv: exact, preallocated KV caches for mlx-lm's sliding-window models.
 
-Sliding RoPE layers get a fixed ring with explicit origins; global NoPE layers
-get a growing head-major plane; planes are f16, or bf16 for a bf16 model. ``make_prompt_cache(model)`` is a drop-in
-for mlx-lm's ``model.make_cache()``.
+Sliding-window layers get a fixed ring with explicit origins; global layers get
+a growing head-major plane; planes are f16, or bf16 for a bf16 model.
+``make_prompt_cache(model)`` is a drop-in for mlx-lm's ``model.make_cache()``.
+
+The package is four layers, each importing only those below it (checked by
+import-linter in CI): ``core`` <- ``caches`` <- ``sessions`` <- ``serving``.
+Every public name is here, in one ``__all__``.
 """
 
-from .cache import MuseKVCache, causal_mask, make_cache_for, make_prompt_cache
-from .cachelist import CacheList, CacheListMismatch, CacheOutOfStep
-from .geometry import Footprint, LayerKind, MuseGeometry, UnsupportedModel, footprint
-from .cache import ContextOverflow
-from .growing import GlobalKVCache
-from .planes import Planes
-from .sliding import SlidingKVCache
-from .precision import attention_dtype, plane_dtype_for
-from .ring import CacheDiscontinuity, Ring, Run
-from .speculative import DEFAULT_RETAIN, MAX_BLOCK, SpeculativeCheckpoint, checkpoint
-
-__version__ = "0.1.0"
-
-__all__ = [
-    "CacheDiscontinuity",
-    "CacheList",
-    "CacheListMismatch",
-    "CacheOutOfStep",
-    "UnsupportedModel",
-    "DEFAULT_RETAIN",
-    "MAX_BLOCK",
-    "SpeculativeCheckpoint",
-    "checkpoint",
-    "ContextOverflow",
-    "Footprint",
-    "GlobalKVCache",
-    "Planes",
-    "SlidingKVCache",
-    "LayerKind",
-    "MuseGeometry",
-    "MuseKVCache",
-    "Ring",
-    "Run",
-    "attention_dtype",
-    "causal_mask",
-    "footprint",
-    "make_cache_for",
-    "make_prompt_cache",
-    "plane_dtype_for",
-]
-
-from .snapshot import (  # noqa: E402  (sessions: snapshots on disk, bit-exact restore)
-    EncodingMismatch,
-    LayerCut,
-    ModelMismatch,
-    ProductionF16Required,
-    SessionFileError,
-    SessionHeader,
-    SessionMetadataError,
-    SessionSnapshot,
-    SnapshotError,
-    SnapshotMismatch,
-    load_session,
-    read_session,
-    restore_into,
-    save_session,
-    tidy_temporaries,
+from muser_kv.caches.base import ContextOverflow, MuseKVCache, causal_mask
+from muser_kv.caches.cachelist import CacheList, CacheListMismatch, CacheOutOfStep
+from muser_kv.caches.factory import make_cache_for, make_prompt_cache
+from muser_kv.caches.growing import GlobalKVCache
+from muser_kv.caches.sliding import SlidingKVCache
+from muser_kv.caches.speculative import (
+    DEFAULT_RETAIN,
+    MAX_BLOCK,
+    SpeculativeCheckpoint,
+    checkpoint,
 )
-from .fingerprint import model_fingerprint  # noqa: E402
-
-__all__ += [
-    "EncodingMismatch",
-    "LayerCut",
-    "ModelMismatch",
-    "ProductionF16Required",
-    "SessionFileError",
-    "SessionHeader",
-    "SessionMetadataError",
-    "SessionSnapshot",
-    "SnapshotError",
-    "SnapshotMismatch",
-    "load_session",
-    "read_session",
-    "restore_into",
-    "save_session",
-    "tidy_temporaries",
-    "model_fingerprint",
-]
-
-from .policy import (  # noqa: E402  (context policy: what a request keeps past max_context)
+from muser_kv.core.geometry import (
+    Footprint,
+    LayerKind,
+    MuseGeometry,
+    UnsupportedModel,
+    footprint,
+)
+from muser_kv.core.planes import Planes
+from muser_kv.core.precision import attention_dtype, plane_dtype_for
+from muser_kv.core.ring import CacheDiscontinuity, Ring, Run
+from muser_kv.serving import prompt_files as _prompt_files
+from muser_kv.serving.install import Installed, install, installed, uninstall
+from muser_kv.serving.policy import (
     ChatShift,
     ChatTurns,
     ContextPolicy,
@@ -98,15 +46,82 @@ from .policy import (  # noqa: E402  (context policy: what a request keeps past 
     complete_chat_turns,
     shift_chat,
 )
-from .slots import MAX_SLOTS, EmptySlot, Prefill, Slot, SlotPool, StaleSession  # noqa: E402
+from muser_kv.serving.slots import MAX_SLOTS, EmptySlot, Prefill, Slot, SlotPool, StaleSession
+from muser_kv.sessions.fingerprint import model_fingerprint
+from muser_kv.sessions.format import (
+    EncodingMismatch,
+    ModelMismatch,
+    ProductionF16Required,
+    SessionFileError,
+    SessionHeader,
+    SessionMetadataError,
+    SnapshotError,
+    SnapshotMismatch,
+)
+from muser_kv.sessions.handoff import recv_session, send_session
+from muser_kv.sessions.load import load_session
+from muser_kv.sessions.reading import read_session
+from muser_kv.sessions.save import save_session
+from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, restore_into
+from muser_kv.sessions.temporaries import tidy_temporaries
 
-__all__ += [
+__version__ = "0.1.0"
+
+__all__ = [
+    # core: the layer plan, footprint, the ring
+    "CacheDiscontinuity",
+    "Footprint",
+    "LayerKind",
+    "MuseGeometry",
+    "Planes",
+    "Ring",
+    "Run",
+    "UnsupportedModel",
+    "attention_dtype",
+    "footprint",
+    "plane_dtype_for",
+    # caches: the regimes, the list, speculative checkpoints, the factory
+    "CacheList",
+    "CacheListMismatch",
+    "CacheOutOfStep",
+    "ContextOverflow",
+    "DEFAULT_RETAIN",
+    "GlobalKVCache",
+    "MAX_BLOCK",
+    "MuseKVCache",
+    "SlidingKVCache",
+    "SpeculativeCheckpoint",
+    "causal_mask",
+    "checkpoint",
+    "make_cache_for",
+    "make_prompt_cache",
+    # sessions: files, restore, fingerprint, handoff
+    "EncodingMismatch",
+    "LayerCut",
+    "ModelMismatch",
+    "ProductionF16Required",
+    "SessionFileError",
+    "SessionHeader",
+    "SessionMetadataError",
+    "SessionSnapshot",
+    "SnapshotError",
+    "SnapshotMismatch",
+    "load_session",
+    "model_fingerprint",
+    "read_session",
+    "recv_session",
+    "restore_into",
+    "save_session",
+    "send_session",
+    "tidy_temporaries",
+    # serving: policy, slots, mlx-lm's hook
     "ChatShift",
     "ChatTurns",
     "ContextPolicy",
     "ContextPolicyError",
     "ContextTooLong",
     "EmptySlot",
+    "Installed",
     "LineageMismatch",
     "MAX_SLOTS",
     "Message",
@@ -118,17 +133,10 @@ __all__ += [
     "SystemAfterTurns",
     "compact_raw",
     "complete_chat_turns",
+    "install",
+    "installed",
     "shift_chat",
+    "uninstall",
 ]
 
-from .install import Installed, install, installed, uninstall  # noqa: E402  (mlx-lm's hook)
-
-__all__ += ["Installed", "install", "installed", "uninstall"]
-
-from . import prompt_files as _prompt_files  # noqa: E402
-
 _prompt_files.register()  # mlx-lm's load_prompt_cache finds muser_kv.SlidingKVCache & co.
-
-from .handoff import recv_session, send_session  # noqa: E402  (sessions between processes)
-
-__all__ += ["recv_session", "send_session"]

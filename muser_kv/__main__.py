@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from muser_kv.serving.cli import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """Child process of test_commands: runs ``muser-kv`` commands one after another
-in this process, through ``muser_kv.cli.main``, each with its own stdin and
+in this process, through ``muser_kv.serving.cli.main``, each with its own stdin and
 stdout file, and records every response mlx-lm's ``stream_generate`` hands out
 (token and log-probabilities) so the test can compare runs bit for bit.
 
@@ -19,7 +19,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from muser_kv.cli import main as muser_kv
+from muser_kv.serving.cli import main as muser_kv
 
 # (the package's ``mlx_lm.generate`` attribute is the function: ask for the modules)
 MODULES = tuple(importlib.import_module(f"mlx_lm.{name}") for name in ("chat", "generate"))

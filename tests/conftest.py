@@ -6,10 +6,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import metal_plugin  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import muse_glimmer  # noqa: E402
-
-import metal_plugin  # noqa: E402
 
 if os.environ.get(metal_plugin.EMULATOR_ENV):  # a child process of an emulated-Metal run
     metal_plugin.install()
@@ -80,3 +79,11 @@ def model_f32():
 @pytest.fixture(scope="session")
 def model_f16():
     return tiny_model(mx.float16)
+
+
+@pytest.fixture(scope="session")
+def local_muse_model(tmp_path_factory) -> Path:
+    """The default tiny Muse Glimmer on disk (bf16 weights, seed 0), written once."""
+    from local_model import write_local_model
+
+    return write_local_model(tmp_path_factory.mktemp("muse_glimmer"))

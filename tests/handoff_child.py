@@ -1,4 +1,4 @@
-"""A rank of tests/test_handoff.py's two-process runs: ``handoff_child.py SCENARIO FOLDER``.
+"""A rank of tests/sessions/test_handoff.py's two-process runs: ``handoff_child.py SCENARIO FOLDER``.
 
 Rank 0 prefills and sends, rank 1 receives; each writes what it saw to
 ``FOLDER/rank{r}.json`` (and logits to ``.npy`` files) for the test to judge.
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from conftest import tiny_model
+from ring_pair import INIT_FAILED
 
 import muser_kv
-from conftest import tiny_model
-from muser_kv import handoff
-from ring_pair import INIT_FAILED
+from muser_kv.sessions import handoff
 
 KW = dict(sliding_window=16, max_position_embeddings=128)
 PROMPT = np.random.default_rng(7).integers(0, 256, 80)

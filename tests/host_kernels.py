@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from muser_kv.kernels import THREADGROUP, kernel_header, kernel_source
+from muser_kv.core.kernels import THREADGROUP, kernel_header, kernel_source
 
 # bf16 has no host type: a 16-bit pattern whose float value is the top half of an
 # f32, converted from f32 exactly as MLX's CPU backend does (mlx/types/bf16.h).

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 
 from muser_kv import Ring
-from muser_kv.geometry import allocated_rows
-from muser_kv.kernels import TOKEN_MAJOR
+from muser_kv.core.geometry import allocated_rows
+from muser_kv.core.kernels import TOKEN_MAJOR
 
 H, D = 2, 128
 KV = H * D

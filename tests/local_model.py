@@ -10,8 +10,8 @@ window 16, max_position_embeddings 256); ``model_type="llama"`` writes a tiny
 Llama instead (a model muser-kv does not serve). Weights are seeded: the same
 arguments write the same files.
 
-``local_muse_model`` is the session-scoped fixture of the default model (bf16
-weights): import it into a test module to use it.
+``local_muse_model`` (conftest.py) is the session-scoped fixture of the default
+model (bf16 weights).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from pathlib import Path
 from typing import Any, Dict
 
 import mlx.core as mx
-import pytest
-from mlx_lm.utils import save_config, save_model
-
 from local_tokenizer import save_tokenizer
+from mlx_lm.utils import save_config, save_model
 
 #: The chat template both mlx-lm commands apply: every message's content, then
 #: ``t1`` as the generation prompt (all words the local tokenizer knows).
@@ -66,9 +64,3 @@ def write_local_model(directory: Path, *, model_type: str = "muse_glimmer",
     settings["chat_template"] = CHAT_TEMPLATE
     tokenizer_config.write_text(json.dumps(settings, indent=2))
     return directory
-
-
-@pytest.fixture(scope="session")
-def local_muse_model(tmp_path_factory) -> Path:
-    """The default tiny Muse Glimmer (bf16 weights, seed 0), written once."""
-    return write_local_model(tmp_path_factory.mktemp("muse_glimmer"))

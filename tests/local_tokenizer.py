@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 EOS = "</s>"

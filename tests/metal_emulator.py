@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import metal_text
 import mlx.core as mx
 import numpy as np
-
-import metal_text
 from guarded import Placement, acquire
 from metal_text import Param, Signature
 

@@ -29,7 +29,7 @@ import os
 import mlx.core as mx
 import pytest
 
-from muser_kv import kernels
+from muser_kv.core import kernels
 
 OPTION = "--metal-emulator"
 EMULATOR_ENV = "MUSER_KV_METAL_EMULATOR"

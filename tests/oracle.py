@@ -5,8 +5,8 @@ MLX's conversion and of the Ring."""
 
 from __future__ import annotations
 
-import numpy as np
 import mlx.core as mx
+import numpy as np
 
 
 def to_f16_rows(x: mx.array) -> np.ndarray:

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
 from conftest import tiny_model
-from test_replay_gate import restored_logits
+from helpers import restored_logits
 
 
 def main(argv):

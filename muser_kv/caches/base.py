@@ -1,0 +1,572 @@
+"""What the per-layer caches share: mlx-lm's cache protocol.
+
+Two regimes, one class each, shaped like mlx-lm's ``KVCache`` /
+``RotatingKVCache``: ``GlobalKVCache`` (``growing.py``: a plane that fills from
+row 0 and never wraps) and ``SlidingKVCache`` (``sliding.py``: a ring with its
+staging shadow and retained rows). ``MuseKVCache`` is what they share: the
+protocol members, the list and checkpoint hooks, state and sessions.
+
+A Muse model asks each layer type's first cache for ``make_mask(N, window_size)``
+before any layer runs, then every layer calls ``update_and_fetch``. So the mask
+must describe exactly the rows ``update_and_fetch`` will return; both come from
+the ring's answer for the write (``Ring.read_for`` / ``Ring.write``):
+
+* rows ``[0, len + N)`` in order (``Read.PREFIX``: a global plane, or a ring that
+  has not wrapped) -> causal, offset ``len``;
+* one token on a full ring (``Read.RING``): the whole ring, rotated; every row is
+  inside the window -> no mask;
+* any other chunk (``Read.SHADOW``): ``len`` old rows in logical order + the chunk
+  -> causal with the window, offset ``len``. The chunk is committed only after
+  the shadow is taken (attend before overwrite).
+
+Every cache belongs to a list (``cachelist``): it writes only in step with its
+neighbours, and a trim of it checks the whole list first. A cache's ``ring`` is
+one object for the cache's life (plans are committed into it with
+``Ring.assign``), which is what its neighbour reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import mlx.core as mx
+
+from muser_kv.caches import cachelist
+from muser_kv.core import kernels
+from muser_kv.core.counts import count
+from muser_kv.core.geometry import LayerKind
+from muser_kv.core.kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
+from muser_kv.core.planes import Planes
+from muser_kv.core.ring import Ring
+
+Mask = Union[None, str, mx.array]
+Pair = Tuple[mx.array, mx.array]
+#: ``(keys, values, meta_state, retained)``: see ``MuseKVCache.state``
+State = Tuple[mx.array, mx.array, Tuple[str, ...], Any]
+
+#: ``INPUT_DTYPES`` as a set: the decode fast path's membership test
+INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
+_ONE = 1
+
+
+class ContextOverflow(ValueError):
+    """A write past the cache's ``max_context``. The cache never shifts on its
+    own; deciding what to keep is the context policy's job."""
+
+    def __init__(self, layer: int, end: int, max_context: int):
+        self.layer = layer
+        self.end = end
+        self.max_context = max_context
+        super().__init__(
+            f"KV cache for layer {layer}: writing up to position {end} exceeds "
+            f"max_context {max_context}"
+        )
+
+
+def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
+    """``[n, offset + n]`` bool: query ``offset + i`` sees key ``j`` iff
+    ``j <= offset + i`` (and ``offset + i - j < window``). mlx-lm's semantics."""
+    keys = mx.arange(offset + n)[None]
+    queries = mx.arange(offset, offset + n)[:, None]
+    mask = queries >= keys
+    if window is not None:
+        mask = mask & (queries < keys + window)
+    return mask
+
+
+def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A bool mask as attention's additive form in ``dtype`` (0 where a key is
+    seen, -inf where not): the same attention, bit for bit, for any row that
+    sees at least one key with finite scores. MLX's CUDA attention takes this
+    form in its fused kernel but turns a bool mask into a float one of every
+    head first: for a 2,048-token chunk over a 4,095-row window that was 1.0 GiB
+    of temporaries and 4.0 ms against 0.06 GiB and 1.05 ms (H200, bf16). Only
+    for rows that always see a key (a sliding chunk sees itself): a fully masked
+    row, or a NaN key, would need the bool form's select."""
+    return mx.where(mask, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+
+
+def evaluated_with(kv: Pair, copy: mx.array) -> Pair:
+    """``kv`` with ``copy`` made part of what evaluating it computes (``mx.depends``:
+    an edge, no kernel). A copy left lazy would keep what it reads (the plane
+    before the store, or a whole staging shadow) alive, and hold the plane at
+    the next store, where MLX would then copy it instead of donating it."""
+    return tuple(mx.depends(list(kv), [copy]))
+
+
+class MuseKVCache:
+    """One layer's cache for one sequence: planes, a ``Ring``, mlx-lm's protocol.
+
+    ``offset`` is the logical position of the next token and is read-only: only
+    ``update_and_fetch``, ``trim`` and ``install`` move it. Batch size 1; ``merge``
+    makes a batch of several sequences (``batch.py``). A cache may own its
+    planes or be one slot of planes shared with other sequences (``slot``).
+
+    Each regime provides ``update_and_fetch``, ``_mask`` (the rows its next write
+    returns), ``trimmable_depth`` (every count up to it trims exactly, one more is
+    refused), ``undoable_block`` (the longest block written from here that a trim
+    can always undo: a checkpoint opens only for blocks every layer can undo),
+    ``is_trimmable`` and ``_rewind`` (a trim plan, committed).
+    """
+
+    kind: LayerKind
+
+    def __init__(self, planes: Planes, *, capacity: int, window: int, max_context: int,
+                 layer: int = 0, slot: int = 0):
+        self.planes = planes
+        self.slot = slot
+        self.ring = Ring(capacity, layer=layer)
+        self.layer = layer
+        self.max_context = max_context
+        self._window = window
+        self.backend = kernels.get_backend()
+        self._one_token = (1, planes.kv_heads, 1, planes.head_dim)
+        # its place in a list (cachelist.bind); alone, a cache is a list of one:
+        # its own predecessor, always in step with itself
+        self._list: Optional[cachelist.CacheList] = None
+        self._index = 0
+        self._prev: Ring = self.ring
+        self._lead = 0
+        self._first_of_kind = False
+        self._checkpoints: Optional["weakref.WeakSet"] = None  # open checkpoints over it
+        #: slots a batch merged from this cache preallocates (``batch.py``)
+        self.batch_slots = 1
+
+    # -- identity -------------------------------------------------------------------
+
+    @property
+    def offset(self) -> int:
+        return self.ring.end
+
+    @property
+    def window(self) -> Optional[int]:
+        """The sliding window (``None`` for a global layer)."""
+        return self._window if self.kind is LayerKind.SLIDING else None
+
+    @property
+    def capacity(self) -> int:
+        return self.ring.capacity
+
+    @property
+    def kv_heads(self) -> int:
+        return self.planes.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.planes.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.planes.kv_dim
+
+    @property
+    def layout(self) -> str:
+        return self.planes.layout
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.planes.dtype
+
+    def __repr__(self) -> str:
+        r = self.ring
+        return (
+            f"{type(self).__name__}(layer={self.layer}, kind={self.kind.value}, capacity="
+            f"{r.capacity}, len={r.len}, origin_logical={r.origin_logical}, "
+            f"origin_physical={r.origin_physical})"
+        )
+
+    # -- input checks -----------------------------------------------------------------
+
+    def check_input(self, keys: mx.array, values: mx.array) -> int:
+        """Validate model-shaped ``[1, kv_heads, N, head_dim]`` K/V; return N."""
+        where = f"KV cache for layer {self.layer}"
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, mx.array):
+                raise TypeError(f"{where}: {name} must be an mx.array, got {type(x).__name__}")
+            if x.dtype not in INPUT_DTYPES:
+                raise TypeError(
+                    f"{where}: {name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
+            if x.ndim != 4:
+                raise ValueError(f"{where}: {name} must be [batch, kv_heads, tokens, head_dim], "
+                                 f"got shape {tuple(x.shape)}")
+            b, h, n, d = x.shape
+            if b != 1:
+                raise ValueError(f"{where}: batch size must be 1, got {b} (merge caches to batch)")
+            if h != self.kv_heads:
+                raise ValueError(f"{where}: expected {self.kv_heads} KV heads, got {h}")
+            if d != self.head_dim:
+                raise ValueError(f"{where}: expected head_dim {self.head_dim}, got {d}")
+            if n < 1:
+                raise ValueError(f"{where}: expected at least one token, got {n}")
+        if tuple(keys.shape) != tuple(values.shape) or keys.dtype != values.dtype:
+            raise ValueError(f"{where}: keys {keys.dtype} {tuple(keys.shape)} and values "
+                             f"{values.dtype} {tuple(values.shape)} differ")
+        return keys.shape[2]
+
+    def check_write(self, n: int) -> None:
+        """Room for ``n`` more tokens below ``max_context``, and the list in step."""
+        if self.offset + n > self.max_context:
+            raise ContextOverflow(self.layer, self.offset + n, self.max_context)
+        ahead = self._prev.end
+        if ahead != self.offset + (n if self._index else 0):
+            raise self._list.out_of_step(self, n)
+
+    def _fast_one(self, keys: mx.array, values: mx.array) -> Optional[mx.Dtype]:
+        """The decode fast path's gate, every check ``check_input`` / ``check_write``
+        would make for one token, in the fewest operations: one token of the
+        model's shape and a float dtype, room below ``max_context``, the list in
+        step (one read of the neighbour's ring). The dtype when all hold."""
+        if keys.shape == self._one_token and values.shape == self._one_token:
+            dtype = keys.dtype
+            ring, prev = self.ring, self._prev
+            end = ring.origin_logical + ring.len
+            if (dtype == values.dtype and dtype in INPUT_DTYPE_SET and end < self.max_context
+                    and prev.origin_logical + prev.len == end + self._lead):
+                return dtype
+        return None
+
+    def _plane_rows(self, keys: mx.array, values: mx.array) -> Pair:
+        """One model-shaped token ``[1, H, 1, D]`` of another dtype in the planes'
+        dtype (the store kernel: one rounding to nearest even)."""
+        k, v = self.backend.store(keys, values, self.layout, 0, 1, None, 0, self.dtype)
+        return k.reshape(keys.shape), v.reshape(values.shape)
+
+    def _store(self, keys: mx.array, values: mx.array, plan) -> None:
+        """Place a write's surviving rows along its runs (the store kernel converts
+        and lays them out; MLX's updates place them)."""
+        first = plan.runs[0].source
+        kept = sum(r.length for r in plan.runs)
+        k_rows, v_rows = self.backend.store(keys, values, self.layout, first, kept, plan.after,
+                                            plan.position, self.dtype)
+        runs = [type(r)(r.physical, r.length, r.source - first) for r in plan.runs]
+        self.planes.place(k_rows, v_rows, runs, self.slot)
+
+    # -- masks --------------------------------------------------------------------------
+
+    def make_mask(self, N: int, window_size: Optional[int] = None,
+                  return_array: bool = False) -> Mask:
+        """The mask for the rows the next ``update_and_fetch(N tokens)`` returns.
+
+        A model asks its layer types' first caches before any layer writes: those
+        refuse a list that is out of step, and a model whose layers do not fit
+        the list (``cachelist``), before anything is written."""
+        # ``N is _ONE``: the int 1 exactly (CPython keeps one object for it; any
+        # other 1 -- True, 1.0, numpy's -- takes the checked path below)
+        if N is _ONE and not return_array and not self._first_of_kind and (
+                window_size is None or window_size == self._window):
+            return None  # one token sees every row it is handed (at most the window)
+        if N.__class__ is not int or N < 1:
+            N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
+        if self._first_of_kind:
+            self._before_forward(N)
+        return self._mask(N, window_size, return_array)
+
+    def _before_forward(self, n: int) -> None:
+        """A layer type's first cache, asked for a mask: the model must fit the
+        list, and the list must be in step (this layer level with its
+        predecessor, or one write of ``n`` behind it if that layer went first)."""
+        if self._list is None:  # rebuilt alone (from_state): join the list the model hands
+            if cachelist.adopt(self, 3) is None:
+                self._first_of_kind = False  # driven alone: a list of one, as ever
+                return
+        if not self._index:  # the model asks layer 0 first: once per forward
+            self._list.check_caller(3)  # 0 check_caller, 1 here, 2 make_mask, 3 its caller
+        ahead, here = self._prev.end, self.ring.end
+        if ahead != here and not (self._index and ahead == here + n):
+            raise self._list.out_of_step(self, n if self._index else 0)
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def keys(self) -> mx.array:
+        """The key plane of this sequence as rows: ``[rows, H*D]`` token-major,
+        ``[H, rows, D]`` head-major, the whole allocation (a view; holding it
+        keeps MLX from donating the plane to the next store)."""
+        return self.planes.physical(self.slot)[0]
+
+    @property
+    def values(self) -> mx.array:
+        return self.planes.physical(self.slot)[1]
+
+    @property
+    def state(self) -> State:
+        """``(keys, values, meta_state, retained)``: the live planes in their
+        physical (rotated) layout, the ring that describes them
+        (``meta_state``), and the overwritten rows kept for exact trims
+        (``None`` when none are). Everything ``from_state(state)`` -- mlx-lm's
+        one-argument call, as ``load_prompt_cache`` makes it -- needs to rebuild
+        this cache exactly; evaluating it evaluates the planes."""
+        k, v = self.kv_state
+        return k, v, self.meta_state, None
+
+    @property
+    def kv_state(self) -> Pair:
+        """The first two parts of ``state`` alone: what a caller that only
+        evaluates the cache (a decode loop, every step) needs, without building
+        the description."""
+        return self.planes.physical(self.slot)
+
+    @property
+    def meta_state(self) -> Tuple[str, ...]:
+        r = self.ring
+        return tuple(str(x) for x in (
+            self.kind.value, self.layout, self.layer, self.kv_heads, self.head_dim, self._window,
+            self.max_context, r.capacity, r.len, r.origin_logical, r.origin_physical,
+            self.retain))
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Optional[Sequence[str]] = None) -> "MuseKVCache":
+        """Rebuild a cache from its ``state`` (mlx-lm's one-argument form: the
+        four parts ``state`` gives, as tuples or, read back from a prompt-cache
+        file, lists), or from ``(keys, values)`` and ``meta_state``. Everything
+        is checked before a cache exists: the planes are meaningless without
+        their ring, and a retained row at the wrong position would make a later
+        trim silently wrong. A cache rebuilt alone is bound into the list the
+        model hands it at its first forward (``cachelist.adopt``)."""
+        parts = list(state) if isinstance(state, (list, tuple)) else None
+        if meta_state is None:
+            if parts is None or len(parts) != 4:
+                raise ValueError(
+                    "MuseKVCache.from_state needs the 4-part state (keys, values, meta_state, "
+                    "retained) that .state gives, or (keys, values) and the 12-field meta_state; "
+                    f"got {type(state).__name__} of {len(parts) if parts else 0} parts")
+            meta_state, retained = parts[2], parts[3]
+        elif parts is None or len(parts) not in (2, 4):
+            raise ValueError("MuseKVCache.from_state: state must be (keys, values[, meta_state, "
+                             f"retained]), got {type(state).__name__}")
+        else:
+            retained = parts[3] if len(parts) == 4 else None
+        meta = list(meta_state) if isinstance(meta_state, (list, tuple)) else None
+        if meta is None or len(meta) != 12 or not all(isinstance(x, str) for x in meta):
+            raise ValueError(
+                f"MuseKVCache.from_state needs the 12-field meta_state, got {meta_state!r}")
+        try:
+            kind, layout = LayerKind(meta[0]), meta[1]
+            layer, heads, dim, window, max_context, capacity, length, ol, op, retain = map(
+                int, meta[2:])
+        except ValueError as e:
+            raise ValueError(f"MuseKVCache.from_state: bad meta_state {meta!r} ({e})") from None
+        keys, values = parts[0], parts[1]
+        planes = Planes(kv_heads=heads, head_dim=dim, capacity=capacity, layout=layout,
+                        dtype=keys.dtype if keys.dtype in PLANE_DTYPES else PLANE_DTYPE,
+                        allocate=False)
+        physical = planes.memory_shape[1:]
+        for name, x in (("keys", keys), ("values", values)):
+            if (x.dtype not in PLANE_DTYPES or x.dtype != keys.dtype
+                    or tuple(x.shape) != physical):
+                raise ValueError(
+                    f"layer {layer}: state {name} must be float16 or bfloat16 {physical} "
+                    f"(keys and values alike), got {x.dtype} {tuple(x.shape)}")
+        expected = min(max_context, window) if kind is LayerKind.SLIDING else max_context
+        if capacity != expected:
+            raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {expected}")
+        ring = Ring(capacity, length, ol, op, layer)
+        regime = REGIMES[kind]
+        held = regime._check_state_retained(retained, ring, keys.dtype, heads * dim, retain)
+        planes.set(keys.reshape(planes.memory_shape), values.reshape(planes.memory_shape))
+        cache = regime.build(planes, window=window, max_context=max_context, layer=layer,
+                             retain=retain)
+        cache.ring.assign(ring)
+        if held is not None:
+            cache._adopt_retained(*held)
+        else:
+            cache._settle()
+        cache._first_of_kind = True  # asked for a mask first: binds the list it is handed
+        return cache
+
+    def _settle(self) -> None:
+        """After the contents changed wholesale (an install, a restore): evaluate
+        what the next write will need, so it never waits in that write's graph."""
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def snapshot(self) -> Tuple[int, mx.array, mx.array]:
+        """``(start, keys, values)``: the live rows as ``[len, H, D]`` (plane type)
+        in logical order from logical position ``start``; never rotated; fresh
+        buffers (a snapshot never aliases a plane)."""
+        k, v = self.backend.gather(*self.planes.physical(self.slot), self.layout, self.ring)
+        shape = (self.ring.len, self.kv_heads, self.head_dim)
+        return self.ring.origin_logical, k.reshape(shape), v.reshape(shape)
+
+    def install(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Replace the contents with logical rows ``[n, H, D]`` (plane type) starting
+        at ``start``, placed at rotation ``start % capacity``: exactly where a
+        sequentially built ring with this origin holds them (invariant 4)."""
+        where = f"KV cache for layer {self.layer}"
+        n = keys.shape[0] if keys.ndim else 0
+        shape = (n, self.kv_heads, self.head_dim)
+        for name, x in (("keys", keys), ("values", values)):
+            if x.dtype != self.dtype:
+                raise TypeError(f"{where}: installed {name} must be {self.dtype}, got {x.dtype}")
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{where}: installed {name} must be {shape}, got {tuple(x.shape)}")
+        ring = self.install_ring(start, n)
+        flat = (n, self.kv_dim)
+        one = self.planes.memory_shape[1:]
+        k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring, one)
+        self._installed(ring, k.reshape(one), v.reshape(one))
+
+    def install_ring(self, start: int, n: int) -> Ring:
+        """The ring an install of ``n`` rows from ``start`` leaves (its live runs
+        say where each row goes), or ``ValueError`` for one this cache cannot hold."""
+        where = f"KV cache for layer {self.layer}"
+        capacity = self.capacity
+        if n > capacity or start < 0 or start + n > self.max_context:
+            raise ValueError(f"{where}: cannot install {n} rows from position {start} "
+                             f"(capacity {capacity}, max_context {self.max_context})")
+        if n < capacity and start != 0:
+            raise ValueError(f"{where}: a ring that is not full must start at position 0, "
+                             f"got {start}")
+        return Ring.installed(capacity, start, n, self.layer)
+
+    def install_planes(self, ring: Ring, keys: mx.array, values: mx.array) -> None:
+        """Adopt planes already holding ``ring``'s rows where its live runs put
+        them and zeros elsewhere (``install_ring``'s ring; one slot in memory
+        order, ``memory_shape[1:]``): what ``install`` builds, made by a caller
+        that wrote the rows straight into them (``load_session``)."""
+        one = self.planes.memory_shape[1:]
+        for name, x in (("keys", keys), ("values", values)):
+            if x.dtype != self.dtype or tuple(x.shape) != one:
+                raise ValueError(f"KV cache for layer {self.layer}: installed {name} planes must "
+                                 f"be {self.dtype} {one}, got {x.dtype} {tuple(x.shape)}")
+        self._installed(ring, keys, values)
+
+    def _installed(self, ring: Ring, k: mx.array, v: mx.array) -> None:
+        if self.planes.slots == 1:
+            self.planes.set(k.reshape(self.planes.memory_shape), v.reshape(self.planes.memory_shape))
+        else:
+            fresh = Planes(kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=self.capacity,
+                           layout=self.layout, dtype=self.dtype, allocate=False)
+            fresh.set(k.reshape(fresh.memory_shape), v.reshape(fresh.memory_shape))
+            self.planes.copy_slot(self.slot, fresh)
+        self.ring.assign(ring)
+        self.replaced()
+        self._settle()
+
+    def hold(self) -> Any:
+        """What ``release`` needs to put this cache back as it is now (the arrays
+        are values: holding them costs nothing until the planes are rewritten)."""
+        return self.planes.k, self.planes.v, self.ring.copy()
+
+    def release(self, held: Any) -> None:
+        """Put back what ``hold`` took (an install that failed part-way)."""
+        self.planes.k, self.planes.v, ring = held
+        self.ring.assign(ring)
+        self.replaced()
+
+    # -- copies ----------------------------------------------------------------------------
+
+    def __deepcopy__(self, memo) -> "MuseKVCache":
+        """An independent cache (mlx-lm's server prompt cache deep-copies the
+        lists it reuses). Copying one cache of a list copies the whole list,
+        bound anew, so a copied list is one unit again (``cachelist``); the
+        other copies wait in ``memo`` for ``deepcopy`` of the list to pick up."""
+        group = self._list
+        if group is None:
+            return self._detached()
+        members = group.caches()
+        copies = [c._detached() for c in members]
+        cachelist.bind(copies, group.model)
+        for c, d in zip(members, copies):
+            memo[id(c)] = d
+        return memo[id(self)]
+
+    def _detached(self) -> "MuseKVCache":
+        """This cache alone: its own planes (one slot, arrays shared until a
+        write), ring and retained rows; no list, no checkpoints."""
+        other = copy.copy(self)
+        other.planes = self.planes.detached(self.slot)
+        other.slot = 0
+        other.ring = self.ring.copy()
+        other._list, other._index, other._prev, other._lead = None, 0, other.ring, 0
+        other._first_of_kind = False
+        other._checkpoints = None
+        return other
+
+    # -- trimming --------------------------------------------------------------------------
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` tokens, exactly, or refuse (never silently wrong)."""
+        n = count(n, f"layer {self.layer}: trim count", minimum=None)
+        if n < 0:
+            raise ValueError(f"layer {self.layer}: cannot trim a negative count {n}")
+        depth = self.trimmable_depth()
+        if n > depth:
+            raise ValueError(
+                f"layer {self.layer}: can trim at most {depth} tokens exactly, asked for {n}")
+        if n == 0:
+            return 0
+        if self._list is not None:
+            self._list.before_trim(self, n)  # the whole list can, or none changes
+        self._rewind(self.ring.trimmed(n))
+        if self._checkpoints:
+            for cp in list(self._checkpoints):
+                cp._trimmed(self, self.offset)
+        return n
+
+    # -- checkpoints (speculative.py) --------------------------------------------------
+
+    def watch(self, checkpoint: Any) -> None:
+        """Tell ``checkpoint`` of every move that is not a write: a trim (its
+        ``_trimmed(cache, position)``) and a restore (``_replaced(cache)``)."""
+        if self._checkpoints is None:
+            self._checkpoints = weakref.WeakSet()
+        self._checkpoints.add(checkpoint)
+
+    def unwatch(self, checkpoint: Any) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.discard(checkpoint)
+
+    def replaced(self) -> None:
+        """The contents were replaced wholesale (an install): the history open
+        checkpoints and a trim round describe is gone."""
+        if self._checkpoints:
+            for cp in list(self._checkpoints):
+                cp._replaced(self)
+        if self._list is not None:
+            self._list.forget_round()
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def size(self) -> int:
+        return self.ring.len
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Plane bytes this sequence holds (its slot's share of shared planes)."""
+        return self.planes.slot_nbytes()
+
+    # -- batches (batch.py) -----------------------------------------------------------------
+
+    @classmethod
+    def merge(cls, caches: List["MuseKVCache"]) -> Any:
+        """One batch of these single-sequence caches (mlx-lm's ``BatchGenerator``
+        calls it): see ``batch.BatchKVCache.merge``."""
+        if BATCH is None:  # pragma: no cover - muser_kv imports caches.batch
+            raise RuntimeError("muser_kv.caches.batch is not imported: no batch class to merge into")
+        return BATCH.merge(caches)
+
+    @classmethod
+    def build(cls, planes: Planes, *, window: int, max_context: int, layer: int,
+              retain: int) -> "MuseKVCache":
+        """A cache of this regime over ``planes`` (``from_state``'s constructor)."""
+        raise NotImplementedError(cls.__name__)
+
+    @classmethod
+    def _check_state_retained(cls, retained: Any, ring: Ring, dtype: Any, kv_dim: int,
+                              retain: int) -> Any:
+        """The retained rows of a state, checked (``None``: none to adopt)."""
+        raise NotImplementedError(cls.__name__)
+
+
+#: The class of each storage regime, by layer kind. Each regime's module enters
+#: itself here: the base cannot import them, since they build on it.
+REGIMES: Dict[LayerKind, Type[MuseKVCache]] = {}
+
+#: The batch class ``merge`` builds (``caches.batch`` enters it, for the same reason).
+BATCH: Optional[Any] = None

@@ -1,0 +1,573 @@
+"""Many sequences at once: mlx-lm's batch protocol over muser-kv's caches.
+
+A ``BatchKVCache`` is one layer for ``B`` sequences in one forward. Its storage
+is one ``Planes`` object of ``S >= B`` slots, allocated up front; sequence ``b``
+is slot ``b``, and is a single-sequence cache of its own (``SlidingKVCache`` /
+``GlobalKVCache`` bound to that slot) with its own exact ring state and, for a
+ring, its own retained rows. So each sequence stays exact however the batch
+moves, continuity is kept per sequence, and ``extract`` hands back exactly the
+single-sequence cache the sequence would have had alone.
+
+What a step costs, and what it copies:
+
+* **decode** (one token each): every sequence's ring reserves its row, one
+  scatter per plane writes all of them, and attention reads the first ``B``
+  slots in place -- a ring's whole capacity, a growing plane's longest prefix --
+  with a mask for the rows a sequence does not hold yet (none once every ring
+  is full and every plane is level). No plane is copied.
+* **prefill** (a chunk each, right-padded as mlx-lm's ``BatchGenerator`` pads it:
+  ``prepare(lengths=...)`` says how many tokens of the next prompt are real for
+  each sequence): each sequence commits only its real tokens, so padding never
+  evicts a row; a sliding layer attends over a staging shadow of every
+  sequence (its live rows in logical order, right-aligned, then the chunk), as a
+  single sequence does across the wrap.
+* **merge / extend** copy each admitted sequence's rows into a free slot (only
+  theirs); **filter** (a sequence finished) moves the sequences behind it down
+  one slot each, keeping mlx-lm's order (only theirs); **extract** copies one
+  sequence's rows out. A batch that outgrows its slots is given larger planes
+  (every sequence copied once); ``make_prompt_cache(..., batch_slots=N)``
+  preallocates ``N`` slots when the caches are merged, so that never happens.
+
+mlx-lm's left padding (``prepare(left_padding=...)``) is not taken: its own
+``BatchGenerator`` right-pads, and a left-padded batch is refused before
+anything changes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from muser_kv.caches import base, cachelist
+from muser_kv.caches.base import ContextOverflow, Mask, MuseKVCache, evaluated_with
+from muser_kv.caches.growing import GlobalKVCache
+from muser_kv.caches.sliding import SlidingKVCache
+from muser_kv.core import kernels
+from muser_kv.core.geometry import LayerKind
+from muser_kv.core.planes import Planes
+from muser_kv.core.ring import Ring, Run
+
+Pair = Tuple[mx.array, mx.array]
+
+
+def _regime(kind: LayerKind):
+    return SlidingKVCache if kind is LayerKind.SLIDING else GlobalKVCache
+
+
+def _bound(source: MuseKVCache, planes: Planes, slot: int) -> MuseKVCache:
+    """A cache like ``source`` (same geometry, ring state and retained rows) in
+    slot ``slot`` of ``planes``; the rows are the caller's to put there."""
+    kw = dict(window=source._window, max_context=source.max_context, layer=source.layer, slot=slot)
+    if source.kind is LayerKind.SLIDING:
+        kw["retain"] = source.retain
+    cache = _regime(source.kind)(planes, **kw)
+    cache.ring.assign(source.ring)
+    if source.kind is LayerKind.SLIDING:
+        cache._retained = source._retained.copy()
+    return cache
+
+
+class BatchKVCache:
+    """One layer's cache for a batch of sequences (see the module doc)."""
+
+    def __init__(self, planes: Planes, seqs: List[MuseKVCache]):
+        if not seqs:
+            raise ValueError("a batch needs at least one sequence")
+        if len(seqs) > planes.slots:
+            raise ValueError(f"{len(seqs)} sequences do not fit {planes.slots} slots")
+        self.planes = planes
+        self.seqs = seqs
+        first = seqs[0]
+        self.kind = first.kind
+        self.layer = first.layer
+        self._window = first._window
+        self.max_context = first.max_context
+        self._remaining: Optional[List[int]] = None  # real tokens left per sequence (prepare)
+        self._offsets: Optional[mx.array] = None
+        #: which sequences a decode step writes (``None``: all); a sequence left
+        #: out keeps its state, and its query (a placeholder) sees its own rows
+        self.active: Optional[List[bool]] = None
+
+    # -- building ---------------------------------------------------------------------
+
+    @classmethod
+    def merge(cls, caches: Sequence[MuseKVCache], slots: Optional[int] = None) -> "BatchKVCache":
+        """A batch of these single-sequence caches, in order: each one's rows,
+        ring state and retained rows copied into its own slot (``slots`` slots in
+        all: default the caches' ``batch_slots``, at least as many as there are
+        caches). The caches themselves are left as they were."""
+        caches = list(caches)
+        if not caches:
+            raise ValueError("merge needs at least one cache")
+        first = caches[0]
+        for i, c in enumerate(caches):
+            if not isinstance(c, MuseKVCache):
+                raise TypeError(f"merge: cache {i} is a {type(c).__name__}, not a muser-kv cache")
+            mine = (c.kind, c.layout, c.dtype, c.kv_heads, c.head_dim, c._window, c.max_context,
+                    c.capacity, getattr(c, "retain", 0))
+            want = (first.kind, first.layout, first.dtype, first.kv_heads, first.head_dim,
+                    first._window, first.max_context, first.capacity, getattr(first, "retain", 0))
+            if mine != want:
+                raise ValueError(f"merge: cache {i} (kind, layout, dtype, kv_heads, head_dim, window, "
+                                 f"max_context, capacity, retain) = {mine}, expected {want}")
+        size = max(len(caches), slots or 0, max(getattr(c, "batch_slots", 1) for c in caches))
+        planes = Planes(kv_heads=first.kv_heads, head_dim=first.head_dim,
+                        capacity=first.capacity, layout=first.layout, dtype=first.dtype,
+                        slots=size)
+        seqs = []
+        for b, c in enumerate(caches):
+            if not c.empty():
+                planes.copy_slot(b, c.planes, c.slot)
+            seqs.append(_bound(c, planes, b))
+        mx.eval(planes.k, planes.v)
+        return cls(planes, seqs)
+
+    # -- identity -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def offset(self) -> mx.array:
+        """Every sequence's next position (``[B]`` int32: what RoPE reads)."""
+        if self._offsets is None:
+            self._offsets = _offsets(tuple(s.offset for s in self.seqs))
+        return self._offsets
+
+    def offsets(self) -> List[int]:
+        return [s.offset for s in self.seqs]
+
+    def __repr__(self) -> str:
+        return (f"BatchKVCache(layer={self.layer}, kind={self.kind.value}, sequences="
+                f"{len(self.seqs)}, slots={self.planes.slots}, offsets={self.offsets()})")
+
+    # -- prompts (mlx-lm's BatchGenerator) ---------------------------------------------
+
+    def prepare(self, *, left_padding: Optional[Sequence[int]] = None,
+                lengths: Optional[Sequence[int]] = None,
+                right_padding: Optional[Sequence[int]] = None) -> None:
+        """Before a right-padded prompt: ``lengths[b]`` of the coming tokens are
+        sequence ``b``'s own, the rest padding (never stored)."""
+        if left_padding is not None and any(int(p) for p in left_padding):
+            raise ValueError(
+                "muser-kv batches take right-padded prompts (mlx-lm's BatchGenerator pads "
+                f"right); left padding {list(left_padding)} is not supported")
+        if lengths is not None:
+            lengths = [int(x) for x in lengths]
+            if len(lengths) != len(self.seqs) or min(lengths) < 0:
+                raise ValueError(f"prepare: lengths {lengths} for {len(self.seqs)} sequences")
+            for s, n in zip(self.seqs, lengths):
+                if s.offset + n > s.max_context:
+                    raise ValueError(f"prepare: sequence at {s.offset} + {n} tokens exceeds "
+                                     f"max_context {s.max_context}")
+            self._remaining = lengths
+
+    def finalize(self) -> None:
+        """After a right-padded prompt: nothing to move (padding was never stored)."""
+        self._remaining = None
+
+    def _real(self, n: int) -> List[int]:
+        """How many of the next ``n`` tokens are each sequence's own."""
+        if self._remaining is None:
+            return [n] * len(self.seqs)
+        return [min(n, r) for r in self._remaining]
+
+    # -- the protocol mlx-lm's models call ----------------------------------------------
+
+    def _check_input(self, keys: mx.array, values: mx.array) -> int:
+        where = f"KV cache for layer {self.layer} (batch of {len(self.seqs)})"
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, mx.array) or x.ndim != 4:
+                raise ValueError(f"{where}: {name} must be [batch, kv_heads, tokens, head_dim]")
+            if x.dtype not in kernels.INPUT_DTYPES:
+                raise TypeError(f"{where}: {name} dtype must be float32, float16 or bfloat16, "
+                                f"got {x.dtype}")
+        b, h, n, d = keys.shape
+        if b != len(self.seqs):
+            raise ValueError(f"{where}: expected batch {len(self.seqs)}, got {b}")
+        if (h, d) != (self.planes.kv_heads, self.planes.head_dim):
+            raise ValueError(f"{where}: expected {self.planes.kv_heads} KV heads x "
+                             f"{self.planes.head_dim}, got {h} x {d}")
+        if tuple(values.shape) != tuple(keys.shape) or n < 1:
+            raise ValueError(f"{where}: keys {tuple(keys.shape)} and values "
+                             f"{tuple(values.shape)} differ or are empty")
+        return n
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Pair:
+        n = self._check_input(keys, values)
+        real = self._real(n)
+        for s, r in zip(self.seqs, real):
+            if s.offset + r > s.max_context:
+                raise ContextOverflow(s.layer, s.offset + r, s.max_context)
+        self._offsets = None
+        if n == 1 and self._remaining is None:
+            return self._decode(keys, values)
+        out = self._chunk(keys, values, real)
+        if self._remaining is not None:
+            self._remaining = [r - k for r, k in zip(self._remaining, real)]
+        return out
+
+    def _decode(self, keys: mx.array, values: mx.array) -> Pair:
+        """One token per sequence: rows reserved by each ring, one scatter per plane."""
+        held: List[mx.array] = []
+        rows, slots = [], []
+        active = self.active or [True] * len(self.seqs)
+        for b, (s, on) in enumerate(zip(self.seqs, active)):
+            if not on:
+                continue
+            ring = s.ring
+            if s.kind is LayerKind.SLIDING and s.retain and ring.len == ring.capacity:
+                if not s._retained.covers(ring.origin_logical):
+                    held.append(s._retain(ring.origin_logical, 1))
+            rows.append(ring.append(ring.end))
+            slots.append(b)
+        if keys.dtype != self.planes.dtype:
+            keys, values = keys.astype(self.planes.dtype), values.astype(self.planes.dtype)
+        if len(slots) < len(self.seqs):
+            index = mx.array(slots, dtype=mx.int32)
+            keys, values = mx.take(keys, index, axis=0), mx.take(values, index, axis=0)
+            self.planes.put_rows(rows, keys, values, slots)
+        else:
+            self.planes.put_rows(rows, keys, values)
+        out = self.planes.prefix(self._read_rows(), slots=len(self.seqs))
+        if self.kind is LayerKind.SLIDING:
+            for s in self.seqs:
+                ring = s.ring
+                if s.retain and ring.len == ring.capacity and not s._retained.covers(
+                        ring.origin_logical):
+                    held.append(s._take_ahead())
+        for h in held:
+            out = evaluated_with(out, h)
+        return out
+
+    def _read_rows(self) -> int:
+        """Rows every sequence's read spans after a decode write: a ring's
+        capacity (or less, before any ring filled), a plane's longest prefix."""
+        longest = max(1, max(s.ring.len for s in self.seqs))
+        if self.kind is LayerKind.SLIDING:
+            capacity = self.seqs[0].ring.capacity
+            if all(s.ring.origin_physical == 0 for s in self.seqs):
+                return min(longest, capacity)
+            return capacity
+        return longest
+
+    def _chunk(self, keys: mx.array, values: mx.array, real: List[int]) -> Pair:
+        """A chunk per sequence, its first ``real[b]`` tokens its own."""
+        n = keys.shape[2]
+        held: List[mx.array] = []
+        if self.kind is LayerKind.GLOBAL:
+            rows = max(s.ring.len for s in self.seqs) + n
+            for b, (s, r) in enumerate(zip(self.seqs, real)):
+                if r:
+                    plan = s.ring.write(s.ring.end, r)
+                    s._store(keys[b:b + 1, :, :r], values[b:b + 1, :, :r], plan)
+                    s.ring.assign(plan.after)
+            return self.planes.prefix(min(rows, self.planes.rows), slots=len(self.seqs))
+        # sliding: the staging shadow of every sequence, right-aligned
+        width = max(s.ring.len for s in self.seqs)
+        dtype = self.planes.dtype
+        shadows_k, shadows_v = [], []
+        for b, (s, r) in enumerate(zip(self.seqs, real)):
+            k_b, v_b = keys[b:b + 1], values[b:b + 1]
+            old_k, old_v = s.backend.gather(*self.planes.physical(b), s.layout, s.ring)
+            chunk_k = _token_rows(k_b, dtype)
+            chunk_v = _token_rows(v_b, dtype)
+            pad = width - s.ring.len
+            if pad:
+                zeros = mx.zeros((pad, self.planes.kv_dim), dtype)
+                old_k, old_v = mx.concatenate([zeros, old_k]), mx.concatenate([zeros, old_v])
+            shadows_k.append(mx.concatenate([old_k, chunk_k]))
+            shadows_v.append(mx.concatenate([old_v, chunk_v]))
+            if r:
+                plan = s.ring.write(s.ring.end, r)
+                lo, hi = plan.evicted
+                if s.retain and hi > lo:  # the rows leaving the window, from this shadow
+                    keep = min(hi - lo, s.retain)
+                    base = pad  # shadow row of position lo
+                    rows = slice(base + hi - lo - keep, base + hi - lo)
+                    kept = mx.stack([shadows_k[-1][rows], shadows_v[-1][rows]], 1)
+                    s._retained.add(hi - keep, kept, plan.after.origin_logical)
+                    held.append(kept)
+                s._store(k_b[:, :, :r], v_b[:, :, :r], plan)
+                s.ring.assign(plan.after)
+                if s.retain and s.ring.len == s.ring.capacity and not s._retained.covers(
+                        s.ring.origin_logical):
+                    held.append(s._take_ahead())
+        h, d = self.planes.kv_heads, self.planes.head_dim
+        shadow_k = mx.stack(shadows_k).reshape(len(self.seqs), width + n, h, d).transpose(0, 2, 1, 3)
+        shadow_v = mx.stack(shadows_v).reshape(len(self.seqs), width + n, h, d).transpose(0, 2, 1, 3)
+        out = (shadow_k, shadow_v)
+        for x in held:
+            out = evaluated_with(out, x)
+        return out
+
+    def make_mask(self, N: int, window_size: Optional[int] = None,
+                  return_array: bool = False) -> Mask:
+        """The mask for the rows the next ``update_and_fetch(N tokens)`` returns:
+        ``[B, 1, N, L]`` bool, or ``None`` when every sequence sees every row."""
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+            raise ValueError(f"make_mask needs an int N >= 1, got {N!r}")
+        if self.kind is LayerKind.SLIDING and window_size is not None and window_size != self._window:
+            raise ValueError(f"layer {self.layer}: sliding cache built for window {self._window}, "
+                             f"asked for a mask with window {window_size}")
+        if N == 1 and self._remaining is None:
+            return self._decode_mask(window_size, return_array)
+        B = len(self.seqs)
+        i = mx.arange(N).reshape(1, N, 1)
+        if self.kind is LayerKind.GLOBAL:
+            lens = mx.array([s.ring.len for s in self.seqs], dtype=mx.int32).reshape(B, 1, 1)
+            rows = min(max(s.ring.len for s in self.seqs) + N, self.planes.rows)
+            j = mx.arange(rows).reshape(1, 1, rows)
+            mask = j <= lens + i
+            if window_size is not None:
+                mask = mask & (lens + i - j < window_size)
+            return mask[:, None]
+        width = max(s.ring.len for s in self.seqs)
+        pad = mx.array([width - s.ring.len for s in self.seqs], dtype=mx.int32).reshape(B, 1, 1)
+        j = mx.arange(width + N).reshape(1, 1, width + N)
+        rel = j - width  # the chunk's token index; negative for old rows
+        mask = (j >= pad) & (rel <= i) & (i - rel < self._window)
+        return mask[:, None]
+
+    def _decode_mask(self, window_size: Optional[int], return_array: bool) -> Mask:
+        """One token each: a ring row is valid once its sequence holds it (every
+        row of a full ring); a plane row below the sequence's length."""
+        B = len(self.seqs)
+        active = self.active or [True] * B
+        # rows each sequence holds after the write (a placeholder sees at least one)
+        after = [s.ring.len + 1 if on else max(1, s.ring.len) for s, on in zip(self.seqs, active)]
+        if self.kind is LayerKind.GLOBAL:
+            rows = max(after)
+            if len(set(after)) == 1 and window_size is None and not return_array:
+                return None
+            j = mx.arange(rows).reshape(1, rows)
+            valid = j < mx.array(after, dtype=mx.int32).reshape(B, 1)
+            if window_size is not None:
+                valid = valid & (mx.array(after).reshape(B, 1) - 1 - j < window_size)
+            return valid.reshape(B, 1, 1, rows)
+        capacity = self.seqs[0].ring.capacity
+        rows = self._rows_after_decode()
+        if all(s.ring.len == capacity for s in self.seqs) and not return_array:
+            return None
+        # each ring's live rows once the token is written (a placeholder: the
+        # rows it holds, at least its origin row), as the ring's physical runs
+        runs = [_runs_after_decode(s.ring, on) for s, on in zip(self.seqs, active)]
+        first = [rs[0] for rs in runs]
+        second = [rs[1] if len(rs) > 1 else Run(0, 0, 0) for rs in runs]
+        j = mx.arange(rows, dtype=mx.int32).reshape(1, rows)
+        valid = None
+        for part in (first, second):
+            lo = mx.array([r.physical for r in part], dtype=mx.int32).reshape(B, 1)
+            hi = lo + mx.array([r.length for r in part], dtype=mx.int32).reshape(B, 1)
+            inside = (j >= lo) & (j < hi)
+            valid = inside if valid is None else valid | inside
+        return valid.reshape(B, 1, 1, rows)
+
+    def _rows_after_decode(self) -> int:
+        capacity = self.seqs[0].ring.capacity
+        active = self.active or [True] * len(self.seqs)
+        if all(s.ring.origin_physical == 0 for s in self.seqs):
+            longest = max(max(1, s.ring.len + (1 if on else 0)) for s, on in zip(self.seqs, active))
+            return min(longest, capacity)
+        return capacity
+
+    # -- batch membership ---------------------------------------------------------------
+
+    def filter(self, batch_indices: Sequence[int]) -> None:
+        """Keep only these sequences, in this order (mlx-lm's, ascending): each kept
+        sequence behind a dropped one moves down into the freed slot."""
+        keep = [int(i) for i in batch_indices]
+        if sorted(set(keep)) != keep or (keep and not 0 <= keep[0] <= keep[-1] < len(self.seqs)):
+            raise ValueError(f"filter: indices {keep} are not ascending indices of "
+                             f"{len(self.seqs)} sequences")
+        if not keep:
+            raise ValueError("filter: a batch needs at least one sequence (drop the batch instead)")
+        seqs = []
+        for j, src in enumerate(keep):
+            s = self.seqs[src]
+            if src != j:
+                self.planes.copy_slot(j, self.planes, src)
+                s.slot = j
+            seqs.append(s)
+        self.seqs = seqs
+        if self._remaining is not None:
+            self._remaining = [self._remaining[i] for i in keep]
+        self._offsets = None
+
+    def extend(self, other: "BatchKVCache") -> None:
+        """Admit ``other``'s sequences after this batch's: their rows are copied into
+        free slots (larger planes, every sequence copied once, if none are left)."""
+        if not isinstance(other, BatchKVCache) or (other.kind, other.planes.layout,
+                                                   other.planes.dtype, other.planes.rows) != (
+                self.kind, self.planes.layout, self.planes.dtype, self.planes.rows):
+            raise ValueError("extend: the other batch has another kind, layout, dtype or geometry")
+        start = len(self.seqs)
+        need = start + len(other.seqs)
+        if need > self.planes.slots:
+            self._grow(max(need, 2 * self.planes.slots))
+        for i, s in enumerate(other.seqs):
+            self.planes.copy_slot(start + i, other.planes, s.slot)
+            self.seqs.append(_bound(s, self.planes, start + i))
+        if self._remaining is not None or other._remaining is not None:
+            mine = self._remaining or [0] * start
+            theirs = other._remaining or [0] * len(other.seqs)
+            self._remaining = mine + theirs
+        self._offsets = None
+
+    def _grow(self, slots: int) -> None:
+        old = self.planes
+        planes = Planes(kv_heads=old.kv_heads, head_dim=old.head_dim, capacity=old.capacity,
+                        layout=old.layout, dtype=old.dtype, slots=slots)
+        for b, s in enumerate(self.seqs):
+            planes.copy_slot(b, old, b)
+            s.planes = planes
+        mx.eval(planes.k, planes.v)
+        self.planes = planes
+
+    def extract(self, idx: int) -> MuseKVCache:
+        """Sequence ``idx`` alone: a single-sequence cache of its own planes, ring
+        state and retained rows, exactly as it would be had it run alone. Its rows
+        are copied (and evaluated) now, so nothing lazy holds the batch's planes."""
+        s = self.seqs[int(idx)]
+        planes = Planes(kv_heads=s.kv_heads, head_dim=s.head_dim, capacity=s.capacity,
+                        layout=s.layout, dtype=s.dtype)
+        planes.copy_slot(0, self.planes, s.slot)
+        out = _bound(s, planes, 0)
+        mx.eval(planes.k, planes.v)
+        return out
+
+    # -- state, sizes, trims, copies ------------------------------------------------------
+
+    @property
+    def state(self) -> Pair:
+        """The planes (every slot), with the sequences' retained copies made since
+        the last read attached (``RetainedRows.pending``)."""
+        pending = [x for s in self.seqs if s.kind is LayerKind.SLIDING
+                   for x in s._retained.pending()]
+        kv = (self.planes.k, self.planes.v)
+        return tuple(mx.depends(list(kv), pending)) if pending else kv
+
+    @property
+    def meta_state(self) -> Tuple[str, ...]:
+        return tuple(",".join(x for x in s.meta_state) for s in self.seqs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the planes, every slot (preallocated) included."""
+        return self.planes.nbytes
+
+    def size(self) -> int:
+        return max(s.size() for s in self.seqs)
+
+    def empty(self) -> bool:
+        return all(s.empty() for s in self.seqs)
+
+    def is_trimmable(self) -> bool:
+        return all(s.is_trimmable() for s in self.seqs)
+
+    def trimmable_depth(self) -> int:
+        return min(s.trimmable_depth() for s in self.seqs)
+
+    def trim(self, n: int) -> int:
+        """Forget every sequence's newest ``n`` tokens, exactly, or refuse (all or
+        nothing: every sequence is checked first)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"trim needs an int >= 0, got {n!r}")
+        depth = self.trimmable_depth()
+        if n > depth:
+            raise ValueError(f"layer {self.layer}: the batch can trim at most {depth} tokens "
+                             f"exactly, asked for {n}")
+        for s in self.seqs:
+            s.trim(n)
+        self._offsets = None
+        return n
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None) -> "BatchKVCache":
+        """Refused: a batch's planes hold several sequences, and a prompt-cache
+        file of them would restore none exactly; save each sequence's cache
+        (``extract(i)``) instead."""
+        raise ValueError(
+            "muser-kv batch caches are not restored from a state: a batch's rows belong to "
+            "several sequences; save and load each sequence's cache (BatchKVCache.extract(i))")
+
+    def __deepcopy__(self, memo) -> "BatchKVCache":
+        """An independent batch: the arrays are shared until either side writes
+        (MLX arrays are values), everything else is copied."""
+        planes = copy.copy(self.planes)
+        planes.k, planes.v = self.planes.handles()
+        seqs = [_bound(s, planes, s.slot) for s in self.seqs]
+        other = BatchKVCache(planes, seqs)
+        other._remaining = None if self._remaining is None else list(self._remaining)
+        return other
+
+
+_OFFSETS: dict = {}
+
+
+def _offsets(positions: Tuple[int, ...]) -> mx.array:
+    """``positions`` as an int32 array, built once for every layer of a step."""
+    out = _OFFSETS.get(positions)
+    if out is None:
+        if len(_OFFSETS) > 64:
+            _OFFSETS.clear()
+        out = _OFFSETS[positions] = mx.array(positions, dtype=mx.int32)
+    return out
+
+
+def _token_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Model-shaped ``[1, H, N, D]`` -> token-major rows ``[N, H*D]`` of ``dtype``."""
+    _, h, n, d = x.shape
+    return x.astype(dtype)[0].transpose(1, 0, 2).reshape(n, h * d)
+
+
+def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
+                     sliding_layout: str = kernels.TOKEN_MAJOR, model: Any = None
+                     ) -> Tuple[List[BatchKVCache], List[List[MuseKVCache]]]:
+    """``slots`` sequences over shared planes (one ``Planes`` of ``slots`` slots per
+    layer, allocated now): for each slot, a bound cache list a model can run
+    alone; for each layer, a batch over every slot (``active`` picks whom a
+    decode step writes)."""
+
+    per_slot: List[List[MuseKVCache]] = [[] for _ in range(slots)]
+    batches = []
+    for i in range(geometry.num_layers):
+        sliding = geometry.layer_kind(i) is LayerKind.SLIDING
+        planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                        capacity=geometry.capacity(i),
+                        layout=sliding_layout if sliding else kernels.HEAD_MAJOR,
+                        dtype=plane_dtype, slots=slots)
+        seqs = []
+        for s in range(slots):
+            if sliding:
+                c = SlidingKVCache(planes, window=geometry.window, max_context=geometry.max_context,
+                                   layer=i, slot=s, retain=retain)
+            else:
+                c = GlobalKVCache(planes, window=geometry.window, max_context=geometry.max_context,
+                                  layer=i, slot=s)
+            seqs.append(c)
+            per_slot[s].append(c)
+        batches.append(BatchKVCache(planes, seqs))
+    for caches in per_slot:
+        cachelist.bind(caches, model)
+    return batches, per_slot
+
+
+def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:
+    """The physical runs a decode step's attention may read in ``ring``: its live
+    rows after the token is appended, or for an inactive placeholder the rows it
+    holds (its origin row when it holds none)."""
+    if not active:
+        return ring.live_runs() if ring.len else [Run(ring.origin_physical, 1, 0)]
+    after = ring.copy()
+    after.append(after.end)
+    return after.live_runs()
+
+
+base.BATCH = BatchKVCache

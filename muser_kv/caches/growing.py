@@ -1,0 +1,98 @@
+"""GlobalKVCache: a global (NoPE) layer's growing plane.
+
+Little more than an offset and a slice assignment, as mlx-lm's ``KVCache``:
+position ``p`` lives at row ``p`` (the ring of ``max_context`` rows never wraps
+inside its bounds), a write is one slice update per plane, the read is rows
+``[0, offset)``, and a trim rewinds the offset (the rows past it are never read
+again, and a later write overwrites them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import mlx.core as mx
+
+from muser_kv.caches.base import REGIMES, Mask, MuseKVCache, causal_mask
+from muser_kv.core.geometry import LayerKind
+from muser_kv.core.planes import Planes
+from muser_kv.core.ring import Ring
+
+
+class GlobalKVCache(MuseKVCache):
+    """A growing head-major plane of ``max_context`` rows (allocated rounded up to 256)."""
+
+    kind = LayerKind.GLOBAL
+
+    def __init__(self, planes: Planes, *, window: int, max_context: int, layer: int = 0,
+                 slot: int = 0):
+        super().__init__(planes, capacity=max_context, window=window, max_context=max_context,
+                         layer=layer, slot=slot)
+        self.retain = 0
+
+    @classmethod
+    def build(cls, planes: Planes, *, window: int, max_context: int, layer: int,
+              retain: int) -> "GlobalKVCache":
+        return cls(planes, window=window, max_context=max_context, layer=layer)
+
+    @classmethod
+    def _check_state_retained(cls, retained: Any, ring: Ring, dtype: Any, kv_dim: int,
+                              retain: int) -> None:
+        if retained is not None or retain:
+            raise ValueError(f"layer {ring.layer}: a global plane retains no rows, got retain "
+                             f"{retain} and retained {type(retained).__name__}")
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        ring = self.ring
+        dtype = self._fast_one(keys, values)
+        if dtype is not None:
+            planes = self.planes
+            if dtype != planes.dtype:
+                keys, values = self._plane_rows(keys, values)
+            row = ring.append(ring.end)
+            if planes.slots == 1:  # Planes.put_one and .prefix, inlined (the hot path)
+                planes.k[:, :, row:row + 1, :] = keys
+                planes.v[:, :, row:row + 1, :] = values
+                return planes.k[:, :, :row + 1, :], planes.v[:, :, :row + 1, :]
+            planes.put_one(row, keys, values, self.slot)
+            return planes.prefix(ring.len, self.slot)
+        n = self.check_input(keys, values)
+        self.check_write(n)
+        plan = ring.write(ring.end, n)
+        self._store(keys, values, plan)
+        ring.assign(plan.after)
+        return self.planes.prefix(ring.len, self.slot)
+
+    def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
+        offset = self.ring.len
+        if window_size is not None:
+            return causal_mask(n, offset, window_size)
+        if return_array:
+            return causal_mask(n, offset)
+        return None if n == 1 else "causal"
+
+    # -- trimming ----------------------------------------------------------------------
+
+    def trimmable_depth(self) -> int:
+        return self.ring.len
+
+    def undoable_block(self) -> int:
+        return self.max_context
+
+    @property
+    def retain_depth(self) -> int:
+        return self.max_context
+
+    @property
+    def retained_nbytes(self) -> int:
+        return 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def _rewind(self, plan) -> None:
+        self.ring.assign(plan.after)
+
+
+REGIMES[LayerKind.GLOBAL] = GlobalKVCache

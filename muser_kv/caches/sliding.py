@@ -1,0 +1,317 @@
+"""SlidingKVCache: a sliding-window (RoPE) layer's ring, its staging shadow and
+its retained rows.
+
+The ring (``ring.py``) answers where every write goes and how it is read back.
+A chunk that the ring cannot take in place (one that wraps, or one into a ring
+whose live rows are split) attends over the staging shadow -- the live rows in
+logical order, then the chunk -- and is committed only afterwards: the ring
+never grows past its capacity and never overwrites rows its own queries need.
+
+Retained rows (``speculative.RetainedRows``) make ``trim`` exact past the wrap:
+the ring keeps the newest ``retain`` rows it overwrote. On a full ring they are
+copied ahead of being overwritten, ``retain`` rows at a time, while attention
+reads the ring anyway, so a one-token store has nothing to copy; every copy is
+made part of what attention evaluates (``evaluated_with``), because a copy left
+lazy would hold the plane at the next store and MLX would copy the plane.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+
+from muser_kv.caches.base import (
+    REGIMES,
+    Mask,
+    MuseKVCache,
+    State,
+    additive_mask,
+    causal_mask,
+    evaluated_with,
+)
+from muser_kv.caches.speculative import DEFAULT_RETAIN, RetainedRows
+from muser_kv.core import kernels
+from muser_kv.core.geometry import LayerKind
+from muser_kv.core.planes import Planes
+from muser_kv.core.ring import Read, Ring
+
+Pair = Tuple[mx.array, mx.array]
+
+
+class SlidingKVCache(MuseKVCache):
+    """A ring of ``min(max_context, window)`` rows (allocated rounded up to 256)."""
+
+    kind = LayerKind.SLIDING
+
+    def __init__(self, planes: Planes, *, window: int, max_context: int, layer: int = 0,
+                 slot: int = 0, retain: int = DEFAULT_RETAIN):
+        super().__init__(planes, capacity=min(max_context, window), window=window,
+                         max_context=max_context, layer=layer, slot=slot)
+        self.retain = retain
+        self._retained = RetainedRows(retain)
+        # one slot whose allocation is exactly the ring: a full ring is read as the
+        # whole plane, with no op (the hot path's test)
+        self._whole = planes.slots == 1 and planes.rows == self.ring.capacity
+
+    # -- the protocol mlx-lm's models call ---------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Pair:
+        ring = self.ring
+        dtype = self._fast_one(keys, values)
+        if dtype is not None:
+            read = ring.read_for(1)
+            if read is Read.RING:
+                return self._decode_full(keys, values, dtype, ring.end)
+            if read is Read.PREFIX:
+                if dtype != self.planes.dtype:
+                    keys, values = self._plane_rows(keys, values)
+                self.planes.put_one(ring.append(ring.end), keys, values, self.slot)
+                return self._copy_ahead(self.planes.prefix(ring.len, self.slot))
+        return self._write(keys, values)
+
+    def _decode_full(self, keys: mx.array, values: mx.array, dtype: mx.Dtype, end: int) -> Pair:
+        """One token into a full ring, read as it lies: the decode hot path, with
+        the input checks settled by the caller and the least host work per layer
+        (this is where a decode step's time goes: dispatch and Python, not bytes).
+        The row it overwrites was copied ahead, so retention costs nothing here."""
+        ring, retained, planes = self.ring, self._retained, self.planes
+        held = None
+        # retained.covers(victim), inlined (this runs once per layer per token)
+        if self.retain and not retained.start <= ring.origin_logical < retained.end:
+            held = self._retain(ring.origin_logical, 1)  # no copy ahead: copy the victim now
+        if dtype != planes.dtype:
+            keys, values = self._plane_rows(keys, values)
+        row = ring.append(end)
+        if self._whole:  # Planes.put_one and .prefix, inlined (the hot path)
+            planes.k[:, :, row:row + 1, :] = keys
+            planes.v[:, :, row:row + 1, :] = values
+            kv = (planes.k.astype(planes.dtype), planes.v.astype(planes.dtype))
+        else:
+            planes.put_one(row, keys, values, self.slot)
+            kv = planes.prefix(ring.capacity, self.slot)
+        if held is not None:
+            kv = evaluated_with(kv, held)
+        if self.retain and not retained.start <= ring.origin_logical < retained.end:
+            return self._copy_ahead(kv)
+        return kv
+
+    def _write(self, keys: mx.array, values: mx.array) -> Pair:
+        """Any write: validated in full before anything changes, planned by the
+        ring, rows placed, the ring committed last."""
+        n = self.check_input(keys, values)
+        self.check_write(n)
+        plan = self.ring.write(self.ring.end, n)
+        lo, hi = plan.evicted
+        held = None
+        if plan.read is Read.SHADOW:
+            k_rows, v_rows = self.backend.stage(*self.planes.physical(self.slot), self.ring,
+                                                keys, values, self.layout)
+            if self.retain and hi > lo:  # the shadow starts at origin_logical: the evicted rows
+                keep = min(hi - lo, self.retain)
+                held = mx.stack([k_rows[hi - lo - keep:hi - lo], v_rows[hi - lo - keep:hi - lo]], 1)
+                self._retained.add(hi - keep, held, plan.after.origin_logical)
+            out = (kernels.attention_view(k_rows, kernels.TOKEN_MAJOR, self.kv_heads, self.head_dim),
+                   kernels.attention_view(v_rows, kernels.TOKEN_MAJOR, self.kv_heads, self.head_dim))
+            self._store(keys, values, plan)
+        else:
+            if self.retain and hi > lo and not self._retained.covers(lo):
+                held = self._retain(lo, hi - lo)  # one token overwrites the oldest row
+            self._store(keys, values, plan)
+            out = None
+        self.ring.assign(plan.after)
+        if out is None:
+            rows = self.ring.capacity if plan.read is Read.RING else self.ring.len
+            out = self.planes.prefix(rows, self.slot)
+        if held is not None:
+            out = evaluated_with(out, held)
+        return self._copy_ahead(out)
+
+    def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
+        if window_size is not None and window_size != self._window:
+            raise ValueError(
+                f"layer {self.layer}: sliding cache built for window {self._window}, "
+                f"asked for a mask with window {window_size}")
+        ring = self.ring
+        read = ring.read_for(n)
+        if read is Read.SHADOW:  # every query sees itself: the additive form is exact
+            return additive_mask(causal_mask(n, ring.len, self._window), self.planes.dtype)
+        if n == 1:  # one token: every returned row (at most the whole ring) is visible
+            rows = min(ring.len + 1, ring.capacity)
+            return mx.ones((1, rows), dtype=mx.bool_) if return_array else None
+        return causal_mask(n, ring.len) if return_array else "causal"
+
+    # -- retained rows (speculative.py) -----------------------------------------------
+
+    def _copy_rows(self, logical: int, count: int) -> mx.array:
+        """Fresh copies ``[count, 2, H*D]`` (K, V) of live rows ``logical ..
+        logical + count`` (never a view: a view would share the plane's buffer and
+        keep MLX from donating it to the next store)."""
+        runs = self.ring.runs(logical, count)
+        if len(runs) == 1:  # one span (the decode case): slices, and the stack is the copy
+            k, v = self.planes.span(runs[0].physical, count, self.slot)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            return mx.stack([k, v], axis=2).reshape(count, 2, self.kv_dim)
+        segment = type(self.ring)(self.ring.capacity, count, logical, runs[0].physical, self.layer)
+        k, v = self.backend.gather(*self.planes.physical(self.slot), self.layout, segment)
+        return mx.stack([k, v], axis=1)
+
+    def _retain(self, logical: int, count: int) -> mx.array:
+        """Copy rows about to be overwritten in the same graph as the store (only
+        when no copy was taken ahead: MLX then copies this ring once). The caller
+        evaluates the copy with attention (``evaluated_with``)."""
+        rows = self._copy_rows(logical, count)
+        self._retained.add(logical, rows, logical)
+        return rows
+
+    def _copy_ahead(self, kv: Pair) -> Pair:
+        """On a full ring whose next victim has no copy yet, copy the next
+        ``retain`` rows to be overwritten now, while this step reads the plane
+        anyway, and make the copy part of what attention evaluates."""
+        ring = self.ring
+        if not self.retain or ring.len < ring.capacity or self._retained.covers(ring.origin_logical):
+            return kv
+        return evaluated_with(kv, self._take_ahead())
+
+    def _take_ahead(self) -> mx.array:
+        """Retain copies of the next ``retain`` rows a full ring will overwrite."""
+        ring = self.ring
+        ahead = self._copy_rows(ring.origin_logical, min(self.retain, ring.len))
+        self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
+        return ahead
+
+    def _settle(self) -> None:
+        """Retained rows describe this cache's own history: after a wholesale
+        replacement they are dropped, and a full ring's copy ahead is taken and
+        evaluated now (taken in the same graph as the next store, it would make
+        MLX copy the ring)."""
+        self._retained.clear()
+        ring = self.ring
+        if self.retain and ring.len == ring.capacity:
+            mx.eval(self._take_ahead())
+
+    @property
+    def kv_state(self) -> Pair:
+        """The live planes, with the retained copies made since the last read
+        attached (evaluating them evaluates the copies: see
+        ``RetainedRows.pending``)."""
+        kv = self.planes.physical(self.slot)
+        pending = self._retained.pending()
+        return tuple(mx.depends(list(kv), pending)) if pending else kv
+
+    @property
+    def state(self) -> State:
+        k, v = self.kv_state
+        return k, v, self.meta_state, self._retained.held()
+
+    @classmethod
+    def build(cls, planes: Planes, *, window: int, max_context: int, layer: int,
+              retain: int) -> "SlidingKVCache":
+        return cls(planes, window=window, max_context=max_context, layer=layer, retain=retain)
+
+    @classmethod
+    def _check_state_retained(cls, retained: Any, ring: Ring, dtype: Any, kv_dim: int,
+                              retain: int) -> Optional[Tuple[int, List[mx.array]]]:
+        return cls.check_retained(retained, ring, dtype, kv_dim, retain)
+
+    @staticmethod
+    def check_retained(retained: Any, ring: Ring, dtype: mx.Dtype, kv_dim: int,
+                       retain: int) -> Optional[Tuple[int, List[mx.array]]]:
+        """``state``'s retained part, checked against the ring it comes with:
+        ``None``, or ``(start, blocks)`` of ``[m, 2, kv_dim]`` rows of the plane
+        dtype for positions ``[start, end)`` with ``end`` at most the ring's end."""
+        if retained is None:
+            return None
+        where = f"layer {ring.layer}: state's retained rows"
+        if not isinstance(retained, (list, tuple)) or len(retained) != 2:
+            raise ValueError(f"{where} must be (start, blocks) or None, got {retained!r:.80}")
+        start, blocks = retained
+        if isinstance(start, mx.array) and start.size == 1:
+            start = start.item()
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"{where}: start must be an int >= 0, got {start!r}")
+        if not isinstance(blocks, (list, tuple)) or not blocks:
+            raise ValueError(f"{where}: blocks must be a non-empty list, got {blocks!r:.80}")
+        if not retain:
+            raise ValueError(f"{where}: a ring with retain=0 holds none, got {len(blocks)} blocks")
+        rows = 0
+        for b in blocks:
+            if (not isinstance(b, mx.array) or b.dtype != dtype or b.ndim != 3
+                    or tuple(b.shape[1:]) != (2, kv_dim) or b.shape[0] < 1):
+                raise ValueError(f"{where}: each block must be {dtype} [m >= 1, 2, {kv_dim}], "
+                                 f"got {getattr(b, 'dtype', type(b).__name__)} "
+                                 f"{tuple(getattr(b, 'shape', ()))}")
+            rows += b.shape[0]
+        if start + rows > ring.end:
+            raise ValueError(f"{where}: positions [{start}, {start + rows}) run past the ring's "
+                             f"end {ring.end}")
+        return start, list(blocks)
+
+    def _adopt_retained(self, start: int, blocks: List[mx.array]) -> None:
+        """Hold rows ``state`` carried (checked by ``check_retained``), then, on a
+        full ring whose next victim they do not cover, take the copy ahead now."""
+        self._retained.adopt(start, blocks)
+        ring = self.ring
+        if ring.len == ring.capacity and not self._retained.covers(ring.origin_logical):
+            mx.eval(self._take_ahead())
+        else:
+            mx.eval(blocks)
+
+    def hold(self):
+        return super().hold(), self._retained.copy()
+
+    def release(self, held) -> None:
+        base, retained = held
+        super().release(base)
+        self._retained = retained
+
+    def _detached(self) -> "SlidingKVCache":
+        other = super()._detached()
+        other._retained = self._retained.copy()
+        other._whole = other.planes.rows == other.ring.capacity
+        return other
+
+    @property
+    def retain_depth(self) -> int:
+        """The deepest speculative block this cache can always undo."""
+        return self.retain
+
+    @property
+    def retained_nbytes(self) -> int:
+        return self._retained.nbytes
+
+    # -- trimming ----------------------------------------------------------------------
+
+    def trimmable_depth(self) -> int:
+        retained, ring = self._retained, self.ring
+        held = retained.start if retained.start < retained.end and retained.end >= ring.origin_logical \
+            else None
+        return ring.trimmable(held)
+
+    def undoable_block(self) -> int:
+        ring = self.ring
+        return ring.capacity - ring.len + self.retain
+
+    def is_trimmable(self) -> bool:
+        """Fixed for the cache's life, so a caller that asks once (mlx-lm's
+        speculative decoding does, before its first token) is never misled
+        later: a ring that keeps no overwritten rows (``retain=0``) and can wrap
+        is never trimmable, even before it wraps."""
+        return self.retain > 0 or self.max_context <= self.ring.capacity
+
+    def _rewind(self, plan) -> None:
+        """Put back the rows the trimmed tokens overwrote (from the retained rows)
+        at the rows the earlier ring holds them, then move both origins back."""
+        lo, hi = plan.restore
+        if hi > lo:
+            keys, values = self._retained.rows(lo, hi)
+            if self.layout == kernels.HEAD_MAJOR:
+                shape = (hi - lo, self.kv_heads, self.head_dim)
+                keys = keys.reshape(shape).transpose(1, 0, 2)
+                values = values.reshape(shape).transpose(1, 0, 2)
+            self.planes.place(keys, values, plan.runs, self.slot)
+        self.ring.assign(plan.after)
+        self._retained.truncate(plan.after.end)  # trimmed positions may be written again
+
+
+REGIMES[LayerKind.SLIDING] = SlidingKVCache

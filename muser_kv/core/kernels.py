@@ -1,0 +1,350 @@
+"""How rows move: the data path between the model's K/V and the planes.
+
+Every operation here is a copy plus at most one conversion to the plane type
+(f16 or bf16, round to nearest even), so every backend must give the same bits:
+
+* ``reference``: plain MLX ops; runs on any MLX device and is the oracle;
+* ``metal`` / ``cuda``: the kernel bodies in ``kernels/`` built once with
+  ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` (one body, one prelude).
+
+Positions never reach this module as positions: the ring hands over its
+reservation (origins, counts, runs) and the functions move the rows they are
+told to move. No kernel writes memory it does not declare as an output (MLX
+orders GPU work only by declared outputs), so kernels produce what is new --
+rows in the plane's layout, a staging shadow, a snapshot, a fresh plane -- and
+``place`` puts rows into a plane with MLX's own donated update.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from importlib import resources
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from muser_kv.core.ring import Ring, Run
+
+#: The production encoding; bf16 planes serve models whose attention runs in bf16.
+PLANE_DTYPE = mx.float16
+PLANE_DTYPES = (mx.float16, mx.bfloat16)
+INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+TOKEN_MAJOR = "token_major"
+HEAD_MAJOR = "head_major"
+
+BACKEND_ENV = "MUSER_KV_BACKEND"
+BACKENDS = ("reference", "metal", "cuda")
+THREADGROUP = 256
+
+Pair = Tuple[mx.array, mx.array]
+
+
+# -- layout helpers shared by every backend ----------------------------------
+
+
+def attention_view(rows: mx.array, layout: str, kv_heads: int, head_dim: int) -> mx.array:
+    """Rows in either layout as the ``[1, H, L, D]`` view attention reads.
+
+    Token-major rows become a strided view (strides ``L*H*D, D, H*D, 1``) that
+    ``scaled_dot_product_attention`` reads without a copy."""
+    if layout == TOKEN_MAJOR:
+        n = rows.shape[0]
+        return rows.reshape(1, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
+    return rows[None]
+
+
+def physical_view(plane: mx.array, layout: str) -> mx.array:
+    """An attention-shaped plane ``[1, H, R, D]`` as the rows the kernels index:
+    ``[R, H*D]`` token-major or ``[H, R, D]`` head-major (views of the same buffer;
+    ``R`` is the allocation, which may exceed the ring's capacity)."""
+    if layout == TOKEN_MAJOR:
+        _, h, c, d = plane.shape
+        return plane.transpose(0, 2, 1, 3).reshape(c, h * d)
+    return plane.squeeze(0)
+
+
+def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str,
+          slot: Optional[int] = None) -> mx.array:
+    """``plane`` (attention-shaped, ``[S, H, C, D]``) with ``rows`` (in the
+    plane's layout) written along ``runs`` of slot ``slot`` (``None``: the only
+    one, ``S == 1``); returns the new plane.
+
+    The one placement mechanism of every plane: MLX's slice update, which reuses
+    the plane's buffer when MLX can donate it (O(rows)) and copies it otherwise;
+    either way MLX tracks the write, so no reader can race it. A donated buffer
+    keeps its strides, so a token-major plane stays token-major in memory."""
+    _, h, capacity, d = plane.shape
+    for run in runs:
+        src = slice(run.source, run.source + run.length)
+        update = rows[src] if layout == TOKEN_MAJOR else rows[:, src, :]
+        if slot is not None:
+            dst = slice(run.physical, run.physical + run.length)
+            plane[slot:slot + 1, :, dst, :] = attention_view(update, layout, h, d)
+            continue
+        if run.length == capacity:
+            # MLX answers a slice update that covers the whole array with the
+            # update itself, strides and all; the plane must stay in its layout's
+            # memory order because the kernels index it as such.
+            plane = attention_view(mx.contiguous(update), layout, h, d)
+            continue
+        dst = slice(run.physical, run.physical + run.length)
+        plane[:, :, dst, :] = attention_view(update, layout, h, d)
+    return plane
+
+
+def _rows_shape(layout: str, count: int, kv_heads: int, head_dim: int) -> Tuple[int, ...]:
+    if layout == TOKEN_MAJOR:
+        return (count, kv_heads * head_dim)
+    return (kv_heads, count, head_dim)
+
+
+def allocated_rows(plane_rows: mx.array, layout: str) -> int:
+    """Rows a plane (as ``physical_view`` gives it) allocates."""
+    return plane_rows.shape[0] if layout == TOKEN_MAJOR else plane_rows.shape[1]
+
+
+# -- the reference path --------------------------------------------------------
+
+
+class ReferenceBackend:
+    """Plain MLX ops. Same outputs, bit for bit, as the kernels."""
+
+    name = "reference"
+
+    def store(self, keys: mx.array, values: mx.array, layout: str, first: int, count: int,
+              ring: Optional[Ring] = None, start: int = 0, dtype: mx.Dtype = PLANE_DTYPE) -> Pair:
+        """Model-shaped ``[1, H, N, D]`` K/V -> rows of the plane type ``dtype``,
+        ``first .. first+count``, in the plane's layout (``[count, H*D]`` or ``[H, count, D]``).
+
+        ``ring`` (the reservation, after ``append_batch``) and ``start`` (the
+        chunk's first position) let a kernel also compute each row's physical
+        destination on the device; placement itself uses the ring's runs."""
+        return (self._rows(keys, layout, first, count, dtype),
+                self._rows(values, layout, first, count, dtype))
+
+    @staticmethod
+    def _rows(x: mx.array, layout: str, first: int, count: int, dtype: mx.Dtype) -> mx.array:
+        # Views only (slice, squeeze, transpose, reshape) around one conversion:
+        # an input of the plane's type reaches the slice update with no kernel of its own.
+        if first or count != x.shape[2]:
+            x = x[:, :, first:first + count, :]
+        x = x.astype(dtype).squeeze(0)
+        if layout == HEAD_MAJOR:
+            return x
+        h, n, d = x.shape
+        if n == 1:
+            return x.reshape(1, h * d)  # one token: head-major order is token order
+        return x.transpose(1, 0, 2).reshape(n, h * d)
+
+    def stage(self, ring_keys: mx.array, ring_values: mx.array, ring: Ring,
+              keys: mx.array, values: mx.array, layout: str = TOKEN_MAJOR) -> Pair:
+        """The staging shadow ``[len + N, H*D]`` (token-major whatever the ring's
+        layout) in the ring's type: live ring rows in logical order, then the chunk's rows."""
+        old_k, old_v = self.gather(ring_keys, ring_values, layout, ring)
+        n, dtype = keys.shape[2], ring_keys.dtype
+        return (mx.concatenate([old_k, self._rows(keys, TOKEN_MAJOR, 0, n, dtype)], axis=0),
+                mx.concatenate([old_v, self._rows(values, TOKEN_MAJOR, 0, n, dtype)], axis=0))
+
+    def gather(self, plane_keys: mx.array, plane_values: mx.array, layout: str, ring: Ring) -> Pair:
+        """The live rows in logical order as ``[len, H*D]`` (token order), in fresh
+        buffers: a snapshot must never alias a plane, or it would block MLX from
+        donating the plane to the next store."""
+        runs = ring.live_runs()
+        out = []
+        for plane in (plane_keys, plane_values):
+            if layout == TOKEN_MAJOR or plane.shape[0] == 1 or not runs:
+                # a whole run of a token-major plane, or of one head transposed,
+                # is no copy: take copies
+                index = (mx.concatenate([mx.arange(r.physical, r.physical + r.length,
+                                                   dtype=mx.int32) for r in runs])
+                         if runs else mx.zeros((0,), mx.int32))
+                if layout == TOKEN_MAJOR:
+                    out.append(mx.take(plane, index, axis=0))
+                else:
+                    h, _, d = plane.shape
+                    out.append(mx.take(plane, index, axis=1).transpose(1, 0, 2)
+                               .reshape(-1, h * d))
+                continue
+            h, _, d = plane.shape
+            # one strided copy per run (take, then transpose, would copy twice)
+            parts = [plane[:, r.physical:r.physical + r.length, :].transpose(1, 0, 2)
+                     for r in runs]
+            rows = mx.contiguous(parts[0]) if len(parts) == 1 else mx.concatenate(parts, axis=0)
+            out.append(rows.reshape(-1, h * d))
+        return out[0], out[1]
+
+    def install(self, rows_keys: mx.array, rows_values: mx.array, layout: str, ring: Ring,
+                shape: Tuple[int, ...]) -> Pair:
+        """A fresh plane of ``shape`` (rows >= the ring's capacity) in the rows'
+        type, holding ``[n, H*D]`` logical rows at rotation ``ring.origin_physical``
+        and zeros elsewhere. Built in physical order from its pieces, so every
+        byte is written once (a zero-filled plane placed into is written twice)."""
+        axis = 0 if layout == TOKEN_MAJOR else 1
+        total = shape[axis]
+        runs = sorted(ring.live_runs(), key=lambda r: r.physical)
+        out = []
+        for rows in (rows_keys, rows_values):
+            if layout == HEAD_MAJOR:
+                rows = rows.reshape(rows.shape[0], shape[0], shape[2]).transpose(1, 0, 2)
+            pieces, at = [], 0
+            for run in runs + [Run(total, 0, 0)]:
+                if run.physical > at:
+                    gap = list(shape)
+                    gap[axis] = run.physical - at
+                    pieces.append(mx.zeros(gap, rows.dtype))
+                if run.length:
+                    src = slice(run.source, run.source + run.length)
+                    pieces.append(rows[src] if axis == 0 else rows[:, src, :])
+                at = run.physical + run.length
+            plane = mx.concatenate(pieces, axis=axis) if len(pieces) > 1 else mx.contiguous(pieces[0])
+            out.append(plane)
+        return out[0], out[1]
+
+
+# -- the kernel path -----------------------------------------------------------
+
+_KERNELS = {
+    # name: (input names, output names)
+    "batch_store": (["key", "value", "params"], ["key_rows", "value_rows", "dest"]),
+    "stage": (["ring_key", "ring_value", "key", "value", "params"], ["shadow_key", "shadow_value"]),
+    "gather": (["plane_key", "plane_value", "params"], ["out_key", "out_value"]),
+    "install": (["rows_key", "rows_value", "params"], ["plane_key", "plane_value"]),
+}
+
+
+def kernel_source(name: str) -> str:
+    """The prelude followed by one kernel body, exactly as every backend compiles it."""
+    src = resources.files("muser_kv.kernel_sources")
+    return src.joinpath("prelude.h").read_text() + "\n" + src.joinpath(f"{name}.inc").read_text()
+
+
+def kernel_header() -> str:
+    """The file-scope helpers every kernel shares (``convert.h``): each factory's ``header``."""
+    return resources.files("muser_kv.kernel_sources").joinpath("convert.h").read_text()
+
+
+def _params(*values: int) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+def _grid(threads: int) -> Tuple[int, int, int]:
+    # A multiple of the threadgroup: Metal and CUDA then launch the same threads.
+    return (max(1, -(-threads // THREADGROUP)) * THREADGROUP, 1, 1)
+
+
+class KernelBackend(ReferenceBackend):
+    """The kernel bodies through ``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel``.
+    Each kernel is built once; template values are types and head geometry,
+    never positions (positions travel in ``params``, so nothing recompiles)."""
+
+    def __init__(self, name: str):
+        if name not in ("metal", "cuda"):
+            raise ValueError(f"no kernel backend {name!r}")
+        self.name = name
+        self._built: Dict[str, Callable] = {}
+
+    def kernel(self, name: str) -> Callable:
+        if name not in self._built:
+            inputs, outputs = _KERNELS[name]
+            factory = mx.fast.metal_kernel if self.name == "metal" else mx.fast.cuda_kernel
+            self._built[name] = factory(
+                name=f"muser_kv_{name}", input_names=inputs, output_names=outputs,
+                source=kernel_source(name), header=kernel_header(), ensure_row_contiguous=False,
+            )
+        return self._built[name]
+
+    def store(self, keys, values, layout, first, count, ring=None, start=0, dtype=PLANE_DTYPE):
+        if keys.dtype == dtype:
+            # Nothing to convert: MLX's slice update copies the (strided) rows
+            # straight into the plane, one dispatch per plane; a kernel would add one.
+            return super().store(keys, values, layout, first, count, dtype=dtype)
+        return self.store_with_dest(keys, values, layout, first, count, ring, start, dtype)[:2]
+
+    def store_with_dest(self, keys, values, layout, first, count, ring=None, start=0,
+                        dtype=PLANE_DTYPE):
+        """``store`` plus each row's physical destination, translated on the device
+        from the ring's explicit origins (the seeds' batch-store arithmetic)."""
+        _, h, _, d = keys.shape
+        shape = _rows_shape(layout, count, h, d)
+        ring = ring or Ring(max(count, 1))
+        return self.kernel("batch_store")(
+            inputs=[keys, values, _params(first, count, start, ring.capacity,
+                                          ring.origin_logical, ring.origin_physical)],
+            template=[("T", keys.dtype), ("P", dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
+                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(count * h * d), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[shape, shape, (count,)],
+            output_dtypes=[dtype, dtype, mx.int32],
+        )
+
+    def stage(self, ring_keys, ring_values, ring, keys, values, layout=TOKEN_MAJOR):
+        _, h, n, d = keys.shape
+        rows, dtype = ring.len + n, ring_keys.dtype
+        return tuple(self.kernel("stage")(
+            inputs=[mx.contiguous(ring_keys), mx.contiguous(ring_values), keys, values,
+                    _params(ring.len, ring.origin_physical, ring.capacity, n,
+                            allocated_rows(ring_keys, layout))],
+            template=[("T", keys.dtype), ("P", dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
+                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(rows * h * d), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(rows, h * d)] * 2, output_dtypes=[dtype] * 2,
+        ))
+
+    def gather(self, plane_keys, plane_values, layout, ring):
+        rows = allocated_rows(plane_keys, layout)
+        kv_dim = plane_keys.size // rows
+        head_dim = plane_keys.shape[-1]
+        if ring.len == 0:
+            return super().gather(plane_keys, plane_values, layout, ring)
+        return tuple(self.kernel("gather")(
+            inputs=[mx.contiguous(plane_keys), mx.contiguous(plane_values),
+                    _params(ring.len, ring.origin_physical, ring.capacity, rows)],
+            template=[("P", plane_keys.dtype), ("KV_HEADS", kv_dim // head_dim),
+                      ("HEAD_DIM", head_dim), ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(ring.len * kv_dim), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(ring.len, kv_dim)] * 2, output_dtypes=[plane_keys.dtype] * 2,
+        ))
+
+    def install(self, rows_keys, rows_values, layout, ring, shape):
+        head_dim = shape[-1]
+        kv_dim = rows_keys.shape[1]
+        rows = shape[0] if layout == TOKEN_MAJOR else shape[1]
+        return tuple(self.kernel("install")(
+            inputs=[mx.contiguous(rows_keys), mx.contiguous(rows_values),
+                    _params(ring.len, ring.origin_physical, ring.capacity, rows)],
+            template=[("P", rows_keys.dtype), ("KV_HEADS", kv_dim // head_dim),
+                      ("HEAD_DIM", head_dim), ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+            grid=_grid(rows * kv_dim), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[shape] * 2, output_dtypes=[rows_keys.dtype] * 2,
+        ))
+
+
+# -- selection -------------------------------------------------------------------
+
+
+def detect() -> str:
+    """The best backend this MLX can run: Metal, then CUDA, else the reference.
+    Never Metal without ``mx.metal`` (Linux): there, ``MUSER_KV_BACKEND=metal``
+    fails at the first kernel with MLX's "No Metal back-end" (the tests' emulator
+    can stand in for ``mx.fast.metal_kernel``: ``pytest --metal-emulator``)."""
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "reference"
+
+
+@lru_cache(maxsize=None)
+def _make(name: str):
+    return ReferenceBackend() if name == "reference" else KernelBackend(name)
+
+
+def get_backend(name: Optional[str] = None):
+    """The backend named, else ``$MUSER_KV_BACKEND``, else the detected one.
+    Each is built once and shared."""
+    name = name or os.environ.get(BACKEND_ENV) or detect()
+    if name not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
+    return _make(name)

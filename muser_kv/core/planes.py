@@ -1,0 +1,253 @@
+"""Planes: one layer's K and V storage for one or more sequences. It never sees
+a position: callers hand it rows and physical runs (the ring decides them).
+
+The two arrays are held in the shape attention reads, ``[S, H, R, D]`` (``S``
+sequence slots): over token-major memory (a token's ``H*D`` values adjacent,
+strides ``R*H*D, D, H*D, 1``: a rotation moves whole tokens) or head-major
+memory (each head's rows one span). MLX keeps a donated buffer's strides
+through every slice update, so the memory order never changes, and a decode
+step costs what mlx-lm's caches cost: one update per plane, and no op at all to
+read a whole plane of one sequence.
+
+``R`` is the allocation: the ring's capacity rounded up to a multiple of 256
+(``geometry.ROW_GRANULE``), the row stride MLX's CUDA attention needs for its
+fast path. Rows past the capacity are zero and never read or written.
+
+Every write goes through MLX's own updates (slice update, scatter), which reuse
+a donatable buffer (O(rows)) and copy it otherwise; either way MLX tracks the
+write, so no reader can race it. Planes are zero-filled at allocation, so a
+wrapped row can never expose uninitialised storage.
+
+A ``Planes`` object is the one holder of its arrays: the caches of every slot
+(and a batch over them) write through it, so each sees the others' writes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from muser_kv.core import kernels
+from muser_kv.core.geometry import allocated_rows
+from muser_kv.core.ring import Run
+
+Pair = Tuple[mx.array, mx.array]
+
+
+class Planes:
+    """K and V of ``slots`` sequences: ``[slots, kv_heads, rows, head_dim]`` each."""
+
+    def __init__(self, *, kv_heads: int, head_dim: int, capacity: int, layout: str,
+                 dtype: mx.Dtype, slots: int = 1, allocate: bool = True):
+        if layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):
+            raise ValueError(f"layout must be token_major or head_major, got {layout!r}")
+        if dtype not in kernels.PLANE_DTYPES:
+            raise TypeError(f"plane dtype must be float16 or bfloat16, got {dtype}")
+        self.kv_heads, self.head_dim, self.capacity = kv_heads, head_dim, capacity
+        self.layout, self.dtype, self.slots = layout, dtype, slots
+        self.rows = allocated_rows(capacity)
+        self.k: mx.array
+        self.v: mx.array
+        if allocate:
+            self.set(mx.zeros(self.memory_shape, dtype), mx.zeros(self.memory_shape, dtype))
+            mx.eval(self.k, self.v)
+
+    # -- shapes ------------------------------------------------------------------
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def memory_shape(self) -> Tuple[int, ...]:
+        """The arrays' memory order: ``[S, R, H*D]`` token-major, ``[S, H, R, D]`` head-major."""
+        if self.layout == kernels.TOKEN_MAJOR:
+            return (self.slots, self.rows, self.kv_dim)
+        return (self.slots, self.kv_heads, self.rows, self.head_dim)
+
+    @property
+    def attention_shape(self) -> Tuple[int, ...]:
+        return (self.slots, self.kv_heads, self.rows, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def slot_nbytes(self) -> int:
+        return self.nbytes // self.slots
+
+    # -- the arrays ----------------------------------------------------------------
+
+    def set(self, k: mx.array, v: mx.array) -> None:
+        """Adopt planes given in memory order (``memory_shape``) or as attention
+        reads them (``attention_shape``), of this dtype; any strides (a broadcast
+        or strided array would give the first store a buffer in some other memory
+        order, so it is made contiguous in this layout's order first)."""
+        self.k, self.v = self._adopt(k), self._adopt(v)
+
+    def _adopt(self, x: mx.array) -> mx.array:
+        shape = tuple(x.shape)
+        if x.dtype != self.dtype or shape not in (self.memory_shape, self.attention_shape):
+            raise ValueError(f"planes must be {self.dtype} {self.memory_shape} (memory order) or "
+                             f"{self.attention_shape}, got {x.dtype} {shape}")
+        token_major = self.layout == kernels.TOKEN_MAJOR
+        if shape == self.attention_shape and token_major:
+            x = x.transpose(0, 2, 1, 3)  # to memory order, so contiguous keeps the layout
+        x = mx.contiguous(x)
+        if token_major:
+            return x.reshape(self.slots, self.rows, self.kv_heads,
+                             self.head_dim).transpose(0, 2, 1, 3)
+        return x
+
+    def physical(self, slot: int = 0) -> Pair:
+        """Slot ``slot``'s rows as the kernels index them: ``[R, H*D]`` token-major,
+        ``[H, R, D]`` head-major (views of the same buffers)."""
+        k, v = (self.k, self.v) if self.slots == 1 else (self.k[slot:slot + 1],
+                                                         self.v[slot:slot + 1])
+        return kernels.physical_view(k, self.layout), kernels.physical_view(v, self.layout)
+
+    def handles(self) -> Pair:
+        """The whole planes as new array handles (no op: a same-dtype astype
+        returns the same node). The planes' own handles are rebound by the next
+        store, and K/V a caller kept must not change with them."""
+        return self.k.astype(self.dtype), self.v.astype(self.dtype)
+
+    def prefix(self, n: int, slot: Optional[int] = None, slots: Optional[int] = None) -> Pair:
+        """Rows ``[0, n)`` as attention reads them (views): of slot ``slot``, or of
+        the first ``slots`` slots (all of them when neither is given). A whole
+        one-slot plane is read with no op at all."""
+        if slot is not None and self.slots > 1:
+            return self.k[slot:slot + 1, :, :n, :], self.v[slot:slot + 1, :, :n, :]
+        if slots is not None and slots < self.slots:
+            return self.k[:slots, :, :n, :], self.v[:slots, :, :n, :]
+        if n == self.rows:
+            return self.handles()
+        return self.k[:, :, :n, :], self.v[:, :, :n, :]
+
+    def span(self, first: int, count: int, slot: int = 0) -> Pair:
+        """Physical rows ``first .. first + count`` of slot ``slot``, as attention
+        reads them (views)."""
+        s = slice(None) if self.slots == 1 else slice(slot, slot + 1)
+        return self.k[s, :, first:first + count, :], self.v[s, :, first:first + count, :]
+
+    def detached(self, slot: int = 0) -> "Planes":
+        """One-slot planes holding slot ``slot``'s rows, independent of these: the
+        arrays are shared until either side writes (MLX arrays are values; the
+        first store on either side then copies its plane once)."""
+        other = copy.copy(self)
+        if self.slots == 1:
+            other.k, other.v = self.handles()
+        else:
+            other.slots = 1
+            other.set(self.k[slot:slot + 1], self.v[slot:slot + 1])
+        return other
+
+    # -- writes --------------------------------------------------------------------
+
+    def place(self, k_rows: mx.array, v_rows: mx.array, runs: Sequence[Run], slot: int = 0) -> None:
+        """Write rows (in this layout: ``[n, H*D]`` token-major, ``[H, n, D]``
+        head-major; ``Run.source`` indexes them) along ``runs`` of slot ``slot``."""
+        index = None if self.slots == 1 else slot
+        self.k = kernels.place(self.k, k_rows, runs, self.layout, index)
+        self.v = kernels.place(self.v, v_rows, runs, self.layout, index)
+
+    def put_one(self, row: int, k: mx.array, v: mx.array, slot: int = 0) -> None:
+        """One token ``[1, H, 1, D]`` (already of this dtype) at physical ``row``
+        of slot ``slot``: one slice update per plane (the decode hot path)."""
+        if self.slots == 1:
+            self.k[:, :, row:row + 1, :] = k
+            self.v[:, :, row:row + 1, :] = v
+        else:
+            self.k[slot:slot + 1, :, row:row + 1, :] = k
+            self.v[slot:slot + 1, :, row:row + 1, :] = v
+
+    def put_rows(self, rows: Sequence[int], k: mx.array, v: mx.array,
+                 slots: Optional[Sequence[int]] = None) -> None:
+        """One token per slot: ``k``/``v`` ``[B, H, 1, D]`` (of this dtype) at physical
+        row ``rows[i]`` of slot ``slots[i]`` (default: slot ``i``). Sequences at
+        one row of the first ``B`` slots take one slice update per plane (what
+        mlx-lm's batch caches cost); any others one scatter per plane, over a flat
+        view of the planes' memory order, so MLX can donate the buffer and the
+        layout never changes. Every layer of a step has the same rows, so the
+        scatter's index is built once per step (``_flat_index``)."""
+        b, s, r = k.shape[0], self.slots, self.rows
+        if slots is None and len(set(rows)) == 1:
+            row = rows[0]
+            self.k[:b, :, row:row + 1, :] = k
+            self.v[:b, :, row:row + 1, :] = v
+            return
+        index = _flat_index(tuple(rows), None if slots is None else tuple(slots), self.layout,
+                            self.kv_heads, r)
+        if self.layout == kernels.TOKEN_MAJOR:
+            out = []
+            for plane, new in ((self.k, k), (self.v, v)):
+                flat = plane.transpose(0, 2, 1, 3).reshape(s * r, self.kv_dim)
+                flat[index] = new.transpose(0, 2, 1, 3).reshape(b, self.kv_dim)
+                out.append(flat.reshape(s, r, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3))
+            self.k, self.v = out
+            return
+        out = []
+        for plane, new in ((self.k, k), (self.v, v)):
+            flat = plane.reshape(s * self.kv_heads * r, self.head_dim)
+            flat[index] = new.reshape(b * self.kv_heads, self.head_dim)
+            out.append(flat.reshape(s, self.kv_heads, r, self.head_dim))
+        self.k, self.v = out
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero every row of slot ``slot`` (one sequence's rows)."""
+        zeros = mx.zeros((1,) + self.memory_shape[1:], self.dtype)
+        if self.slots == 1:
+            self.set(zeros, zeros)  # (a whole-array update would adopt the update's strides)
+            return
+        if self.layout == kernels.TOKEN_MAJOR:
+            zeros = zeros.reshape(1, self.rows, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        self.k[slot:slot + 1] = zeros
+        self.v[slot:slot + 1] = zeros
+
+    def copy_slot(self, dst: int, src: "Planes", src_slot: int = 0) -> None:
+        """Copy the whole of ``src``'s slot ``src_slot`` into slot ``dst`` (planes of
+        one geometry): one sequence's rows, one slice update per plane. A copy
+        within these planes is made separately first, so the update can still
+        reuse this buffer (an update whose source is a view of its own target
+        would make MLX copy the whole planes)."""
+        if (src.layout, src.dtype, src.rows, src.kv_heads, src.head_dim) != (
+                self.layout, self.dtype, self.rows, self.kv_heads, self.head_dim):
+            raise ValueError("copy_slot needs planes of one geometry, layout and dtype")
+        k, v = src.k[src_slot:src_slot + 1], src.v[src_slot:src_slot + 1]
+        if self.slots == 1:
+            # MLX answers an update covering the whole array with the update
+            # itself, strides and all: adopt it in this layout's memory order
+            self.set(k, v)
+            return
+        k, v = mx.contiguous(k), mx.contiguous(v)
+        if src is self:
+            mx.eval(k, v)
+        self.k[dst:dst + 1] = k
+        self.v[dst:dst + 1] = v
+
+
+_INDEX: dict = {}
+
+
+def _flat_index(rows: Tuple[int, ...], slots: Optional[Tuple[int, ...]], layout: str,
+                kv_heads: int, allocated: int) -> mx.array:
+    """The flat row index ``put_rows`` scatters to (memoised: every layer of a
+    decode step writes the same rows, so each step builds it once)."""
+    key = (rows, slots, layout, kv_heads, allocated)
+    index = _INDEX.get(key)
+    if index is None:
+        if len(_INDEX) > 64:
+            _INDEX.clear()
+        slot = mx.arange(len(rows), dtype=mx.int32) if slots is None else mx.array(slots, mx.int32)
+        at = mx.array(rows, dtype=mx.int32)
+        if layout == kernels.TOKEN_MAJOR:
+            index = slot * allocated + at
+        else:
+            heads = mx.arange(kv_heads, dtype=mx.int32)
+            index = ((slot[:, None] * kv_heads + heads[None, :]) * allocated + at[:, None]).reshape(-1)
+        mx.eval(index)
+        _INDEX[key] = index
+    return index
+

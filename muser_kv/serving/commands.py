@@ -1,0 +1,290 @@
+"""``muser-kv generate`` and ``muser-kv chat``: mlx-lm's own commands, run by
+mlx-lm's own ``main()``, on muser-kv caches.
+
+Each command is ``mlx_lm.generate.main()`` / ``mlx_lm.chat.main()`` unchanged:
+same flags, same code paths, same output. For the duration of the run, three
+attributes of that mlx-lm module are swapped (and restored afterwards):
+
+* ``setup_arg_parser`` returns mlx-lm's own parser plus a "muser-kv" group
+  (``--max-context``, ``--retain``, ``--plane-dtype``, ``--session``), so
+  mlx-lm parses, checks and documents every flag, ours included;
+* ``load`` is mlx-lm's ``load`` followed by ``muser_kv.install`` on the model it
+  returns, so mlx-lm's ``make_prompt_cache(model)`` builds muser-kv caches.
+  mlx-lm's ``main()`` loads the model first and then, in ``generate``, the
+  ``--draft-model``: the first model must be Muse-shaped (``UnsupportedModel``
+  otherwise: one line naming what is missing, exit status 1); a later (draft)
+  model gets muser-kv caches when it is Muse-shaped and keeps mlx-lm's own
+  otherwise. With ``--draft-model``, every Muse-shaped model is installed with
+  ``num_draft_tokens=--num-draft-tokens``, so each rollback
+  ``speculative_generate_step`` asks for is exact past the wrap;
+* with ``--session FILE``, ``stream_generate`` is mlx-lm's followed by a save of
+  the model's cache to FILE once a response is complete (after every chat turn,
+  at the end of a generation); if FILE exists, the first cache mlx-lm asks the
+  model for holds the session restored from it, bit for bit.
+
+mlx-lm flags whose meaning muser-kv's caches would change are refused before
+anything loads: ``--max-kv-size`` (mlx-lm's rotating-cache size, which
+mlx-lm's Muse Glimmer ignores; the muser-kv limit is ``--max-context``, which
+never drops a token) and ``--kv-bits`` (muser-kv caches are not quantized).
+``--prompt-cache-file`` passes through to mlx-lm untouched, except beside
+``--session`` (two sources of history: refused). Chat runs in one process only
+(a sharded model's per-rank KV heads are not the geometry its args describe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+from muser_kv.caches.base import ContextOverflow
+from muser_kv.caches.speculative import DEFAULT_RETAIN
+from muser_kv.core.geometry import UnsupportedModel
+from muser_kv.serving.install import install
+from muser_kv.sessions.format import SnapshotError
+from muser_kv.sessions.reading import read_session
+from muser_kv.sessions.save import save_session
+from muser_kv.sessions.snapshot import SessionSnapshot, restore_into
+
+#: muser-kv subcommand -> the mlx-lm module whose ``main()`` it runs
+COMMANDS: Dict[str, str] = {"generate": "mlx_lm.generate", "chat": "mlx_lm.chat",
+                             "cache-prompt": "mlx_lm.cache_prompt"}
+
+
+class CommandError(Exception):
+    """A refusal of ``muser-kv generate`` / ``chat``: what was asked, why it is
+    refused and what to pass instead (printed as one line, exit status 1)."""
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        return value
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """mlx-lm's own parser for ``command`` with muser-kv's flags added."""
+    module = _module(command)
+    parser = module.setup_arg_parser()
+    parser.prog = f"muser-kv {command}"
+    parser.description = (f"mlx-lm's {command} ({COMMANDS[command]}) on muser-kv's exact, "
+                          f"preallocated caches. {parser.description or ''}").strip()
+    ours = parser.add_argument_group(
+        "muser-kv", "the caches muser_kv.install puts on the model (--max-kv-size is refused: "
+                    "use --max-context)")
+    ours.add_argument("--max-context", type=_count(1), default=None, metavar="N",
+                      help="tokens the cache holds; a write past it stops with an error, "
+                           "nothing is dropped (default: the session file's, else the model's "
+                           "max_position_embeddings)")
+    ours.add_argument("--retain", type=_count(0), default=DEFAULT_RETAIN, metavar="N",
+                      help="overwritten rows each sliding ring keeps, i.e. how deep a trim is "
+                           f"exact past the wrap (default {DEFAULT_RETAIN}; raised to "
+                           "--num-draft-tokens with --draft-model)")
+    ours.add_argument("--plane-dtype", choices=("float16", "bfloat16"), default=None,
+                      help="the planes' type (default: follows the model: bfloat16 for a "
+                           "bf16 model, else float16)")
+    ours.add_argument("--session", metavar="FILE", default=None,
+                      help="a muser-kv session file: resumed from if it exists, written "
+                           "(atomically) after every chat turn / at the end of a generation")
+    return parser
+
+
+def _module(command: str) -> ModuleType:
+    if command not in COMMANDS:
+        raise CommandError(f"unknown command {command!r}: expected one of {sorted(COMMANDS)}")
+    return importlib.import_module(COMMANDS[command])
+
+
+def _refuse_changed_meanings(ns: argparse.Namespace) -> None:
+    if ns.max_kv_size is not None:
+        raise CommandError(
+            f"--max-kv-size {ns.max_kv_size} is refused: in mlx-lm it sizes a rotating cache "
+            "that drops old tokens (and mlx-lm's Muse Glimmer ignores it); muser-kv's caches "
+            f"never drop a token: use --max-context {ns.max_kv_size} for a hard limit")
+    if getattr(ns, "kv_bits", None) is not None:
+        raise CommandError(f"--kv-bits {ns.kv_bits} is refused: muser-kv's caches are not "
+                           "quantized (f16 or bf16 planes, --plane-dtype)")
+    draft = getattr(ns, "draft_model", None)
+    if draft is not None and ns.num_draft_tokens < 1:
+        raise CommandError(f"--num-draft-tokens must be >= 1 with --draft-model, got "
+                           f"{ns.num_draft_tokens}")
+    if ns.session is not None:
+        if getattr(ns, "prompt_cache_file", None) is not None:
+            raise CommandError("--session and --prompt-cache-file both give the history: "
+                               "pass one of them")
+        parent = Path(ns.session).absolute().parent
+        if not parent.is_dir():
+            raise CommandError(f"--session {ns.session}: directory {parent} does not exist")
+
+
+class Session:
+    """The ``--session`` file of one run: read before the model loads, restored
+    into the first cache the model builds, written after every complete response.
+
+    Invariant: the file holds the cache as it was at the end of the last
+    complete response (chat turn or generation), or, until the first one, what
+    it held before; a failed or interrupted response never writes it."""
+
+    def __init__(self, path: str, command: str, model_path: Optional[str]):
+        self.path = Path(path)
+        self.metadata = {"command": f"muser-kv {command}", "model": str(model_path)}
+        self.snapshot: Optional[SessionSnapshot] = None
+        self.cache: Optional[List[Any]] = None
+        if self.path.exists():
+            try:
+                self.snapshot = read_session(self.path)
+            except SnapshotError as e:
+                raise SnapshotError(f"--session {self.path}: {e}") from None
+            except OSError as e:
+                raise CommandError(f"--session {self.path}: cannot read it ({e})") from None
+
+    @property
+    def max_context(self) -> Optional[int]:
+        """The context the file was saved with (``None`` for a new session)."""
+        return None if self.snapshot is None else self.snapshot.geometry.max_context
+
+    def attach(self, model: Any) -> None:
+        """Track every cache ``model.make_cache()`` builds (the newest is the one
+        saved); restore the file into one now, so a refusal comes before any
+        output, and hand that one out first."""
+        build = model.make_cache
+        pending: List[List[Any]] = []
+        if self.snapshot is not None:
+            cache = build()
+            try:
+                restore_into(cache, self.snapshot)
+            except SnapshotError as e:
+                raise SnapshotError(f"--session {self.path}: {e}") from None
+            pending.append(cache)
+            self.snapshot = None
+
+        def make_cache() -> List[Any]:
+            self.cache = pending.pop() if pending else build()
+            return self.cache
+
+        model.make_cache = make_cache
+
+    def save(self, cache: Optional[List[Any]]) -> None:
+        cache = self.cache if cache is None else cache
+        if cache is None:
+            raise CommandError(f"--session {self.path}: no cache was built to save")
+        try:
+            header = save_session(self.path, cache, metadata=self.metadata)
+        except OSError as e:
+            raise CommandError(f"--session {self.path}: cannot save it ({e}); the file is as "
+                               "it was") from None
+        print(f"muser-kv: session saved to {self.path} ({header.position} tokens)",
+              file=sys.stderr, flush=True)
+
+
+class Loader:
+    """mlx-lm's ``load``, then ``install`` on what it loaded: the first model is
+    the model (Muse-shaped or refused), any later one a draft model."""
+
+    def __init__(self, load: Callable[..., Any], ns: argparse.Namespace,
+                 session: Optional[Session]):
+        self._load = load
+        self._session = session
+        draft = getattr(ns, "draft_model", None)
+        self._settings = dict(retain=ns.retain, plane_dtype=ns.plane_dtype,
+                              num_draft_tokens=ns.num_draft_tokens if draft else None)
+        self._max_context = ns.max_context
+        self._models = 0
+
+    def __call__(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        loaded = self._load(path, *args, **kwargs)
+        model = loaded[0]
+        first = self._models == 0
+        self._models += 1
+        max_context = self._max_context
+        if first and max_context is None and self._session is not None:
+            max_context = self._session.max_context
+        try:
+            install(model, max_context=max_context, **self._settings)
+        except UnsupportedModel as e:
+            if first:
+                raise UnsupportedModel(f"{path} is not a model muser-kv serves: {e}") from None
+            print(f"muser-kv: draft model {path} keeps mlx-lm's caches (not Muse-shaped: {e})",
+                  file=sys.stderr, flush=True)
+            return loaded
+        except ValueError as e:  # a setting install refuses (retain=0 with drafts, ...)
+            raise CommandError(f"{path}: {e}") from None
+        if first and self._session is not None:
+            self._session.attach(model)
+        return loaded
+
+
+def _saving(stream_generate: Callable[..., Iterator[Any]],
+            session: Session) -> Callable[..., Iterator[Any]]:
+    def stream_and_save(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        yield from stream_generate(*args, **kwargs)
+        session.save(kwargs.get("prompt_cache"))
+    stream_and_save.__doc__ = stream_generate.__doc__
+    return stream_and_save
+
+
+def _one_process(*args: Any, **kwargs: Any) -> Any:
+    raise CommandError("muser-kv chat runs in one process: a sharded model's KV heads per "
+                       "rank are not the geometry its args describe")
+
+
+@contextmanager
+def _swapped(module: ModuleType, **attributes: Any) -> Iterator[None]:
+    saved = {name: getattr(module, name) for name in attributes}
+    argv = sys.argv
+    try:
+        for name, value in attributes.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+        sys.argv = argv
+
+
+def run(command: str, argv: Sequence[str]) -> int:
+    """Run ``muser-kv <command> argv`` (``generate`` or ``chat``): mlx-lm's
+    ``main()`` on muser-kv caches. Returns the exit status; refusals raise
+    (``CommandError``, ``UnsupportedModel``, ``SnapshotError``,
+    ``ContextOverflow``); ``main`` turns them into one line and status 1."""
+    module = _module(command)
+    argv = list(argv)
+    parser = build_parser(command)
+    ns = parser.parse_args(argv)  # --help and bad flags exit here, as in mlx-lm
+    _refuse_changed_meanings(ns)
+    session = Session(ns.session, command, ns.model) if ns.session is not None else None
+    swaps: Dict[str, Any] = dict(setup_arg_parser=lambda: parser,
+                                 load=Loader(module.load, ns, session))
+    if session is not None:
+        swaps["stream_generate"] = _saving(module.stream_generate, session)
+    if hasattr(module, "sharded_load"):
+        swaps["sharded_load"] = _one_process
+    with _swapped(module, **swaps):
+        sys.argv = [parser.prog, *argv]
+        module.main()
+    return 0
+
+
+def main(command: str, argv: Sequence[str]) -> int:
+    """``run`` with its refusals printed as one line on stderr (exit status 1)."""
+    try:
+        return run(command, argv)
+    except ContextOverflow as e:
+        print(f"muser-kv {command}: {e}: the cache holds --max-context tokens and never drops "
+              "one; pass a larger --max-context (at most the model's max_position_embeddings)"
+              "; a --session file keeps the last complete response", file=sys.stderr)
+        return 1
+    except (CommandError, UnsupportedModel, SnapshotError) as e:
+        print(f"muser-kv {command}: {e}", file=sys.stderr)
+        return 1

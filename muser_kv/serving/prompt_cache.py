@@ -1,0 +1,235 @@
+"""The server's prompt cache for muser-kv's caches: mlx-lm's ``LRUPromptCache``
+with a prefix choice that is exact past the wrap.
+
+mlx-lm's ``LRUPromptCache`` (``mlx_lm/models/cache.py``, 0.32.2) keeps caches
+by the tokens they hold in a trie. ``fetch_nearest_cache`` returns a deep copy
+of the best entry for a prompt: the exact one, else a longer one trimmed back
+to the common prefix (``trim_prompt_cache``) when ``can_trim_prompt_cache``
+says it can, else the longest stored prefix. ``insert_cache`` of a trimmable
+cache drops every stored prefix of it, since a trim would give them back.
+Both assume a trimmable cache trims any count exactly. A muser-kv sliding ring
+past its wrap trims exactly only ``trimmable_depth()`` tokens (its retained
+rows) and refuses more, so with mlx-lm's class a longer entry past that depth
+fails the request (the trim raises inside the server), and the prefixes it
+dropped are gone for good.
+
+``ExactPromptCache`` is mlx-lm's class with its own ``fetch_nearest_cache`` and
+``insert_cache`` bookkeeping; what changes is the choice behind them, made in
+its trie (``ExactPromptTrie``), for every model key whose entries hold muser-kv
+caches (lists of mlx-lm's caches only get mlx-lm's behaviour, unchanged):
+
+* **fetch**: among every stored entry, the one that reuses the most prompt
+  tokens that it can give back exactly: an entry that is a prefix of the prompt
+  as it is, a longer one only when every layer can trim the surplus exactly
+  (``exact_trim_depth``, the minimum over the list, and ``can_trim_prompt_cache``);
+  at equal reuse the smaller trim wins. An entry past its depth is passed over,
+  for a shorter one or a fresh prefill. At least one prompt token is always left
+  to compute (an entry equal to the whole prompt is reused one token short, by a
+  trim of one, or passed over): mlx-lm returns it whole, and its server then
+  fails on the empty remainder (batched: ``insert_segments`` raises in the
+  generation thread).
+* **insert**: a stored prefix is dropped only when the new entry can be trimmed
+  back to it exactly (``len(tokens) - len(prefix) + 1 <= depth``: one more than
+  the distance, because a prompt equal to the prefix is reused one token short);
+  the others stay.
+* **keys say what the caches hold**: an entry is keyed by the tokens its first
+  (the main model's) layer holds. mlx-lm's speculative path stores a cache that
+  holds one token fewer than the key it gives (the last token, when it came
+  from the target model, was never fed to it); keyed as given, a later request
+  reusing it would miss that token.
+
+Every reuse is exact: the tokens an entry is keyed by are the tokens its caches
+hold, a trim is taken only within every layer's exact depth, and a trim that
+refuses anyway (a broken depth) is logged and answered with a fresh prefill,
+never with a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    PromptTrie,
+    PromptTrieResult,
+    can_trim_prompt_cache,
+)
+
+from muser_kv.caches.base import MuseKVCache
+
+log = logging.getLogger(__name__)
+
+
+def is_muser_list(caches: Sequence[Any]) -> bool:
+    """Whether a cache list holds a muser-kv cache (its reuse follows this module)."""
+    return any(isinstance(c, MuseKVCache) for c in caches)
+
+
+def exact_trim_depth(caches: Sequence[Any]) -> int:
+    """How many newest tokens every layer of ``caches`` can forget exactly: the
+    minimum over the list of each muser-kv cache's ``trimmable_depth()`` and, for
+    a cache of mlx-lm's (a draft model's, say), its offset while it says it is
+    trimmable (mlx-lm's caches trim exactly then), else 0."""
+    depth: Optional[int] = None
+    for c in caches:
+        if isinstance(c, MuseKVCache):
+            d = c.trimmable_depth()
+        else:
+            d = int(getattr(c, "offset", 0)) if c.is_trimmable() else 0
+        depth = d if depth is None else min(depth, d)
+    return depth or 0
+
+
+def held_tokens(caches: Sequence[Any]) -> Optional[int]:
+    """How many tokens a muser-kv list holds: its first layer's offset (the main
+    model's, in a list that carries a draft model's caches after it); ``None``
+    for a list whose first layer is not muser-kv's."""
+    first = caches[0] if caches else None
+    return first.offset if isinstance(first, MuseKVCache) else None
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class ExactPromptTrie(PromptTrie):
+    """mlx-lm's ``PromptTrie`` (it stores the entries) with the choice of
+    ``search`` and ``pop_prefixes`` made exact for muser-kv entries (module doc).
+
+    Beside the trie it keeps every key of a model once more, as an array with
+    its entry, so a search compares the prompt with each stored key in one
+    vectorised pass instead of walking a trie of tens of thousands of nodes per
+    candidate; ``add``, ``pop`` and ``pop_prefixes`` keep the two in step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys: Dict[Any, Dict[Tuple[int, ...], Tuple[np.ndarray, Any]]] = {}
+
+    # -- keeping the key index ----------------------------------------------------
+
+    def add(self, model: Any, tokens: List[int], value: Any) -> Any:
+        prev = super().add(model, tokens, value)
+        self._keys.setdefault(model, {})[tuple(tokens)] = (np.asarray(tokens, np.int64), value)
+        return prev
+
+    def pop(self, model: Any, tokens: List[int]) -> Any:
+        value = super().pop(model, tokens)
+        self._forget(model, tokens)
+        return value
+
+    def _forget(self, model: Any, tokens: Sequence[int]) -> None:
+        keys = self._keys.get(model)
+        if keys is not None:
+            keys.pop(tuple(tokens), None)
+            if not keys:
+                del self._keys[model]
+
+    def _is_muser(self, model: Any) -> bool:
+        keys = self._keys.get(model)
+        if not keys:
+            return False
+        _, value = next(iter(keys.values()))
+        return is_muser_list(value.prompt_cache)
+
+    # -- the choice ----------------------------------------------------------------
+
+    def search(self, model: Any, tokens: List[int]) -> PromptTrieResult:
+        """The entry ``fetch_nearest_cache`` should reuse for ``tokens``, as a
+        ``PromptTrieResult`` that mlx-lm's fetch turns into exactly that reuse:
+        ``shorter`` for an entry reused as it is, ``longer`` with
+        ``common_prefix`` = the tokens reused for one to trim (never ``exact``)."""
+        if not self._is_muser(model):
+            return super().search(model, tokens)
+        best = self.choose(model, tokens)
+        if best is None:
+            return PromptTrieResult(model, None, None, None, 0)
+        key, reuse, trim = best
+        if trim == 0:
+            return PromptTrieResult(model, None, list(key), None, reuse)
+        return PromptTrieResult(model, None, None, list(key), reuse)
+
+    def choose(self, model: Any, tokens: Sequence[int]) -> Optional[Tuple[Tuple[int, ...], int, int]]:
+        """``(key, reused tokens, tokens to trim)`` of the stored entry that reuses
+        the most of ``tokens`` exactly, leaving at least one token to compute
+        (at equal reuse the smaller trim); ``None`` when none reuses any."""
+        keys = self._keys.get(model)
+        if not keys or len(tokens) < 2:
+            return None
+        prompt = np.asarray(tokens, np.int64)
+        limit = len(tokens) - 1
+        best: Optional[Tuple[Tuple[int, ...], int, int]] = None
+        for key, (array, value) in keys.items():
+            reuse = min(limit, _common(array, prompt))
+            trim = len(key) - reuse
+            if reuse <= 0 or (best is not None and (reuse, -trim) <= (best[1], -best[2])):
+                continue
+            if trim and not self.trims_exactly(value.prompt_cache, trim):
+                continue
+            best = (key, reuse, trim)
+        return best
+
+    @staticmethod
+    def trims_exactly(caches: Sequence[Any], n: int) -> bool:
+        """Whether mlx-lm's ``trim_prompt_cache(caches, n)`` trims ``n`` exactly."""
+        return can_trim_prompt_cache(caches) and exact_trim_depth(caches) >= n
+
+    def pop_prefixes(self, model: Any, tokens: List[int]) -> List[Tuple[int, Any]]:
+        """Drop the stored prefixes of the entry just added at ``tokens`` that it
+        can be trimmed back to exactly (every one, for mlx-lm's own caches)."""
+        if not self._is_muser(model):
+            popped = super().pop_prefixes(model, tokens)
+            for length, _ in popped:
+                self._forget(model, tokens[:length])
+            return popped
+        entry = self.get(model, tokens)
+        depth = exact_trim_depth(entry.prompt_cache) if can_trim_prompt_cache(
+            entry.prompt_cache) else 0
+        reach = len(tokens) + 1 - depth  # a prefix at least this long is given back by a trim
+        popped = []
+        current = self._trie[model]
+        for i, tok in enumerate(tokens):
+            if "__value__" in current and i >= reach:
+                popped.append((i, current.pop("__value__")))
+                self._forget(model, tokens[:i])
+            current = current[tok]
+        return popped
+
+
+class ExactPromptCache(LRUPromptCache):
+    """mlx-lm's server prompt cache, exact for muser-kv's caches past the wrap
+    (module doc); for lists of mlx-lm's caches it is mlx-lm's, unchanged."""
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+        super().__init__(max_size, max_bytes)
+        self._trie = ExactPromptTrie()
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
+        try:
+            return super().fetch_nearest_cache(model, tokens)
+        except ValueError:
+            if not self._trie._is_muser(model):
+                raise
+            # a trim within every layer's exact depth refused: the depth was
+            # wrong; the stored entry is untouched (the trim ran on a copy)
+            log.exception("muser-kv prompt cache: a trim within the exact depth was refused; "
+                          "prefilling this prompt afresh")
+            return None, tokens
+
+    def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
+                     cache_type: str = "assistant") -> None:
+        """mlx-lm's insert, keyed by the tokens a muser-kv list holds (module doc);
+        a list that holds more tokens than it is keyed by, or none, is not kept
+        (nothing would say what its extra tokens are)."""
+        held = held_tokens(prompt_cache)
+        if held is not None and held != len(tokens):
+            if held > len(tokens) or held == 0:
+                log.warning("muser-kv prompt cache: not keeping a cache that holds %d tokens "
+                            "under a key of %d", held, len(tokens))
+                return
+            tokens = tokens[:held]
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)

@@ -1,0 +1,463 @@
+"""Sessions handed between processes over MLX's distributed layer: prefill
+here, decode there.
+
+``send_session(cache, dst, group)`` cuts a live cache list and streams it to
+rank ``dst``; ``recv_session(model, src, group)`` installs it, bit for bit, into
+a new cache list for ``model`` (or into ``into=``, an existing one). Transfers
+are ``mx.distributed.send`` / ``recv`` on ``group`` (the ring backend over TCP
+here; MPI, NCCL and JACCL groups take the same calls).
+
+Invariants:
+
+* **What travels is a session file's content.** The header is the one
+  ``save_session`` writes (``muser_kv.sessions`` builds both: format, version,
+  geometry, position, encoding, starts, per-tensor sha256, user metadata, model
+  fingerprint, ``header_sha256``), and the tensors are the file's, in layer
+  order. The receiver checks it with the sessions layer's own functions
+  (``parse_header``, the geometry gate, ``check_model``, ``tensor_digests``,
+  ``SessionSnapshot.check``), so a change there applies here unchanged.
+* **Nothing from the wire is trusted before it is verified.** The header
+  checksum is checked before any field is read; geometry, encoding and model
+  fingerprint before a tensor is accepted; every tensor's shape and dtype come
+  from the verified header, never from the wire, and its bytes must match the
+  header's digest before its layer is installed.
+* **Streamed, all or nothing.** Layer ``i`` is installed (at rotation ``start
+  % capacity``, ``MuseKVCache.install``) as soon as its keys and values have
+  arrived and matched their digests, while later layers are still in flight.
+  The cache is handed back only when every layer is in and the snapshot gate
+  has passed; on any refusal or failure a new cache is dropped, and ``into``
+  gets every layer's planes and ring back as they were.
+* **A refusal keeps the link in step.** The receiver answers the header with a
+  verdict (so a refused session's tensors never travel) and the tensors with a
+  final one; after a refusal at a tensor it still takes the rest of the stream.
+  The sender raises ``HandoffRefused`` with the receiver's reason, and the next
+  session on the link goes through.
+* **A failure of the link itself ends it.** A peer lost, a message that does
+  not come within its bound, or bytes that are not this protocol's break the
+  link for good: MLX cannot cancel a posted transfer, so the stream position is
+  unknown; every later call on that (group, peer) raises ``LinkBroken`` at once.
+* **Bounded waits.** Every transfer runs on the link's courier: one daemon
+  thread with its own CPU stream (MLX streams are per thread), running the
+  link's sends and receives in order. The caller waits for each message --
+  preamble, header, verdict, one tensor -- at most ``timeout`` seconds (the
+  first message of ``recv_session`` at most ``wait``, default: until a session
+  or a lost connection). A peer that exits or is killed closes its sockets and
+  MLX's ring backend reports it at once (``PeerLost``); a peer that is alive
+  but silent is caught by the bound (``HandoffTimeout``).
+
+Limits (MLX 0.32's ring backend, CPython 3.11):
+
+* ``timeout`` bounds silence, not the whole transfer: a peer that keeps
+  sending slowly keeps it going (at most messages x ``timeout``); and any
+  expired bound, ``wait`` included, breaks the link (the posted receive would
+  take the next session's first bytes).
+* A courier left blocked by an expired bound stays blocked until the peer
+  sends or closes. It does not hold the process up, but should MLX complete
+  that transfer while the interpreter shuts down, CPython ends the thread by a
+  forced unwind that MLX's C++ frames refuse, and the process aborts
+  (SIGABRT). A process whose link broke ends with ``os._exit`` once its
+  output is flushed (``examples/disaggregated.py`` does).
+* A posted receive busy-polls its socket (MLX's socket thread retries on
+  ``EAGAIN`` without sleeping): a receiver waiting for a session keeps about
+  one core busy meanwhile.
+* Transfers run on a CPU stream: ring, MPI and JACCL groups transfer from the
+  CPU; an NCCL group would need the courier's stream on the GPU (not tried).
+* The header, its per-tensor digests included, is built before the first
+  byte goes out: the sender hashes the whole session first, as a save does.
+
+The wire itself: ``muser_kv.sessions.wire``.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from muser_kv.caches.factory import make_prompt_cache
+from muser_kv.core.geometry import MuseGeometry
+from muser_kv.core.precision import DtypeLike, plane_dtype_for
+from muser_kv.sessions import format as fmt
+from muser_kv.sessions import save, snapshot, tensorfile
+from muser_kv.sessions.fingerprint import model_fingerprint
+from muser_kv.sessions.format import (
+    ENCODINGS,
+    EncodingMismatch,
+    ProductionF16Required,
+    SessionFileError,
+    SnapshotMismatch,
+)
+from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot
+from muser_kv.sessions.wire import (  # the errors are handoff's API too
+    ACCEPTED,
+    DEFAULT_TIMEOUT,
+    OUT_OF_STEP,
+    PREAMBLE,
+    REFUSED,
+    VERDICT,
+    HandoffError,
+    HandoffRefused,
+    HandoffTimeout,
+    LinkBroken,
+    PayloadError,
+    PeerLost,
+    ReceivedSession,
+    SentSession,
+    StreamOutOfStep,
+    _array_bytes,
+    _bytes_array,
+    _Link,
+    _link,
+    _outgoing,
+    _preamble,
+    _read_preamble,
+    _read_verdict,
+    _stored,
+    _timeout,
+    _verdict,
+)
+
+#: What callers of the handoff use: the two calls, their results and errors.
+__all__ = ["DEFAULT_TIMEOUT", "HandoffError", "HandoffRefused", "HandoffTimeout", "LinkBroken",
+           "PayloadError", "PeerLost", "ReceivedSession", "SentSession", "StreamOutOfStep",
+           "recv_session", "send_session"]
+
+
+# -- sending ----------------------------------------------------------------------------
+
+
+def send_session(cache: Union[Sequence[Any], SessionSnapshot], dst: int, group: Any, *,
+                 metadata: Optional[Mapping[str, Any]] = None, model: Any = None,
+                 timeout: float = DEFAULT_TIMEOUT,
+                 wait: Optional[float] = None) -> SentSession:
+    """Hand a session (a live cache list, or a snapshot) to rank ``dst`` of ``group``,
+    which takes it with ``recv_session``; returns once the receiver has installed it.
+
+    The session is cut as ``save_session`` cuts it (the rows are copied now: the
+    cache may be reused as soon as this returns) and carries ``metadata``
+    (string keys, JSON values) and the fingerprint of ``model``, else of the
+    model the list was built for. Waits at most ``wait`` seconds for the
+    receiver to take the session (its answer to the header; None: until it does
+    or the connection is lost) and ``timeout`` seconds for each later message.
+    Raises ``HandoffRefused`` when the receiver refuses it (its reason
+    included; the link stays usable), ``PeerLost``, ``HandoffTimeout`` or
+    ``LinkBroken``."""
+    timeout = _timeout(timeout, "timeout", allow_none=False)
+    wait = _timeout(wait, "wait", allow_none=True)
+    link = _link(group, dst, "send_session")
+    user = save.user_metadata(metadata)
+    if isinstance(cache, SessionSnapshot):
+        cut = cache if model is None else SessionSnapshot(
+            cache.geometry, cache.position, cache.encoding, cache.layers, model_fingerprint(model))
+    else:
+        cut = SessionSnapshot.capture(cache, model)
+    cut.check(cut.geometry)
+    arrays = save.session_arrays(cut)
+    header = save.session_header(cut, arrays, user)
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    with link.lock, _guarded(link):
+        link.post_send(_outgoing("preamble", _bytes_array(_preamble(len(raw)))))
+        link.post_send(_outgoing("header", _bytes_array(raw)))
+        link.drain(timeout, "the header to be taken")
+        _await_verdict(link, wait, timeout, "the answer to the header")
+        sent = 0
+        for i, layer in enumerate(cut.layers):
+            for name, x in zip(fmt.tensor_names(i), (layer.keys, layer.values)):
+                if x.size:
+                    link.post_send(_outgoing(name, x))
+                    sent += x.nbytes
+        link.drain(timeout, "the session's tensors to be taken")
+        _await_verdict(link, timeout, timeout, "the answer to the tensors")
+    return SentSession(cut.position, sent, len(raw))
+
+
+def _await_verdict(link: _Link, wait: Optional[float], timeout: float, what: str) -> None:
+    """Take the receiver's verdict (its head within ``wait``, its reason within
+    ``timeout``); raise ``HandoffRefused`` on a refusal (the link stays in step)
+    or ``StreamOutOfStep`` (the link breaks)."""
+    link.post_recv((VERDICT.size,), mx.uint8)
+    try:
+        code, nbytes, text_crc = _read_verdict(_array_bytes(link.take(wait, what)), link.peer)
+        reason = ""
+        if nbytes:
+            link.post_recv((nbytes,), mx.uint8)
+            text = _array_bytes(link.take(timeout, f"{what} (its reason)"))
+            if zlib.crc32(text) != text_crc:
+                raise StreamOutOfStep(f"rank {link.peer} sent a verdict whose reason fails "
+                                      "its CRC32")
+            reason = text.decode("utf-8", "replace")
+    except StreamOutOfStep as e:
+        link.fail(str(e))
+        raise
+    if code == OUT_OF_STEP:
+        link.fail(f"rank {link.peer} found the stream out of step")
+        raise StreamOutOfStep(f"rank {link.peer} found the stream out of step: {reason}")
+    if code == REFUSED:
+        raise HandoffRefused(link.peer, reason)
+
+
+# -- receiving ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a received session goes: its KV geometry and the planes' encoding."""
+
+    geometry: MuseGeometry
+    encoding: str
+    plane_dtype: Any
+
+
+def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[Any]] = None,
+                 plane_dtype: DtypeLike = None, allow_other_model: bool = False,
+                 timeout: float = DEFAULT_TIMEOUT,
+                 wait: Optional[float] = None) -> ReceivedSession:
+    """Take the session rank ``src`` sends with ``send_session`` and install it, bit
+    for bit (rings at their live rotation), into a new cache list for ``model``
+    (``max_context`` and planes as ``load_session`` makes them: the session's
+    context, planes of the model's type unless ``plane_dtype``) or into ``into``,
+    an existing list for ``model`` of the session's geometry.
+
+    Refused, with ``into`` as it was and nothing returned: a header or tensor
+    that fails its checksum (``PayloadError``), another geometry
+    (``SnapshotMismatch``), another encoding than the planes'
+    (``EncodingMismatch``), another model by fingerprint (``ModelMismatch``,
+    unless ``allow_other_model``). The sender is told why and the link carries
+    the next session. Waits at most ``wait`` seconds for the session to start
+    (None: until it does or the connection is lost) and ``timeout`` seconds for
+    each later message; ``PeerLost``, ``HandoffTimeout``, ``StreamOutOfStep`` and
+    ``LinkBroken`` leave ``into`` as it was too, and the link broken."""
+    timeout = _timeout(timeout, "timeout", allow_none=False)
+    wait = _timeout(wait, "wait", allow_none=True)
+    link = _link(group, src, "recv_session")
+    if into is not None and plane_dtype is not None:
+        raise ValueError("recv_session: plane_dtype applies to a new cache; into= has its own planes")
+    if getattr(model, "args", None) is None:
+        raise TypeError(f"recv_session needs an mlx-lm model with .args, got {type(model).__name__}")
+    into_target = _into_target(into, model) if into is not None else None
+    source = f"from rank {src}"
+    with link.lock, _guarded(link):
+        link.post_recv((PREAMBLE.size,), mx.uint8)
+        fingerprint = None if allow_other_model else model_fingerprint(model)  # while it comes
+        raw = _array_bytes(link.take(wait, "a session preamble"))
+        try:
+            header_nbytes = _read_preamble(raw, src)
+        except StreamOutOfStep as e:
+            link.fail(str(e))
+            _refuse(link, OUT_OF_STEP, e, timeout)
+            raise
+        link.post_recv((header_nbytes,), mx.uint8)
+        raw = _array_bytes(link.take(timeout, "the session header"))
+        try:
+            header = _parse(raw, source)
+            target = into_target or _new_target(header, model, plane_dtype, source)
+            _gate(header, target, fingerprint, source)
+        except Exception as e:  # refused: the sender is told, the link stays in step
+            _refuse(link, REFUSED, e, timeout)
+            raise
+        _accept(link, timeout)
+        return _receive_tensors(link, header, target, model, into, timeout, source)
+
+
+class _guarded:
+    """Checks the link is usable on entry; on an exception that leaves a transfer
+    of the link in flight (an interrupt, an error of ours), breaks it: what
+    that transfer will take or give is no longer known to anyone."""
+
+    def __init__(self, link: _Link):
+        self.link = link
+
+    def __enter__(self) -> None:
+        self.link.check()
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        if kind is not None and self.link.broken is None and self.link.pending:
+            self.link.fail(f"{kind.__name__} with a transfer in flight")
+
+
+def _into_target(into: Sequence[Any], model: Any) -> _Target:
+    geometry = snapshot.cache_geometry(into)
+    try:
+        save.check_geometry(geometry, snapshot.kv_geometry(
+            MuseGeometry.from_model_args(model.args, geometry.max_context)))
+    except SnapshotMismatch as e:
+        raise SnapshotMismatch(f"into: {e.field} (expected: the model's; got: the cache list's)",
+                               e.expected, e.got) from None
+    return _Target(geometry, fmt.plane_encoding(into[0].dtype), into[0].dtype)
+
+
+def _new_target(header: fmt.SessionHeader, model: Any, plane_dtype: DtypeLike,
+                source: str) -> _Target:
+    args = model.args
+    context = header.geometry.max_context
+    limit = MuseGeometry.from_model_args(args).max_context
+    if context > limit:
+        raise SnapshotMismatch(f"geometry.max_context (expected: within the model's "
+                               f"max_position_embeddings; got: the session {source})",
+                               f"<= {limit}", context)
+    dtype = plane_dtype_for(model, plane_dtype)
+    return _Target(snapshot.kv_geometry(MuseGeometry.from_model_args(args, context)),
+                   fmt.plane_encoding(dtype), dtype)
+
+
+def _parse(raw: bytes, source: str) -> fmt.SessionHeader:
+    """``parse_header``'s reading of the header's fields (its checksum first)."""
+    try:
+        metadata = json.loads(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise PayloadError(source, f"header is not ASCII JSON ({type(e).__name__})") from None
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise PayloadError(source, "header expected a JSON object of strings, got "
+                                   f"{tensorfile.show(metadata)}")
+    try:
+        return fmt.parse_header(metadata, source)
+    except SessionFileError as e:
+        raise PayloadError(source, e.problem) from None
+
+
+def _gate(header: fmt.SessionHeader, target: _Target, fingerprint: Optional[Dict[str, str]],
+          source: str) -> None:
+    """Everything about the session that its header settles, before any tensor:
+    geometry, model, encoding, the starts and the tensor set."""
+    try:
+        save.check_geometry(header.geometry, target.geometry)
+    except SnapshotMismatch as e:
+        raise SnapshotMismatch(f"{e.field} (expected: the receiver's; got: the session {source})",
+                               e.expected, e.got) from None
+    if fingerprint is not None:
+        snapshot.check_model(header.model, fingerprint, "the receiving model")
+    if header.encoding != target.encoding:
+        raise (ProductionF16Required(header.encoding) if target.encoding == fmt.F16LE
+               else EncodingMismatch(header.encoding, target.encoding))
+    geometry = header.geometry
+    if not 0 <= header.position <= geometry.max_context:
+        raise SnapshotMismatch("position", f"an int in [0, {geometry.max_context}]",
+                               header.position)
+    for i, start in enumerate(header.starts):
+        expected = snapshot.expected_cut(geometry, i, header.position)[0]
+        if start != expected:
+            raise SnapshotMismatch("start", expected, start, i, geometry.layer_kind(i))
+    names = set(header.tensor_names)
+    if set(header.checksums) != names:
+        missing = sorted(names - set(header.checksums))
+        extra = sorted(set(header.checksums) - names)
+        raise PayloadError(source, f"checksums expected one per tensor of the geometry; "
+                                   f"missing {missing}, unexpected {tensorfile.show(extra)}")
+
+
+def _receive_tensors(link: _Link, header: fmt.SessionHeader, target: _Target, model: Any,
+                     into: Optional[Sequence[Any]], timeout: float,
+                     source: str) -> ReceivedSession:
+    """Post every tensor's receive, then verify and install the layers as they
+    arrive: at least the next one, with every later one whose tensors are in
+    already (one ``tensor_digests`` call, hashing them side by side). On a
+    refusal take the rest of the stream, undo, and answer the verdict."""
+    geometry = header.geometry
+    dtype = ENCODINGS[header.encoding][0]
+    shapes = [(snapshot.expected_cut(geometry, i, header.position)[1], geometry.kv_heads,
+               geometry.head_dim) for i in range(geometry.num_layers)]
+    for shape in shapes:
+        if shape[0]:
+            link.post_recv(shape, dtype)
+            link.post_recv(shape, dtype)
+    held: List[Any] = []
+    cuts: List[LayerCut] = []
+    refusal: Optional[Exception] = None
+    nbytes = 0
+    cache: Sequence[Any] = []
+    try:
+        try:
+            cache = into if into is not None else make_prompt_cache(
+                model, geometry.max_context, plane_dtype=target.plane_dtype)
+        except Exception as e:
+            refusal = e
+        i = 0
+        while i < len(shapes):
+            batch: Dict[int, List[mx.array]] = {}
+            while i < len(shapes) and (not batch or link.arrived() >= (2 if shapes[i][0] else 0)):
+                batch[i] = _take_layer(link, i, shapes[i], dtype, timeout)
+                i += 1
+            if refusal is not None:
+                continue  # taking the rest of the stream, to stay in step
+            try:
+                nbytes += _install_batch(cache, header, batch, held, source)
+                cuts.extend(LayerCut(header.starts[j], *pair) for j, pair in batch.items())
+            except Exception as e:
+                refusal = e
+        if refusal is None:
+            try:
+                SessionSnapshot(geometry, header.position, header.encoding, tuple(cuts),
+                                header.model).check(target.geometry)
+            except Exception as e:
+                refusal = e
+    except BaseException:
+        _undo(held)
+        raise
+    if refusal is not None:
+        _undo(held)
+        _refuse(link, REFUSED, refusal, timeout)
+        raise refusal
+    try:
+        _accept(link, timeout)
+    except BaseException:
+        _undo(held)
+        raise
+    return ReceivedSession(cache, header.user, header.position, nbytes)
+
+
+def _take_layer(link: _Link, i: int, shape: Tuple[int, int, int], dtype: Any,
+                timeout: float) -> List[mx.array]:
+    """Layer ``i``'s keys and values as they came (an empty layer sends nothing)."""
+    if not shape[0]:
+        return [mx.zeros(shape, dtype), mx.zeros(shape, dtype)]
+    return [link.take(timeout, f"{n} ({shape[0]} rows)") for n in fmt.tensor_names(i)]
+
+
+def _install_batch(cache: Sequence[Any], header: fmt.SessionHeader,
+                   batch: Mapping[int, List[mx.array]], held: List[Any], source: str) -> int:
+    """Check the batch's tensors against their digests, then install each layer
+    (``held`` gets what puts it back); returns the bytes installed."""
+    named = {n: x for i, pair in batch.items() for n, x in zip(fmt.tensor_names(i), pair)}
+    digests = fmt.tensor_digests({n: _stored(x) for n, x in named.items()})
+    for n in named:
+        if digests[n] != header.checksums[n]:
+            raise PayloadError(source, f"corrupted tensor {n!r} (checksum mismatch): sha256 "
+                                       f"expected {header.checksums[n]}, got {digests[n]}")
+    for i, (keys, values) in batch.items():
+        layer = cache[i]
+        held.append((layer, layer.hold()))
+        layer.install(header.starts[i], keys, values)
+        mx.eval(layer.kv_state)
+    return sum(x.nbytes for x in named.values())
+
+
+def _undo(held: List[Any]) -> None:
+    for layer, state in reversed(held):
+        layer.release(state)
+    held.clear()
+
+
+def _answer(link: _Link, code: int, reason: str, timeout: float) -> None:
+    head, text = _verdict(code, reason)
+    link.post_send(_bytes_array(head))
+    if text:
+        link.post_send(_bytes_array(text))
+    link.drain(timeout, "the verdict to be taken")
+
+
+def _accept(link: _Link, timeout: float) -> None:
+    _answer(link, ACCEPTED, "", timeout)
+
+
+def _refuse(link: _Link, code: int, error: BaseException, timeout: float) -> None:
+    """Tell the sender why; a link failure while telling it is not this error's."""
+    try:
+        _answer(link, code, f"{type(error).__name__}: {error}", timeout)
+    except HandoffError:
+        pass
+
+

@@ -1,0 +1,222 @@
+"""A cache list is one unit (issue #10, items 8 and 10): a trim over it is all
+or nothing whatever order its layer kinds come in, a list whose layers disagree
+on position refuses every write, and a model that does not fit the list is
+refused before anything is written. Through the public API only: mlx-lm's own
+trim_prompt_cache and model forward, make_prompt_cache, update_and_fetch."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import trim_prompt_cache
+from oracle import bits
+
+import muser_kv
+from muser_kv import CacheDiscontinuity, CacheListMismatch, CacheOutOfStep, LayerKind
+
+CONTEXT = 128
+GLOBAL_FIRST = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+
+
+def state(cache):
+    """Everything a refused operation must leave as it was."""
+    return [(c.offset, c.meta_state, bits(c.keys).copy(), bits(c.values).copy())
+            for c in cache]
+
+
+def assert_state(cache, before):
+    for c, (offset, meta, k, v) in zip(cache, before):
+        assert c.offset == offset and c.meta_state == meta, c
+        np.testing.assert_array_equal(bits(c.keys), k)
+        np.testing.assert_array_equal(bits(c.values), v)
+
+
+def prompt(n, seed=0):
+    return mx.array(np.random.default_rng(seed).integers(0, 256, n)[None], mx.uint32)
+
+
+@pytest.fixture(scope="module")
+def global_first():
+    return tiny_model(num_hidden_layers=4, layer_types=GLOBAL_FIRST)
+
+
+# -- item 8: a trim over a list is all or nothing ------------------------------------
+
+
+def test_a_refused_trim_prompt_cache_changes_no_layer(global_first):
+    """Global, sliding, sliding, global: mlx-lm trims layer 0 (global, can) first;
+    layer 1 (a wrapped ring retaining 2 rows) cannot trim 10. Before the fix the
+    global layer was trimmed anyway: offsets [20, 30, 30, 30]."""
+    cache = muser_kv.make_prompt_cache(global_first, CONTEXT, retain=2)
+    global_first(prompt(30), cache=cache)
+    mx.eval([c.state for c in cache])
+    before = state(cache)
+    with pytest.raises(ValueError, match=r"layer 1: can trim at most 2 tokens exactly, asked for 10"):
+        trim_prompt_cache(cache, 10)
+    assert [c.offset for c in cache] == [30, 30, 30, 30]
+    assert_state(cache, before)
+    # still one list in step: the next write is accepted and trims that fit still work
+    global_first(prompt(1, seed=1), cache=cache)
+    assert trim_prompt_cache(cache, 1) == 1
+    assert [c.offset for c in cache] == [30, 30, 30, 30]
+
+
+@pytest.mark.parametrize("layer_types", [GLOBAL_FIRST, None])
+def test_trim_prompt_cache_is_exact_in_any_layer_order(layer_types):
+    kw = dict(num_hidden_layers=4, layer_types=layer_types) if layer_types else {}
+    model = tiny_model(**kw)
+    cache = muser_kv.make_prompt_cache(model, CONTEXT)
+    # the state at 33 is kept, then 7 more tokens are trimmed away again: the
+    # cache must be that state, bit for bit (rings put back what the 7 overwrote)
+    model(prompt(40)[:, :33], cache=cache)
+    mx.eval([c.state for c in cache])
+    at33 = [(c.meta_state, c.snapshot()) for c in cache]
+    model(prompt(40)[:, 33:], cache=cache)
+    assert [c.offset for c in cache] == [40] * len(cache)
+    assert trim_prompt_cache(cache, 7) == 7
+    for a, (meta, (start, k, v)) in zip(cache, at33):
+        assert a.meta_state == meta
+        got = a.snapshot()
+        assert got[0] == start
+        np.testing.assert_array_equal(bits(got[1]), bits(k))
+        np.testing.assert_array_equal(bits(got[2]), bits(v))
+
+
+def test_a_list_out_of_step_refuses_every_write(global_first):
+    """A trim of one layer only (legal: the round is open) leaves the list out of
+    step; every layer then refuses to write, through the model or alone, with a
+    CacheDiscontinuity, and nothing changes. Finishing the round heals it."""
+    cache = muser_kv.make_prompt_cache(global_first, CONTEXT)
+    global_first(prompt(30), cache=cache)
+    mx.eval([c.state for c in cache])
+    cache[0].trim(2)
+    assert [c.offset for c in cache] == [28, 30, 30, 30]
+    before = state(cache)
+    with pytest.raises(CacheDiscontinuity, match="out of step"):
+        global_first(prompt(1), cache=cache)
+    assert_state(cache, before)
+    k = mx.zeros((1, 2, 1, 128), mx.float16)
+    for c in cache:
+        with pytest.raises(CacheOutOfStep, match="refuses every write"):
+            c.update_and_fetch(k, k)
+    assert_state(cache, before)
+    for c in cache[1:]:
+        c.trim(2)
+    assert [c.offset for c in cache] == [28] * 4
+    global_first(prompt(1), cache=cache)
+    assert [c.offset for c in cache] == [29] * 4
+
+
+def test_a_trim_of_another_size_mid_round_is_refused(global_first):
+    cache = muser_kv.make_prompt_cache(global_first, CONTEXT)
+    global_first(prompt(30), cache=cache)
+    cache[0].trim(2)
+    before = state(cache)
+    with pytest.raises(CacheOutOfStep):
+        cache[1].trim(3)  # the list would end at three positions
+    assert_state(cache, before)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("write"), st.integers(1, 9), st.integers(0, 4)),  # n tokens, layers reached
+    st.tuples(st.just("trim"), st.integers(0, 12), st.integers(0, 3))),  # n, first layer trimmed
+    min_size=1, max_size=14))
+def test_random_partial_writes_and_trims_never_leave_three_positions(ops):
+    """Whatever a careless driver does -- writes that stop part-way down the list,
+    trims of some layers -- the list holds at most two positions, laid out as a
+    prefix and the rest, and every refused call changes nothing."""
+    geo = muser_kv.MuseGeometry(num_layers=4, window=8, max_context=96, num_heads=2,
+                                kv_heads=2, head_dim=16,
+                                layer_kinds=[LayerKind(t) for t in GLOBAL_FIRST])
+    cache = muser_kv.make_cache_for(geo, retain=4)
+    rng = np.random.default_rng(0)
+    for op, n, reach in ops:
+        before = state(cache)
+        try:
+            if op == "write":
+                k = mx.array(rng.standard_normal((1, 2, n, 16)).astype(np.float16))
+                for c in cache[:reach]:
+                    if c.offset + n > 96:
+                        break
+                    c.update_and_fetch(k, k)
+            else:
+                for c in cache[reach:]:
+                    c.trim(n)
+        except ValueError:
+            pass  # refused (CacheOutOfStep, trim depth, ContextOverflow): see below
+        positions = [c.offset for c in cache]
+        levels = sorted(set(positions))
+        assert len(levels) <= 2, positions
+        if len(levels) == 2:  # a prefix at one level, the rest at the other
+            head = positions[0]
+            cut = next(i for i, p in enumerate(positions) if p != head)
+            assert all(p != head for p in positions[cut:]), positions
+        del before
+
+
+# -- item 10: a list handed to a model it does not fit --------------------------------
+
+
+@pytest.mark.parametrize("layers", [12, 4])
+def test_a_model_that_does_not_fit_the_list_is_refused_before_any_write(model_f32, layers):
+    """Built for 8 layers: a 12-layer model would run only 8 (zip), a 4-layer
+    model would leave layers 4..7 behind. Both are refused at the model's first
+    make_mask, before any layer writes."""
+    cache = muser_kv.make_prompt_cache(model_f32, CONTEXT)
+    model_f32(prompt(5), cache=cache)
+    before = state(cache)
+    other = tiny_model(num_hidden_layers=layers)
+    with pytest.raises(CacheListMismatch, match=rf"built for 8 layers.*model with {layers} layers"):
+        other(prompt(3), cache=cache)
+    assert_state(cache, before)
+    model_f32(prompt(1), cache=cache)  # the right model still runs
+    assert all(c.offset == 6 for c in cache)
+
+
+def test_a_model_with_another_layer_pattern_is_refused(model_f32):
+    cache = muser_kv.make_prompt_cache(model_f32, CONTEXT)
+    other = tiny_model(layer_types=["full_attention"] + ["sliding_attention"] * 7)
+    before = state(cache)
+    with pytest.raises(CacheListMismatch, match=r"layer 0 is a sliding_attention cache"):
+        other(prompt(3), cache=cache)
+    assert_state(cache, before)
+
+
+def test_a_driver_that_runs_part_of_the_list_is_refused_at_its_next_call():
+    """What the protocol cannot see at once (a driver that calls update_and_fetch
+    itself on the first 4 of 8 layers) is refused at the next call, before that
+    call writes anything."""
+    geo = muser_kv.MuseGeometry(num_layers=8, window=8, max_context=64, num_heads=2,
+                                kv_heads=2, head_dim=16)
+    cache = muser_kv.make_cache_for(geo)
+    k = mx.ones((1, 2, 3, 16), mx.float16)
+    for c in cache[:4]:
+        c.make_mask(3, window_size=c.window)
+        c.update_and_fetch(k, k)
+    before = state(cache)
+    with pytest.raises(CacheOutOfStep, match=r"layer 0 .*last layer at 0"):
+        cache[0].make_mask(1, window_size=8)
+    with pytest.raises(CacheOutOfStep):
+        cache[0].update_and_fetch(k[:, :, :1], k[:, :, :1])
+    assert_state(cache, before)
+    for c in cache[4:]:  # finishing the interrupted write is what the list accepts
+        c.update_and_fetch(k, k)
+    assert all(c.offset == 3 for c in cache)
+
+
+def test_lists_from_separate_calls_are_separate(model_f32):
+    """mlx-lm's speculative decoding concatenates the target's and the draft's
+    lists and drives each part alone: each part is its own list."""
+    target = muser_kv.make_prompt_cache(model_f32, CONTEXT)
+    draft_model = tiny_model(num_hidden_layers=4, seed=3)
+    draft = muser_kv.make_prompt_cache(draft_model, CONTEXT)
+    both = target + draft
+    model_f32(prompt(4), cache=both[:8])
+    draft_model(prompt(6), cache=both[8:])
+    assert [c.offset for c in both] == [4] * 8 + [6] * 4
+    assert trim_prompt_cache(both[8:], 2) == 2
+    draft_model(prompt(1), cache=both[8:])
+    model_f32(prompt(1), cache=both[:8])

@@ -1,0 +1,358 @@
+"""``muser-kv serve``: mlx-lm's server with muser-kv's caches, as a client sees it.
+
+Each server is the real command (``python -m muser_kv serve``) in a
+subprocess on a free loopback port, importing this checkout (PYTHONPATH = the
+repository root), over a tiny random-weight Muse Glimmer written to disk
+(``local_model``: window 16, so every prompt here wraps every ring). Requests
+are greedy; tokens are read from ``logprobs`` (ids).
+
+* Concurrent requests (completions and chat, 4 at once) each give the tokens
+  of the same request sent alone: batched (no draft model), and one at a time
+  (with a draft model, where mlx-lm's server does not batch). These servers
+  keep no prompt cache (``--prompt-cache-size 0``), so a request sent alone
+  and the same request sent with others both prefill from nothing: a reused
+  entry would sum attention in another order and could flip a near-tie.
+* With the prompt cache, a returning conversation reuses a wrapped entry
+  trimmed within its exact depth (mlx-lm's rotating caches cannot: they
+  re-prefill from the last stored prefix), passes over one beyond it with the
+  same tokens a fresh server gives, and a prompt equal to a stored entry (a
+  "continue" request, which kills mlx-lm 0.32.2's batched generation thread)
+  is answered.
+* The speculative path (in-process, as the server drives it): the cache it
+  leaves may hold one token fewer than its key; the entry is keyed by what it
+  holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import metal_plugin
+import numpy as np
+import pytest
+from local_model import write_local_model
+
+import muser_kv
+from muser_kv.serving import serve
+from muser_kv.serving.prompt_cache import ExactPromptCache
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 90
+REQUEST_TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``muser-kv serve`` in a subprocess; ``stop`` ends it (terminate, then kill)."""
+
+    def __init__(self, model: Path, log: Path, *flags: str):
+        self.port = free_port()
+        self.log_path = log
+        self._log = open(log, "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "muser_kv", "serve", "--model", str(model), "--host",
+             "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING", *flags],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def get(self, path: str, timeout: float = 5) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}",
+                                        timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.get("/health", timeout=2) == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready after {START_TIMEOUT} s:\n{self.log()}")
+
+    def send(self, path: str, body: Dict[str, Any]):
+        """(HTTP status, the JSON body)."""
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        status, out = self.send(path, body)
+        assert status == 200, f"{path} -> {status} {out!r}\n{self.log()}"
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_local_model(tmp_path_factory.mktemp("model") / "muse")
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    """Three servers, started together (their start-up overlaps), stopped in
+    any case: ``batched`` and ``draft`` keep no prompt cache, ``cached`` does."""
+    if os.environ.get(metal_plugin.EMULATOR_ENV):
+        pytest.skip("the servers run the command itself, which does not install the tests' "
+                    "Metal emulator; its caches run emulated in-process (test_batch, "
+                    "test_prompt_cache)")
+    logs = tmp_path_factory.mktemp("logs")
+    flags = {"batched": ("--prompt-cache-size", "0"),
+             "draft": ("--prompt-cache-size", "0", "--draft-model", str(model_dir),
+                       "--num-draft-tokens", "3"),
+             "cached": ("--retain", "16")}  # depths of 16 to ~48: the trims below are past them
+    started: Dict[str, Server] = {}
+    try:
+        for name, extra in flags.items():
+            started[name] = Server(model_dir, logs / f"{name}.log", *extra)
+        for s in started.values():
+            s.wait_ready()
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def words(ids: Sequence[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+def ids(n: int, seed: int) -> List[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(2, 250, n)]
+
+
+def complete(server: Server, prompt: Sequence[int], max_tokens: int = 10):
+    out = server.post("/v1/completions", {"prompt": words(prompt), "max_tokens": max_tokens,
+                                          "temperature": 0, "logprobs": True})
+    got = [t["id"] for t in out["choices"][0]["logprobs"]["content"]]
+    return got, out["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+
+
+def chat(server: Server, system: Sequence[int], user: Sequence[int], max_tokens: int = 10):
+    out = server.post("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": words(system)},
+                     {"role": "user", "content": words(user)}],
+        "max_tokens": max_tokens, "temperature": 0, "logprobs": True})
+    assert out["object"] == "chat.completion"
+    return [t["id"] for t in out["choices"][0]["logprobs"]["content"]], None
+
+
+REQUESTS = [("complete", (ids(37, 1),)), ("chat", (ids(9, 2), ids(30, 3))),
+            ("complete", (ids(45, 4),)), ("chat", (ids(20, 5), ids(21, 6)))]
+
+
+def send(server: Server, request) -> List[int]:
+    kind, args = request
+    tokens, _ = (complete if kind == "complete" else chat)(server, *args)
+    assert len(tokens) == 10
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["batched", "draft"])
+def test_concurrent_requests_give_their_solo_tokens(servers, name):
+    server = servers[name]
+    solo = [send(server, r) for r in REQUESTS]
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        together = list(pool.map(lambda r: send(server, r), REQUESTS))
+    assert together == solo
+    assert len({tuple(t) for t in solo}) == len(solo)  # four different answers
+
+
+def test_a_draft_deeper_than_the_exact_rollback_is_refused_before_it_runs(servers):
+    """The draft server rolls back exactly 64 rows (--retain 64 >= --num-draft-tokens
+    3): a request asking for 65 draft tokens gets mlx-lm's 400 for an invalid
+    parameter, naming the limit, before any token; 64 is served, with the
+    tokens greedy decoding gives, and the server goes on serving."""
+    server = servers["draft"]
+    body = {"prompt": words(ids(37, 1)), "max_tokens": 10, "temperature": 0, "logprobs": True}
+    status, out = server.send("/v1/completions", dict(body, num_draft_tokens=65))
+    assert status == 400, (status, out)
+    assert "num_draft_tokens must be at most 64" in out["error"] and "got 65" in out["error"]
+    deep = server.post("/v1/completions", dict(body, num_draft_tokens=64))
+    got = [t["id"] for t in deep["choices"][0]["logprobs"]["content"]]
+    assert got == send(servers["batched"], REQUESTS[0])
+
+
+def test_a_returning_conversation_reuses_wrapped_entries_exactly(servers):
+    server = servers["cached"]
+    first = ids(64, 10)
+    answer, cached = complete(server, first)
+    assert cached == 0
+    # back with the answer less its last 3 tokens, then more: the stored turn
+    # (74 tokens, rings wrapped) is trimmed by 3, exactly; mlx-lm's rotating
+    # caches cannot trim past the wrap and would reuse only the prompt's 63
+    second = first + answer[:7] + ids(6, 11)
+    _, cached = complete(server, second)
+    assert cached == 71
+    # a conversation that shares 3 tokens: no entry trims back that far
+    third = first[:3] + ids(30, 12)
+    tokens, cached = complete(server, third)
+    assert cached == 0
+    assert tokens == complete(servers["batched"], third)[0]  # what a fresh server gives
+    # a prompt equal to a stored entry (prompt + answer: "continue"), reused one short
+    _, cached = complete(server, first + answer)
+    assert cached == 73
+    assert server.get("/health") == 200
+
+
+def test_a_request_for_a_model_muser_kv_cannot_serve_fails_alone(servers, model_dir):
+    llama = write_local_model(model_dir.parent / "llama", model_type="llama")
+    server = servers["batched"]
+    before = send(server, REQUESTS[0])
+    status, out = server.send("/v1/completions", {"model": str(llama), "prompt": "t1 t2",
+                                                  "max_tokens": 2})
+    assert status != 200 and "no sliding_window" in out["error"]
+    assert send(server, REQUESTS[0]) == before  # the Muse model is served again, as before
+
+
+# -- in-process: what the command is made of ----------------------------------------------------
+
+
+def test_the_provider_installs_muser_kv_on_every_model_it_loads(model_dir):
+    args = parse(["--model", str(model_dir), "--retain", "5", "--draft-model", str(model_dir),
+                  "--num-draft-tokens", "7"])
+    provider = serve.MuseModelProvider(args)
+    model, _ = provider.load("default_model", None, "default_model")
+    for m in (model, provider.draft_model):
+        assert muser_kv.installed(m).retain == 7  # raised to the draft length
+        assert isinstance(m.make_cache()[0], muser_kv.MuseKVCache)
+    assert not provider.is_batchable  # mlx-lm's rule: a draft model is served alone
+    plain = serve.MuseModelProvider(parse(["--model", str(model_dir), "--max-context", "64"]))
+    plain.load("default_model")
+    assert plain.is_batchable and muser_kv.installed(plain.model).max_context == 64
+
+
+def test_the_provider_decides_batchability_without_building_a_cache(model_dir, monkeypatch):
+    """A cache list preallocates its planes (1.8 GB at 131k): loading a model
+    builds none, yet the provider batches it."""
+    install_module = sys.modules["muser_kv.serving.install"]  # the module (the package exports its function)
+    built = []
+    real = install_module.make_cache_for
+    monkeypatch.setattr(install_module, "make_cache_for",
+                        lambda *a, **k: built.append(1) or real(*a, **k))
+    provider = serve.MuseModelProvider(parse(["--model", str(model_dir)]))
+    provider.load("default_model")
+    assert provider.is_batchable and built == []
+    provider.model.make_cache()
+    assert built == [1]  # the counter sees a build
+
+
+def test_a_draft_model_muser_kv_does_not_serve_keeps_mlx_lm_caches(model_dir):
+    llama = write_local_model(model_dir.parent / "llama-draft", model_type="llama")
+    provider = serve.MuseModelProvider(parse(["--model", str(model_dir), "--draft-model",
+                                              str(llama)]))
+    provider.load("default_model", None, "default_model")
+    assert muser_kv.installed(provider.model) is not None
+    assert muser_kv.installed(provider.draft_model) is None
+    assert not isinstance(provider.draft_model.make_cache()[0], muser_kv.MuseKVCache)
+
+
+def parse(argv: List[str]):
+    captured = {}
+
+    def run(host, port, provider):
+        captured["args"] = provider.cli_args
+
+    with serve.substituted(argv):
+        saved, serve.server.run = serve.server.run, run
+        try:
+            serve.server.main()
+        finally:
+            serve.server.run = saved
+    assert serve.server.ModelProvider is not serve.MuseModelProvider  # put back
+    return captured["args"]
+
+
+def test_mlx_lm_flags_and_muser_kv_flags_parse_together(model_dir):
+    args = parse(["--model", str(model_dir), "--port", "9", "--max-context", "128", "--retain",
+                  "0", "--plane-dtype", "bfloat16", "--decode-concurrency", "4"])
+    assert (args.port, args.max_context, args.retain, args.plane_dtype,
+            args.decode_concurrency) == (9, 128, 0, "bfloat16", 4)
+    assert parse(["--model", str(model_dir)]).retain == muser_kv.DEFAULT_RETAIN
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-bits", "4"], "--kv-bits quantizes"),
+    (["--retain", "-1"], "--retain: expected an int >= 0"),
+    (["--max-context", "0"], "--max-context: expected a positive int"),
+    (["--retain", "0", "--draft-model", "d"], "a --draft-model needs --retain >= "),
+])
+def test_bad_flags_are_refused_by_the_parser(model_dir, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", str(model_dir), *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_model_muser_kv_cannot_serve_is_refused_before_the_server_starts(tmp_path, capsys):
+    llama = write_local_model(tmp_path / "llama", model_type="llama")
+    assert serve.main(["--model", str(llama)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("muser-kv serve: ") and "no sliding_window" in err
+
+
+def test_a_max_context_past_the_model_is_refused(model_dir, capsys):
+    assert serve.main(["--model", str(model_dir), "--max-context", "257"]) == 2
+    assert "exceeds the model's max_position_embeddings 256" in capsys.readouterr().err
+
+
+def test_the_speculative_path_stores_entries_keyed_by_what_they_hold(model_dir):
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = load(str(model_dir))
+    draft, _ = load(str(model_dir))
+    for m in (model, draft):
+        muser_kv.install(m, num_draft_tokens=3)
+    lru, short = ExactPromptCache(), 0
+    for n in range(1, 10):  # as the server's single-request path does it
+        prompt = ids(30, 20 + n)
+        cache = make_prompt_cache(model) + make_prompt_cache(draft)
+        key = list(prompt)
+        for gen in stream_generate(model, tokenizer, prompt, max_tokens=n, draft_model=draft,
+                                   num_draft_tokens=3, prompt_cache=cache):
+            key.append(gen.token)
+        short += cache[0].offset < len(key)
+        lru.insert_cache("m", key, cache)
+    assert short > 0  # the premise: some caches hold one token fewer than their key
+    for tokens in (t for lrus in lru._lru._lrus.values() for _, t in lrus):
+        assert lru._trie.get("m", tokens).prompt_cache[0].offset == len(tokens)
