@@ -158,8 +158,12 @@ class _Allocators:
                 x = mx.zeros(shape, dtype, stream=stream)
                 mx.eval(x)
                 done.set_result(x)
+                # hold nothing while idle: a plane this thread still referenced
+                # would not be donatable, and every store into it would copy it
+                del x
             except BaseException as e:  # handed to the caller
                 done.set_exception(e)
+            del done
 
     def zeros(self, shape: Sequence[int], dtype: Any) -> "Future[mx.array]":
         """A new evaluated zero array, allocated by one of the threads in turn."""
