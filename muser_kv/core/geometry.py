@@ -8,7 +8,7 @@ layer. The seeds' Table 22.1 falls out of those three facts to the byte, and
 the tests hold it there.
 
 A plane *allocates* its rows rounded up to ``ROW_GRANULE`` (256): MLX's CUDA
-attention is about 10x slower at depth when a K/V view's row stride is not a
+attention is up to 8x slower at depth when a K/V view's row stride is not a
 multiple of 256 (``docs/performance.md``). The logical limits do not move --
 a ring still wraps at ``min(context, window)`` rows and a write past
 ``max_context`` is still refused -- and ``footprint`` reports what is allocated,
