@@ -5,19 +5,20 @@ parser and every flag, its HTTP handler, its batching and its prompt-cache
 logic. While it runs, four names it looks up at run time are substituted,
 here and nowhere else (``substituted``), and put back afterwards:
 
-==================  =========================================================
-``argparse``        the same module, whose ``ArgumentParser`` also takes
-                    muser-kv's flags (``--max-context``, ``--retain``,
-                    ``--plane-dtype``) and refuses ``--kv-bits`` and
-                    ``--retain 0`` with a draft model
-``ModelProvider``   ``MuseModelProvider``: mlx-lm's loader, then
-                    ``muser_kv.install`` on every model it loads
-``LRUPromptCache``  ``ExactPromptCache`` (``muser_kv.prompt_cache``)
-``_run_http_server`` the same function, serving with ``MuseAPIHandler``
-                    (mlx-lm's handler; a request whose ``num_draft_tokens``
-                    is deeper than the caches roll back exactly is refused
-                    with 400 before it runs)
-==================  =========================================================
+=====================  ======================================================
+``argparse``           the same module, whose ``ArgumentParser`` also takes
+                       muser-kv's flags (``--max-context``, ``--retain``,
+                       ``--plane-dtype``) and refuses ``--kv-bits`` and
+                       ``--retain 0`` with a draft model
+``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
+                       ``muser_kv.install`` on every model it loads
+``LRUPromptCache``     ``ExactPromptCache`` (``muser_kv.prompt_cache``)
+``_run_http_server``   the same function, serving with ``MuseAPIHandler``
+                       (mlx-lm's handler; a body field of the wrong type, and
+                       a request whose ``num_draft_tokens`` is deeper than the
+                       caches roll back exactly, are refused with 400 before
+                       the request is queued)
+=====================  ======================================================
 
 Everything else is mlx-lm's. The server builds each request's caches with
 ``make_prompt_cache(model)``, which returns ``model.make_cache()``: the hook
@@ -26,16 +27,21 @@ Everything else is mlx-lm's. The server builds each request's caches with
 model, a request with a seed), with the same caches and prompt cache. Before
 the server starts, the ``--model`` config is checked (``check_model``, through
 mlx-lm 0.32.2's private ``mlx_lm.utils._download`` and ``_get_classes``).
+
+A refusal (``RequestRefused``) is one line with HTTP 400; the request fails
+alone and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
+import math
 import sys
 import types
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx_lm.server as server
 
@@ -62,6 +68,11 @@ for _name in SUBSTITUTED + ("main", "APIHandler", "ThreadingHTTPServer"):
 
 class ServeRefused(Exception):
     """The server cannot start with these arguments (one line says why)."""
+
+
+class RequestRefused(ValueError):
+    """A request this server does not run as asked (one line says why): the
+    client's error, answered with HTTP 400 before the request's first token."""
 
 
 def _positive(text: str) -> int:
@@ -198,14 +209,137 @@ def rollback_depth(cli_args: argparse.Namespace) -> int:
     return max(cli_args.retain, cli_args.num_draft_tokens)
 
 
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _refuse(field: str, expected: str, value: Any) -> RequestRefused:
+    return RequestRefused(f"{field} must be {expected}, got {_show(value)}")
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int  # JSON true is a bool, and a bool is not a count
+
+
+def _number(v: Any) -> bool:
+    return type(v) is int or (type(v) is float and math.isfinite(v))  # Python's JSON reads NaN
+
+
+def _or_null(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _string_list(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is str for x in v)
+
+
+_NUMBER = (_number, "a finite number")
+_INT = (_int, "an integer")
+
+#: the type each body field mlx-lm's handler reads must have, where mlx-lm's
+#: ``validate_model_parameters`` checks none or lets a bool or a NaN through:
+#: anything else kills its generation thread (``stop``, ``top_logprobs``), or
+#: leaves the request without a whole answer (``seed``, ``stream_options``), or
+#: is silently taken for something else (``max_tokens: true`` is 1). Ranges stay
+#: mlx-lm's (its check runs next).
+BODY_FIELDS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "stream": (lambda v: type(v) is bool, "true or false"),
+    "stream_options": (_or_null(lambda v: isinstance(v, dict) and type(
+        v.get("include_usage", False)) is bool), 'null or an object whose "include_usage" '
+                                                 "is true or false"),
+    "model": (lambda v: type(v) is str, "a string"),
+    "draft_model": (_or_null(lambda v: type(v) is str), "a string or null"),
+    "adapters": (_or_null(lambda v: type(v) is str), "a string or null"),
+    "num_draft_tokens": _INT,
+    "max_completion_tokens": (_or_null(_int), "an integer or null"),
+    "max_tokens": _INT,
+    "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT, "min_p": _NUMBER,
+    "repetition_penalty": _NUMBER, "repetition_context_size": _INT,
+    "presence_penalty": _NUMBER, "presence_context_size": _INT,
+    "frequency_penalty": _NUMBER, "frequency_context_size": _INT,
+    "xtc_probability": (lambda v: type(v) is float and math.isfinite(v), "a finite float"),
+    "xtc_threshold": (lambda v: type(v) is float and math.isfinite(v), "a finite float"),
+    "logit_bias": (_or_null(lambda v: isinstance(v, dict)), "an object or null"),
+    "logprobs": (lambda v: type(v) is bool, "true or false"),
+    "top_logprobs": _INT,
+    "seed": (_or_null(lambda v: _int(v) and 0 <= v < 2 ** 64),
+             "an integer from 0 to 2**64 - 1, or null"),
+    "chat_template_kwargs": (_or_null(lambda v: isinstance(v, dict)), "an object or null"),
+    "stop": (_or_null(lambda v: type(v) is str or _string_list(v)),
+             "a string, a list of strings or null"),
+}
+
+#: the fields of one endpoint's request (``handle_text_completions``,
+#: ``handle_chat_completions``); ``messages`` is checked by ``check_messages``
+TEXT_FIELDS = {"prompt": (lambda v: type(v) is str, "a string")}
+CHAT_FIELDS = {
+    "tools": (_or_null(lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v)),
+              "a list of objects or null"),
+    "role_mapping": (_or_null(lambda v: isinstance(v, dict) and all(
+        type(x) is str for x in v.values())), "an object of strings or null"),
+}
+
+
+def check_messages(messages: Any) -> None:
+    """A chat's ``messages`` as mlx-lm's handler and chat template read them:
+    a non-empty list of objects, each with a string ``role`` and a ``content``
+    that is a string, null (empty) or a list of content parts (objects with a
+    string ``type``; a text part with a string ``text``). Raises ``RequestRefused``."""
+    if not isinstance(messages, list) or not messages:
+        raise _refuse("messages", "a non-empty list of messages", messages)
+    for i, message in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _refuse(at, "an object", message)
+        if type(message.get("role")) is not str:
+            raise _refuse(f"{at}.role", "a string", message.get("role"))
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or type(part.get("type")) is not str:
+                    raise _refuse(f"{at}.content[{j}]", 'an object with a string "type"', part)
+                if part["type"] == "text" and type(part.get("text")) is not str:
+                    raise _refuse(f"{at}.content[{j}].text", "a string", part.get("text"))
+        elif content is not None and type(content) is not str:
+            raise _refuse(f"{at}.content", "a string, a list of content parts or null", content)
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list)
+                                      and all(isinstance(c, dict) for c in calls)):
+            raise _refuse(f"{at}.tool_calls", "a list of objects or null", calls)
+
+
+def check_body(body: Dict[str, Any], chat: bool) -> None:
+    """Every field of a request ``body`` mlx-lm reads, by ``BODY_FIELDS`` and
+    the endpoint's own (``chat``: ``/v1/chat/completions``); an absent field is
+    mlx-lm's default. Raises ``RequestRefused`` naming the first that is wrong."""
+    fields = dict(BODY_FIELDS, **(CHAT_FIELDS if chat else TEXT_FIELDS))
+    if body.get("max_completion_tokens") is not None:
+        del fields["max_tokens"]  # not read: mlx-lm takes max_completion_tokens first
+    for name, (ok, expected) in fields.items():
+        if name in body and not ok(body[name]):
+            raise _refuse(name, expected, body[name])
+    for key, value in (body.get("logit_bias") or {}).items():
+        if not (key.isascii() and key.isdigit()):  # int() would read "-1", the last id
+            raise _refuse("logit_bias keys", "token ids (decimal integers >= 0)", key)
+        if not _number(value):
+            raise _refuse(f"logit_bias[{key!r}]", "a finite number", value)
+    if chat and "messages" in body:
+        check_messages(body["messages"])
+
+
 class MuseAPIHandler(server.APIHandler):
-    """mlx-lm's handler, refusing up front what muser-kv's caches cannot do
-    exactly: a speculative request whose ``num_draft_tokens`` exceeds
-    ``rollback_depth`` would fail at its first deep rollback, mid-request.
-    mlx-lm answers a refusal here as any invalid parameter: HTTP 400, one line."""
+    """mlx-lm's handler, refusing up front what would not run as asked: a body
+    field of the wrong type (``check_body``), and a speculative request whose
+    ``num_draft_tokens`` exceeds ``rollback_depth`` (it would fail at its first
+    deep rollback, mid-request). mlx-lm answers a refusal here as any invalid
+    parameter: HTTP 400, one line."""
 
     def validate_model_parameters(self) -> None:
+        check_body(self.body, chat=self.path != "/v1/completions")
         super().validate_model_parameters()
+        if self.stream_options is not None:  # mlx-lm reads the key, absent or not
+            self.stream_options = {"include_usage": False, **self.stream_options}
         cli = self.response_generator.model_provider.cli_args
         drafting = cli.draft_model is not None or self.requested_draft_model != "default_model"
         depth = rollback_depth(cli)
@@ -214,7 +348,6 @@ class MuseAPIHandler(server.APIHandler):
                 f"num_draft_tokens must be at most {depth}: muser-kv's caches roll back "
                 f"exactly {depth} rows (the server's --retain / --num-draft-tokens), got "
                 f"{self.num_draft_tokens}")
-
 
 def _serving_with(run_http_server: Any) -> Any:
     def run_with_our_handler(host: str, port: int, response_generator: Any,

@@ -18,6 +18,9 @@ are greedy; tokens are read from ``logprobs`` (ids).
   same tokens a fresh server gives, and a prompt equal to a stored entry (a
   "continue" request, which kills mlx-lm 0.32.2's batched generation thread)
   is answered.
+* A body field of the wrong type gets 400 naming it. mlx-lm 0.32.2's server
+  loses its generation thread to several (``"stop": 5``); here the next
+  request gets its solo tokens.
 * The speculative path (in-process, as the server drives it): the cache it
   leaves may hold one token fewer than its key; the entry is keyed by what it
   holds.
@@ -243,6 +246,71 @@ def test_a_request_for_a_model_muser_kv_cannot_serve_fails_alone(servers, model_
                                                   "max_tokens": 2})
     assert status != 200 and "no sliding_window" in out["error"]
     assert send(server, REQUESTS[0]) == before  # the Muse model is served again, as before
+
+
+# -- the body: refused naming the field, and the server keeps serving ---------------------------
+
+
+@pytest.fixture(scope="module")
+def solo(servers) -> Dict[str, List[int]]:
+    """``REQUESTS[0]``'s tokens on the batched and draft servers, sent alone:
+    what the next request after a refusal must give."""
+    return {name: send(servers[name], REQUESTS[0]) for name in ("batched", "draft")}
+
+
+def completion(prompt: Sequence[int], max_tokens: int, **extra: Any) -> Dict[str, Any]:
+    return dict({"prompt": words(prompt), "max_tokens": max_tokens, "temperature": 0,
+                 "logprobs": True}, **extra)
+
+
+def chat_body(**extra: Any) -> Dict[str, Any]:
+    return dict({"messages": [{"role": "user", "content": words(ids(10, 50))}],
+                 "max_tokens": 3, "temperature": 0}, **extra)
+
+
+CHAT = "/v1/chat/completions"
+
+#: (server, endpoint, body, the whole error): each kills mlx-lm 0.32.2's
+#: generation thread, or leaves the request without a whole answer, or is
+#: served as something else, or is refused naming neither what was expected
+#: nor what came
+WRONG_BODIES = [
+    ("batched", None, completion(ids(10, 50), 3, stop=[" t3", 5]),
+     'stop must be a string, a list of strings or null, got [" t3", 5]'),
+    ("draft", None, completion(ids(10, 50), 3, stop=5),
+     "stop must be a string, a list of strings or null, got 5"),
+    ("batched", None, completion(ids(10, 50), True), "max_tokens must be an integer, got true"),
+    ("batched", None, completion(ids(10, 50), 3, max_completion_tokens="5"),
+     'max_completion_tokens must be an integer or null, got "5"'),
+    ("batched", None, completion(ids(10, 50), 3, temperature=float("nan")),
+     "temperature must be a finite number, got NaN"),
+    ("batched", None, completion(ids(10, 50), 3, top_logprobs=True),
+     "top_logprobs must be an integer, got true"),
+    ("batched", None, completion(ids(10, 50), 3, seed=-1),
+     "seed must be an integer from 0 to 2**64 - 1, or null, got -1"),
+    ("draft", None, completion(ids(10, 50), 3, num_draft_tokens=True),
+     "num_draft_tokens must be an integer, got true"),
+    ("batched", None, dict(completion(ids(10, 50), 3), prompt=["t1"]),
+     'prompt must be a string, got ["t1"]'),
+    ("batched", None, completion(ids(10, 50), 3, logit_bias={"-1": 1}),
+     'logit_bias keys must be token ids (decimal integers >= 0), got "-1"'),
+    ("batched", None, completion(ids(10, 50), 3, stream=True, stream_options=5),
+     'stream_options must be null or an object whose "include_usage" is true or false, got 5'),
+    ("batched", CHAT, chat_body(messages="t1 t2"),
+     'messages must be a non-empty list of messages, got "t1 t2"'),
+    ("draft", CHAT, chat_body(messages=[{"role": "user", "content": 5}]),
+     "messages[0].content must be a string, a list of content parts or null, got 5"),
+    ("batched", CHAT, chat_body(tools=5), "tools must be a list of objects or null, got 5"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, error", WRONG_BODIES,
+                         ids=[e.split(" must ")[0].split(" has ")[0] for *_, e in WRONG_BODIES])
+def test_a_body_field_of_the_wrong_type_is_refused_naming_it(servers, solo, name, path, body,
+                                                             error):
+    server = servers[name]
+    assert server.send(path or "/v1/completions", body) == (400, {"error": error})
+    assert send(server, REQUESTS[0]) == solo[name]
 
 
 # -- in-process: what the command is made of ----------------------------------------------------
