@@ -2,7 +2,7 @@
 
 The server is mlx-lm's own (``mlx_lm.server.main``, 0.32.2): its argument
 parser and every flag, its HTTP handler, its batching and its prompt-cache
-logic. While it runs, four names it looks up at run time are substituted,
+logic. While it runs, five names it looks up at run time are substituted,
 here and nowhere else (``substituted``), and put back afterwards:
 
 =====================  ======================================================
@@ -11,8 +11,13 @@ here and nowhere else (``substituted``), and put back afterwards:
                        ``--plane-dtype``) and refuses ``--kv-bits`` and
                        ``--retain 0`` with a draft model
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
-                       ``muser_kv.install`` on every model it loads
+                       ``muser_kv.install`` on every model it loads, and the
+                       loaded model's ``Limits`` published for the handler
 ``LRUPromptCache``     ``ExactPromptCache`` (``muser_kv.prompt_cache``)
+``ResponseGenerator``  ``MuseResponseGenerator``: mlx-lm's generation thread,
+                       admitting each request where it tokenizes it (``admit``:
+                       a prompt that cannot fit is refused, ``max_tokens`` is
+                       cut so that no write passes ``max_context``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
                        (mlx-lm's handler; a body field of the wrong type, and
                        a request whose ``num_draft_tokens`` is deeper than the
@@ -28,26 +33,29 @@ model, a request with a seed), with the same caches and prompt cache. Before
 the server starts, the ``--model`` config is checked (``check_model``, through
 mlx-lm 0.32.2's private ``mlx_lm.utils._download`` and ``_get_classes``).
 
-A refusal (``RequestRefused``) is one line with HTTP 400; the request fails
-alone and the server keeps serving.
+A refusal (``RequestRefused``) is one line with HTTP 400, whether the handler
+raises it or the generation thread does; either way the request fails alone
+and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import logging
 import math
 import sys
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx_lm.server as server
 
 from .geometry import MuseGeometry, UnsupportedModel
 from .growing import GlobalKVCache
-from .install import install
+from .install import install, installed
 from .prompt_cache import ExactPromptCache
 from .sliding import SlidingKVCache
 from .speculative import DEFAULT_RETAIN
@@ -58,7 +66,8 @@ PROG = "muser-kv serve"
 
 #: what ``substituted`` replaces in ``mlx_lm.server``; a server without them is
 #: not the one this module was written against
-SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "_run_http_server")
+SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "ResponseGenerator",
+               "_run_http_server")
 
 for _name in SUBSTITUTED + ("main", "APIHandler", "ThreadingHTTPServer"):
     if not hasattr(server, _name):  # pragma: no cover - another mlx-lm
@@ -162,6 +171,50 @@ def check_model(path: str, max_context: Optional[int]) -> Optional[MuseGeometry]
         raise ServeRefused(f"{path}: {e}") from e
 
 
+ModelKey = Tuple[Optional[str], Optional[str], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the model the provider has loaded admits, published as one value
+    (``MuseModelProvider.limits``) so that another thread reads a consistent set."""
+
+    key: ModelKey  #: the provider's ``model_key`` for this load
+    tokenizer: Any
+    max_context: int  #: positions every cache of a request holds (model and Muse draft)
+    vocab_size: int  #: the width of the model's logits
+
+
+def admit(limits: Limits, prompt_tokens: int, args: Any) -> int:
+    """How many tokens a request (mlx-lm's ``GenerationArguments``) with a
+    prompt of ``prompt_tokens`` tokens may generate: its ``max_tokens``, cut to
+    what fits. Every generated token is fed back to the model, the last one
+    included (mlx-lm computes the next token ahead on all its paths; a
+    speculative round writes no further), so a request writes ``prompt_tokens
+    + max_tokens`` positions. The invariant: that sum is at most
+    ``max_context``, decided before the prompt is prefilled, so no write ever
+    raises ``ContextOverflow`` (batched, it would kill the generation thread
+    and every request in it). Refused (``RequestRefused``): a prompt with no
+    room for one token, an empty one, and a ``top_k`` or ``logit_bias`` id
+    outside the vocabulary (each fails inside the generation thread; batched,
+    each kills it)."""
+    n, context, vocab = prompt_tokens, limits.max_context, limits.vocab_size
+    if n == 0:
+        raise RequestRefused("prompt has 0 tokens; a request needs at least one")
+    if n >= context:
+        raise RequestRefused(f"prompt has {n} tokens; this server's context is {context} tokens "
+                             f"(--max-context), so a prompt must have fewer than {context}")
+    top_k = args.sampling.top_k
+    if top_k >= vocab:
+        raise RequestRefused(f"top_k must be less than {vocab} (the model's vocabulary), "
+                             f"got {top_k}")
+    bad = sorted(k for k in args.logits.logit_bias or {} if not 0 <= k < vocab)
+    if bad:
+        raise RequestRefused(f"logit_bias token ids must be less than {vocab} (the model's "
+                             f"vocabulary), got {bad[0]}")
+    return min(args.max_tokens, context - n)
+
+
 class MuseModelProvider(server.ModelProvider):
     """mlx-lm's ``ModelProvider``: every model it loads gets muser-kv's caches
     (``install``). The model must be Muse-shaped (``UnsupportedModel``
@@ -173,8 +226,22 @@ class MuseModelProvider(server.ModelProvider):
 
     def __init__(self, cli_args: argparse.Namespace):
         super().__init__(cli_args)
+        self.limits: Optional[Limits] = None  #: the loaded model's; ``None`` while none is
         if cli_args.model is not None:
             check_model(cli_args.model, cli_args.max_context)
+
+    def reset(self) -> None:
+        self.limits = None
+        super().reset()
+
+    def model_key_for(self, model_path: str, adapter_path: Optional[str] = None,
+                      draft_model_path: str = "default_model") -> ModelKey:
+        """The ``model_key`` mlx-lm's ``load`` gives a request's names (its mapping,
+        0.32.2): whether the request is for the model ``limits`` describes."""
+        adapter_path = self._adapter_map.get(model_path, adapter_path)
+        model_path = self._model_map.get(model_path, model_path)
+        draft_model_path = self._draft_model_map.get(draft_model_path, draft_model_path)
+        return (model_path, adapter_path, draft_model_path)
 
     def _install(self, model: Any, drafts: Optional[int]) -> Any:
         a = self.cli_args
@@ -192,6 +259,11 @@ class MuseModelProvider(server.ModelProvider):
                     self._install(self.draft_model, drafts)
                 except UnsupportedModel as e:
                     log.info("muser-kv serve: the draft model keeps mlx-lm's caches (%s)", e)
+            contexts = [i.max_context for i in map(installed, (self.model, self.draft_model))
+                        if i is not None]
+            loaded: Any = self  # what mlx-lm's load set (its __init__ types them None)
+            self.limits = Limits(loaded.model_key, loaded.tokenizer, min(contexts),
+                                 int(loaded.model.args.vocab_size))
         except Exception:
             self.reset()  # no model is left serving without muser-kv's caches
             raise
@@ -242,7 +314,7 @@ _INT = (_int, "an integer")
 #: anything else kills its generation thread (``stop``, ``top_logprobs``), or
 #: leaves the request without a whole answer (``seed``, ``stream_options``), or
 #: is silently taken for something else (``max_tokens: true`` is 1). Ranges stay
-#: mlx-lm's (its check runs next).
+#: mlx-lm's (its check runs next); those that need the model are ``admit``'s.
 BODY_FIELDS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "stream": (lambda v: type(v) is bool, "true or false"),
     "stream_options": (_or_null(lambda v: isinstance(v, dict) and type(
@@ -328,12 +400,44 @@ def check_body(body: Dict[str, Any], chat: bool) -> None:
         check_messages(body["messages"])
 
 
+class MuseResponseGenerator(server.ResponseGenerator):
+    """mlx-lm's generation thread, admitting each request (``admit``) where
+    mlx-lm tokenizes it: ``_tokenize``, on the batched and the one-at-a-time
+    path alike, inside the ``try`` that fails one request alone. There the
+    provider's ``limits`` are the model the request runs on. ``generate``, in
+    the handler's thread, runs the same check before the request is queued
+    when the request is for the model ``limits`` describes (a copy of the
+    request, tokenized as mlx-lm will), so a refusal costs the generation
+    thread nothing; the generation thread's check holds whatever the handler saw."""
+
+    model_provider: MuseModelProvider
+
+    def generate(self, request: Any, generation_args: Any,
+                 progress_callback: Optional[Callable[[int, int], None]] = None) -> Any:
+        limits, names = self.model_provider.limits, generation_args.model
+        if limits is not None and limits.key == self.model_provider.model_key_for(
+                names.model, names.adapter, names.draft):
+            prompt, *_ = super()._tokenize(limits.tokenizer, copy.deepcopy(request),
+                                           generation_args)
+            admit(limits, len(prompt), generation_args)
+        return super().generate(request, generation_args, progress_callback)
+
+    def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+        tokenized = super()._tokenize(tokenizer, request, args)
+        limits = self.model_provider.limits
+        if limits is None:  # pragma: no cover - mlx-lm tokenizes only after a load
+            raise RuntimeError("muser-kv serve: a request tokenized with no model loaded")
+        args.max_tokens = admit(limits, len(tokenized[0]), args)
+        return tokenized
+
+
 class MuseAPIHandler(server.APIHandler):
     """mlx-lm's handler, refusing up front what would not run as asked: a body
     field of the wrong type (``check_body``), and a speculative request whose
     ``num_draft_tokens`` exceeds ``rollback_depth`` (it would fail at its first
     deep rollback, mid-request). mlx-lm answers a refusal here as any invalid
-    parameter: HTTP 400, one line."""
+    parameter, HTTP 400 with one line; a ``RequestRefused`` from ``generate``
+    (``admit``) gets 400 too, where mlx-lm answers 404 to whatever it raises."""
 
     def validate_model_parameters(self) -> None:
         check_body(self.body, chat=self.path != "/v1/completions")
@@ -349,6 +453,14 @@ class MuseAPIHandler(server.APIHandler):
                 f"exactly {depth} rows (the server's --retain / --num-draft-tokens), got "
                 f"{self.num_draft_tokens}")
 
+    def _set_completion_headers(self, status_code: int = 200) -> None:
+        # mlx-lm's handle_completion answers what generate() raises with 404,
+        # from inside its except block: a refusal there is the client's error
+        if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
+            status_code = 400
+        super()._set_completion_headers(status_code)
+
+
 def _serving_with(run_http_server: Any) -> Any:
     def run_with_our_handler(host: str, port: int, response_generator: Any,
                              server_class: Any = server.ThreadingHTTPServer,
@@ -363,6 +475,7 @@ def substituted(argv: Sequence[str]) -> Iterator[None]:
     duration of the block."""
     replacements = {"argparse": _argparse_with(argv), "ModelProvider": MuseModelProvider,
                     "LRUPromptCache": ExactPromptCache,
+                    "ResponseGenerator": MuseResponseGenerator,
                     "_run_http_server": _serving_with(server._run_http_server)}
     saved = {name: getattr(server, name) for name in replacements}
     for name, value in replacements.items():
