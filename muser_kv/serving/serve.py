@@ -2,22 +2,28 @@
 
 The server is mlx-lm's own (``mlx_lm.server.main``, 0.32.2): its argument
 parser and every flag, its HTTP handler, its batching and its prompt-cache
-logic. While it runs, four names it looks up at run time are substituted,
+logic. While it runs, five names it looks up at run time are substituted,
 here and nowhere else (``substituted``), and put back afterwards:
 
-==================  =========================================================
-``argparse``        the same module, whose ``ArgumentParser`` also takes
-                    muser-kv's flags (``--max-context``, ``--retain``,
-                    ``--plane-dtype``) and refuses ``--kv-bits`` and
-                    ``--retain 0`` with a draft model
-``ModelProvider``   ``MuseModelProvider``: mlx-lm's loader, then
-                    ``muser_kv.install`` on every model it loads
-``LRUPromptCache``  ``ExactPromptCache`` (``muser_kv.prompt_cache``)
-``_run_http_server`` the same function, serving with ``MuseAPIHandler``
-                    (mlx-lm's handler; a request whose ``num_draft_tokens``
-                    is deeper than the caches roll back exactly is refused
-                    with 400 before it runs)
-==================  =========================================================
+=====================  ======================================================
+``argparse``           the same module, whose ``ArgumentParser`` also takes
+                       muser-kv's flags (``--max-context``, ``--retain``,
+                       ``--plane-dtype``) and refuses ``--kv-bits`` and
+                       ``--retain 0`` with a draft model
+``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
+                       ``muser_kv.install`` on every model it loads, and the
+                       loaded model's ``Limits`` published for the handler
+``LRUPromptCache``     ``ExactPromptCache`` (``muser_kv.serving.prompt_cache``)
+``ResponseGenerator``  ``MuseResponseGenerator``: mlx-lm's generation thread,
+                       admitting each request where it tokenizes it (``admit``:
+                       a prompt that cannot fit is refused, ``max_tokens`` is
+                       cut so that no write passes ``max_context``)
+``_run_http_server``   the same function, serving with ``MuseAPIHandler``
+                       (mlx-lm's handler; a body field of the wrong type, and
+                       a request whose ``num_draft_tokens`` is deeper than the
+                       caches roll back exactly, are refused with 400 before
+                       the request is queued)
+=====================  ======================================================
 
 Everything else is mlx-lm's. The server builds each request's caches with
 ``make_prompt_cache(model)``, which returns ``model.make_cache()``: the hook
@@ -26,16 +32,24 @@ Everything else is mlx-lm's. The server builds each request's caches with
 model, a request with a seed), with the same caches and prompt cache. Before
 the server starts, the ``--model`` config is checked (``check_model``, through
 mlx-lm 0.32.2's private ``mlx_lm.utils._download`` and ``_get_classes``).
+
+A refusal (``RequestRefused``) is one line with HTTP 400, whether the handler
+raises it or the generation thread does; either way the request fails alone
+and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import json
 import logging
+import math
 import sys
 import types
-from typing import Any, Iterator, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx_lm.server as server
 
@@ -43,7 +57,7 @@ from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
-from muser_kv.serving.install import install
+from muser_kv.serving.install import install, installed
 from muser_kv.serving.prompt_cache import ExactPromptCache
 
 log = logging.getLogger(__name__)
@@ -52,7 +66,8 @@ PROG = "muser-kv serve"
 
 #: what ``substituted`` replaces in ``mlx_lm.server``; a server without them is
 #: not the one this module was written against
-SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "_run_http_server")
+SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "ResponseGenerator",
+               "_run_http_server")
 
 for _name in SUBSTITUTED + ("main", "APIHandler", "ThreadingHTTPServer"):
     if not hasattr(server, _name):  # pragma: no cover - another mlx-lm
@@ -62,6 +77,11 @@ for _name in SUBSTITUTED + ("main", "APIHandler", "ThreadingHTTPServer"):
 
 class ServeRefused(Exception):
     """The server cannot start with these arguments (one line says why)."""
+
+
+class RequestRefused(ValueError):
+    """A request this server does not run as asked (one line says why): the
+    client's error, answered with HTTP 400 before the request's first token."""
 
 
 def _positive(text: str) -> int:
@@ -151,6 +171,50 @@ def check_model(path: str, max_context: Optional[int]) -> Optional[MuseGeometry]
         raise ServeRefused(f"{path}: {e}") from e
 
 
+ModelKey = Tuple[Optional[str], Optional[str], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the model the provider has loaded admits, published as one value
+    (``MuseModelProvider.limits``) so that another thread reads a consistent set."""
+
+    key: ModelKey  #: the provider's ``model_key`` for this load
+    tokenizer: Any
+    max_context: int  #: positions every cache of a request holds (model and Muse draft)
+    vocab_size: int  #: the width of the model's logits
+
+
+def admit(limits: Limits, prompt_tokens: int, args: Any) -> int:
+    """How many tokens a request (mlx-lm's ``GenerationArguments``) with a
+    prompt of ``prompt_tokens`` tokens may generate: its ``max_tokens``, cut to
+    what fits. Every generated token is fed back to the model, the last one
+    included (mlx-lm computes the next token ahead on all its paths; a
+    speculative round writes no further), so a request writes ``prompt_tokens
+    + max_tokens`` positions. The invariant: that sum is at most
+    ``max_context``, decided before the prompt is prefilled, so no write ever
+    raises ``ContextOverflow`` (batched, it would kill the generation thread
+    and every request in it). Refused (``RequestRefused``): a prompt with no
+    room for one token, an empty one, and a ``top_k`` or ``logit_bias`` id
+    outside the vocabulary (each fails inside the generation thread; batched,
+    each kills it)."""
+    n, context, vocab = prompt_tokens, limits.max_context, limits.vocab_size
+    if n == 0:
+        raise RequestRefused("prompt has 0 tokens; a request needs at least one")
+    if n >= context:
+        raise RequestRefused(f"prompt has {n} tokens; this server's context is {context} tokens "
+                             f"(--max-context), so a prompt must have fewer than {context}")
+    top_k = args.sampling.top_k
+    if top_k >= vocab:
+        raise RequestRefused(f"top_k must be less than {vocab} (the model's vocabulary), "
+                             f"got {top_k}")
+    bad = sorted(k for k in args.logits.logit_bias or {} if not 0 <= k < vocab)
+    if bad:
+        raise RequestRefused(f"logit_bias token ids must be less than {vocab} (the model's "
+                             f"vocabulary), got {bad[0]}")
+    return min(args.max_tokens, context - n)
+
+
 class MuseModelProvider(server.ModelProvider):
     """mlx-lm's ``ModelProvider``: every model it loads gets muser-kv's caches
     (``install``). The model must be Muse-shaped (``UnsupportedModel``
@@ -162,8 +226,22 @@ class MuseModelProvider(server.ModelProvider):
 
     def __init__(self, cli_args: argparse.Namespace):
         super().__init__(cli_args)
+        self.limits: Optional[Limits] = None  #: the loaded model's; ``None`` while none is
         if cli_args.model is not None:
             check_model(cli_args.model, cli_args.max_context)
+
+    def reset(self) -> None:
+        self.limits = None
+        super().reset()
+
+    def model_key_for(self, model_path: str, adapter_path: Optional[str] = None,
+                      draft_model_path: str = "default_model") -> ModelKey:
+        """The ``model_key`` mlx-lm's ``load`` gives a request's names (its mapping,
+        0.32.2): whether the request is for the model ``limits`` describes."""
+        adapter_path = self._adapter_map.get(model_path, adapter_path)
+        model_path = self._model_map.get(model_path, model_path)
+        draft_model_path = self._draft_model_map.get(draft_model_path, draft_model_path)
+        return (model_path, adapter_path, draft_model_path)
 
     def _install(self, model: Any, drafts: Optional[int]) -> Any:
         a = self.cli_args
@@ -181,6 +259,11 @@ class MuseModelProvider(server.ModelProvider):
                     self._install(self.draft_model, drafts)
                 except UnsupportedModel as e:
                     log.info("muser-kv serve: the draft model keeps mlx-lm's caches (%s)", e)
+            contexts = [i.max_context for i in map(installed, (self.model, self.draft_model))
+                        if i is not None]
+            loaded: Any = self  # what mlx-lm's load set (its __init__ types them None)
+            self.limits = Limits(loaded.model_key, loaded.tokenizer, min(contexts),
+                                 int(loaded.model.args.vocab_size))
         except Exception:
             self.reset()  # no model is left serving without muser-kv's caches
             raise
@@ -198,14 +281,169 @@ def rollback_depth(cli_args: argparse.Namespace) -> int:
     return max(cli_args.retain, cli_args.num_draft_tokens)
 
 
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _refuse(field: str, expected: str, value: Any) -> RequestRefused:
+    return RequestRefused(f"{field} must be {expected}, got {_show(value)}")
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int  # JSON true is a bool, and a bool is not a count
+
+
+def _number(v: Any) -> bool:
+    return type(v) is int or (type(v) is float and math.isfinite(v))  # Python's JSON reads NaN
+
+
+def _or_null(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _string_list(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is str for x in v)
+
+
+_NUMBER = (_number, "a finite number")
+_INT = (_int, "an integer")
+
+#: the type each body field mlx-lm's handler reads must have, where mlx-lm's
+#: ``validate_model_parameters`` checks none or lets a bool or a NaN through:
+#: anything else kills its generation thread (``stop``, ``top_logprobs``), or
+#: leaves the request without a whole answer (``seed``, ``stream_options``), or
+#: is silently taken for something else (``max_tokens: true`` is 1). Ranges stay
+#: mlx-lm's (its check runs next); those that need the model are ``admit``'s.
+BODY_FIELDS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "stream": (lambda v: type(v) is bool, "true or false"),
+    "stream_options": (_or_null(lambda v: isinstance(v, dict) and type(
+        v.get("include_usage", False)) is bool), 'null or an object whose "include_usage" '
+                                                 "is true or false"),
+    "model": (lambda v: type(v) is str, "a string"),
+    "draft_model": (_or_null(lambda v: type(v) is str), "a string or null"),
+    "adapters": (_or_null(lambda v: type(v) is str), "a string or null"),
+    "num_draft_tokens": _INT,
+    "max_completion_tokens": (_or_null(_int), "an integer or null"),
+    "max_tokens": _INT,
+    "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT, "min_p": _NUMBER,
+    "repetition_penalty": _NUMBER, "repetition_context_size": _INT,
+    "presence_penalty": _NUMBER, "presence_context_size": _INT,
+    "frequency_penalty": _NUMBER, "frequency_context_size": _INT,
+    "xtc_probability": (lambda v: type(v) is float and math.isfinite(v), "a finite float"),
+    "xtc_threshold": (lambda v: type(v) is float and math.isfinite(v), "a finite float"),
+    "logit_bias": (_or_null(lambda v: isinstance(v, dict)), "an object or null"),
+    "logprobs": (lambda v: type(v) is bool, "true or false"),
+    "top_logprobs": _INT,
+    "seed": (_or_null(lambda v: _int(v) and 0 <= v < 2 ** 64),
+             "an integer from 0 to 2**64 - 1, or null"),
+    "chat_template_kwargs": (_or_null(lambda v: isinstance(v, dict)), "an object or null"),
+    "stop": (_or_null(lambda v: type(v) is str or _string_list(v)),
+             "a string, a list of strings or null"),
+}
+
+#: the fields of one endpoint's request (``handle_text_completions``,
+#: ``handle_chat_completions``); ``messages`` is checked by ``check_messages``
+TEXT_FIELDS = {"prompt": (lambda v: type(v) is str, "a string")}
+CHAT_FIELDS = {
+    "tools": (_or_null(lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v)),
+              "a list of objects or null"),
+    "role_mapping": (_or_null(lambda v: isinstance(v, dict) and all(
+        type(x) is str for x in v.values())), "an object of strings or null"),
+}
+
+
+def check_messages(messages: Any) -> None:
+    """A chat's ``messages`` as mlx-lm's handler and chat template read them:
+    a non-empty list of objects, each with a string ``role`` and a ``content``
+    that is a string, null (empty) or a list of content parts (objects with a
+    string ``type``; a text part with a string ``text``). Raises ``RequestRefused``."""
+    if not isinstance(messages, list) or not messages:
+        raise _refuse("messages", "a non-empty list of messages", messages)
+    for i, message in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _refuse(at, "an object", message)
+        if type(message.get("role")) is not str:
+            raise _refuse(f"{at}.role", "a string", message.get("role"))
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or type(part.get("type")) is not str:
+                    raise _refuse(f"{at}.content[{j}]", 'an object with a string "type"', part)
+                if part["type"] == "text" and type(part.get("text")) is not str:
+                    raise _refuse(f"{at}.content[{j}].text", "a string", part.get("text"))
+        elif content is not None and type(content) is not str:
+            raise _refuse(f"{at}.content", "a string, a list of content parts or null", content)
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list)
+                                      and all(isinstance(c, dict) for c in calls)):
+            raise _refuse(f"{at}.tool_calls", "a list of objects or null", calls)
+
+
+def check_body(body: Dict[str, Any], chat: bool) -> None:
+    """Every field of a request ``body`` mlx-lm reads, by ``BODY_FIELDS`` and
+    the endpoint's own (``chat``: ``/v1/chat/completions``); an absent field is
+    mlx-lm's default. Raises ``RequestRefused`` naming the first that is wrong."""
+    fields = dict(BODY_FIELDS, **(CHAT_FIELDS if chat else TEXT_FIELDS))
+    if body.get("max_completion_tokens") is not None:
+        del fields["max_tokens"]  # not read: mlx-lm takes max_completion_tokens first
+    for name, (ok, expected) in fields.items():
+        if name in body and not ok(body[name]):
+            raise _refuse(name, expected, body[name])
+    for key, value in (body.get("logit_bias") or {}).items():
+        if not (key.isascii() and key.isdigit()):  # int() would read "-1", the last id
+            raise _refuse("logit_bias keys", "token ids (decimal integers >= 0)", key)
+        if not _number(value):
+            raise _refuse(f"logit_bias[{key!r}]", "a finite number", value)
+    if chat and "messages" in body:
+        check_messages(body["messages"])
+
+
+class MuseResponseGenerator(server.ResponseGenerator):
+    """mlx-lm's generation thread, admitting each request (``admit``) where
+    mlx-lm tokenizes it: ``_tokenize``, on the batched and the one-at-a-time
+    path alike, inside the ``try`` that fails one request alone. There the
+    provider's ``limits`` are the model the request runs on. ``generate``, in
+    the handler's thread, runs the same check before the request is queued
+    when the request is for the model ``limits`` describes (a copy of the
+    request, tokenized as mlx-lm will), so a refusal costs the generation
+    thread nothing; the generation thread's check holds whatever the handler saw."""
+
+    model_provider: MuseModelProvider
+
+    def generate(self, request: Any, generation_args: Any,
+                 progress_callback: Optional[Callable[[int, int], None]] = None) -> Any:
+        limits, names = self.model_provider.limits, generation_args.model
+        if limits is not None and limits.key == self.model_provider.model_key_for(
+                names.model, names.adapter, names.draft):
+            prompt, *_ = super()._tokenize(limits.tokenizer, copy.deepcopy(request),
+                                           generation_args)
+            admit(limits, len(prompt), generation_args)
+        return super().generate(request, generation_args, progress_callback)
+
+    def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+        tokenized = super()._tokenize(tokenizer, request, args)
+        limits = self.model_provider.limits
+        if limits is None:  # pragma: no cover - mlx-lm tokenizes only after a load
+            raise RuntimeError("muser-kv serve: a request tokenized with no model loaded")
+        args.max_tokens = admit(limits, len(tokenized[0]), args)
+        return tokenized
+
+
 class MuseAPIHandler(server.APIHandler):
-    """mlx-lm's handler, refusing up front what muser-kv's caches cannot do
-    exactly: a speculative request whose ``num_draft_tokens`` exceeds
-    ``rollback_depth`` would fail at its first deep rollback, mid-request.
-    mlx-lm answers a refusal here as any invalid parameter: HTTP 400, one line."""
+    """mlx-lm's handler, refusing up front what would not run as asked: a body
+    field of the wrong type (``check_body``), and a speculative request whose
+    ``num_draft_tokens`` exceeds ``rollback_depth`` (it would fail at its first
+    deep rollback, mid-request). mlx-lm answers a refusal here as any invalid
+    parameter, HTTP 400 with one line; a ``RequestRefused`` from ``generate``
+    (``admit``) gets 400 too, where mlx-lm answers 404 to whatever it raises."""
 
     def validate_model_parameters(self) -> None:
+        check_body(self.body, chat=self.path != "/v1/completions")
         super().validate_model_parameters()
+        if self.stream_options is not None:  # mlx-lm reads the key, absent or not
+            self.stream_options = {"include_usage": False, **self.stream_options}
         cli = self.response_generator.model_provider.cli_args
         drafting = cli.draft_model is not None or self.requested_draft_model != "default_model"
         depth = rollback_depth(cli)
@@ -214,6 +452,13 @@ class MuseAPIHandler(server.APIHandler):
                 f"num_draft_tokens must be at most {depth}: muser-kv's caches roll back "
                 f"exactly {depth} rows (the server's --retain / --num-draft-tokens), got "
                 f"{self.num_draft_tokens}")
+
+    def _set_completion_headers(self, status_code: int = 200) -> None:
+        # mlx-lm's handle_completion answers what generate() raises with 404,
+        # from inside its except block: a refusal there is the client's error
+        if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
+            status_code = 400
+        super()._set_completion_headers(status_code)
 
 
 def _serving_with(run_http_server: Any) -> Any:
@@ -230,6 +475,7 @@ def substituted(argv: Sequence[str]) -> Iterator[None]:
     duration of the block."""
     replacements = {"argparse": _argparse_with(argv), "ModelProvider": MuseModelProvider,
                     "LRUPromptCache": ExactPromptCache,
+                    "ResponseGenerator": MuseResponseGenerator,
                     "_run_http_server": _serving_with(server._run_http_server)}
     saved = {name: getattr(server, name) for name in replacements}
     for name, value in replacements.items():

@@ -18,6 +18,14 @@ are greedy; tokens are read from ``logprobs`` (ids).
   same tokens a fresh server gives, and a prompt equal to a stored entry (a
   "continue" request, which kills mlx-lm 0.32.2's batched generation thread)
   is answered.
+* The context and the body, while other requests run: ``batched`` and
+  ``draft`` hold ``CONTEXT`` positions (``--max-context``). A prompt that
+  cannot fit gets 400 naming the limit before it runs; one that fits but asks
+  for more tokens than remain ends with ``finish_reason`` "length" after
+  exactly the tokens that fit (streamed or not); a body field of the wrong type
+  gets 400 naming it. mlx-lm 0.32.2's server loses its generation thread to
+  each of these (``ContextOverflow`` mid-batch, ``"stop": 5``); here the next
+  request gets its solo tokens.
 * The speculative path (in-process, as the server drives it): the cache it
   leaves may hold one token fewer than its key; the entry is keyed by what it
   holds.
@@ -25,6 +33,7 @@ are greedy; tokens are read from ``logprobs`` (ids).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -35,7 +44,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from types import SimpleNamespace
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import metal_plugin
 import numpy as np
@@ -49,6 +59,7 @@ from muser_kv.serving.prompt_cache import ExactPromptCache
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 90
 REQUEST_TIMEOUT = 60
+CONTEXT = 64  # --max-context of the batched and draft servers
 
 
 def free_port() -> int:
@@ -130,15 +141,17 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     """Three servers, started together (their start-up overlaps), stopped in
-    any case: ``batched`` and ``draft`` keep no prompt cache, ``cached`` does."""
+    any case: ``batched`` and ``draft`` keep no prompt cache and hold
+    ``CONTEXT`` positions, ``cached`` keeps one (and the model's 256)."""
     if os.environ.get(metal_plugin.EMULATOR_ENV):
         pytest.skip("the servers run the command itself, which does not install the tests' "
                     "Metal emulator; its caches run emulated in-process (test_batch, "
                     "test_prompt_cache)")
     logs = tmp_path_factory.mktemp("logs")
-    flags = {"batched": ("--prompt-cache-size", "0"),
+    context = ("--max-context", str(CONTEXT))
+    flags = {"batched": ("--prompt-cache-size", "0", *context),
              "draft": ("--prompt-cache-size", "0", "--draft-model", str(model_dir),
-                       "--num-draft-tokens", "3"),
+                       "--num-draft-tokens", "3", *context),
              "cached": ("--retain", "16")}  # depths of 16 to ~48: the trims below are past them
     started: Dict[str, Server] = {}
     try:
@@ -244,6 +257,194 @@ def test_a_request_for_a_model_muser_kv_cannot_serve_fails_alone(servers, model_
     assert send(server, REQUESTS[0]) == before  # the Muse model is served again, as before
 
 
+# -- the context and the body: refused or cut, and the server keeps serving ---------------------
+
+
+@pytest.fixture(scope="module")
+def solo(servers) -> Dict[str, List[int]]:
+    """``REQUESTS[0]``'s tokens on the batched and draft servers, sent alone:
+    what the next request after a refusal must give."""
+    return {name: send(servers[name], REQUESTS[0]) for name in ("batched", "draft")}
+
+
+def completion(prompt: Sequence[int], max_tokens: int, **extra: Any) -> Dict[str, Any]:
+    return dict({"prompt": words(prompt), "max_tokens": max_tokens, "temperature": 0,
+                 "logprobs": True}, **extra)
+
+
+def answer(out: Dict[str, Any]) -> Tuple[List[int], str]:
+    """(token ids, finish_reason) of a completion."""
+    choice = out["choices"][0]
+    return [t["id"] for t in choice["logprobs"]["content"]], choice["finish_reason"]
+
+
+def open_stream(server: Server, body: Dict[str, Any]):
+    """A streamed completion, its headers read: (connection, its events)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=REQUEST_TIMEOUT)
+    conn.request("POST", "/v1/completions",
+                 json.dumps(dict(body, stream=True, stream_options={"include_usage": True})),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200, (response.status, response.read())
+
+    def events() -> Iterator[Dict[str, Any]]:
+        for line in response:  # server-sent events; ": keepalive" lines are comments
+            if line.startswith(b"data: [DONE]"):
+                return
+            if line.startswith(b"data: "):
+                yield json.loads(line[len(b"data: "):])
+        raise AssertionError("the stream ended without [DONE]")
+
+    return conn, events()
+
+
+def streamed(events) -> Tuple[str, Optional[str], Optional[int]]:
+    """(text, finish_reason, completion_tokens) of a stream's events."""
+    text, finish, tokens = "", None, None
+    for event in events:
+        for choice in event["choices"]:
+            text += choice.get("text", "")
+            finish = choice["finish_reason"] or finish
+        tokens = event.get("usage", {}).get("completion_tokens", tokens)
+    return text, finish, tokens
+
+
+def refused_for_context(n: int) -> str:
+    return (f"prompt has {n} tokens; this server's context is {CONTEXT} tokens (--max-context), "
+            f"so a prompt must have fewer than {CONTEXT}")
+
+
+@pytest.mark.parametrize("name", ["batched", "draft"])
+def test_a_prompt_that_cannot_fit_is_refused_while_others_run(servers, solo, name):
+    """While a stream runs to the end of the context: a prompt of CONTEXT tokens
+    (no position left to generate into) and a longer chat get 400 naming the
+    limit, a body with ``"stop": 5`` gets 400 naming the field, a normal request
+    sent with them gets its solo tokens; the stream ends with "length" after
+    the CONTEXT - 8 tokens that fit, the text the same request gives unstreamed."""
+    server = servers[name]
+    streaming = completion(ids(8, 30), 1000)
+    unstreamed = server.post("/v1/completions", dict(streaming, max_tokens=CONTEXT - 8))
+    refusals = [
+        ("/v1/completions", completion(ids(CONTEXT, 31), 3), refused_for_context(CONTEXT)),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "system", "content": words(ids(40, 32))},
+                       {"role": "user", "content": words(ids(30, 33))}], "max_tokens": 3},
+         refused_for_context(40 + 30 + 1)),  # the template adds t1, the generation prompt
+        ("/v1/completions", completion(ids(10, 34), 3, stop=5),
+         "stop must be a string, a list of strings or null, got 5"),
+    ]
+    conn, events = open_stream(server, streaming)
+    try:
+        first = next(events)  # generating
+        with ThreadPoolExecutor(len(refusals) + 1) as pool:
+            normal = pool.submit(send, server, REQUESTS[0])
+            answers = list(pool.map(lambda r: server.send(r[0], r[1]), refusals))
+            assert answers == [(400, {"error": message}) for _, _, message in refusals]
+            assert normal.result() == solo[name]
+        text, finish, tokens = streamed([first, *events])
+    finally:
+        conn.close()
+    assert (finish, tokens) == ("length", CONTEXT - 8)
+    assert text == unstreamed["choices"][0]["text"]
+    assert send(server, REQUESTS[0]) == solo[name]
+
+
+@pytest.mark.parametrize("name", ["batched", "draft"])
+def test_a_generation_that_reaches_the_context_ends_with_length(servers, solo, name):
+    """Prompts that fit, asking for more tokens than remain, sent together: each
+    gets 200 with exactly CONTEXT - prompt tokens and finish_reason "length", the
+    tokens the same request gives asking for exactly those; down to a prompt one
+    short of CONTEXT, which gets one token."""
+    server = servers[name]
+    asks = [(ids(50, 40), 100), (ids(CONTEXT - 1, 41), 5), (ids(30, 42), CONTEXT)]
+    exact = [answer(server.post("/v1/completions", completion(p, CONTEXT - len(p))))
+             for p, _ in asks]
+    assert [(len(t), f) for t, f in exact] == [(CONTEXT - len(p), "length") for p, _ in asks]
+    with ThreadPoolExecutor(len(asks) + 1) as pool:
+        normal = pool.submit(send, server, REQUESTS[0])
+        cut = list(pool.map(lambda a: answer(server.post("/v1/completions", completion(*a))),
+                            asks))
+        assert normal.result() == solo[name]
+    assert cut == exact
+    assert send(server, REQUESTS[0]) == solo[name]
+
+
+@pytest.mark.parametrize("name", ["batched", "draft"])
+def test_the_generation_thread_admits_what_the_handler_could_not(servers, solo, model_dir,
+                                                                 name):
+    """A request for a model not loaded yet (the same weights under another
+    path: another model key) reaches the generation thread unchecked, since the
+    handler has no limits for it: the thread refuses the prompt that cannot
+    fit with the same 400 and cuts the one that would pass the context; then
+    the default model is loaded back and serves its solo tokens."""
+    server = servers[name]
+    alias = model_dir.parent / f"alias-{name}"
+    alias.symlink_to(model_dir)
+    status, out = server.send("/v1/completions",
+                              completion(ids(CONTEXT + 5, 60), 3, model=str(alias)))
+    assert (status, out) == (400, {"error": refused_for_context(CONTEXT + 5)})
+    tokens, finish = answer(server.post("/v1/completions",
+                                        completion(ids(60, 61), 10, model=str(alias))))
+    assert (len(tokens), finish) == (CONTEXT - 60, "length")
+    assert send(server, REQUESTS[0]) == solo[name]
+
+
+def chat_body(**extra: Any) -> Dict[str, Any]:
+    return dict({"messages": [{"role": "user", "content": words(ids(10, 50))}],
+                 "max_tokens": 3, "temperature": 0}, **extra)
+
+
+CHAT = "/v1/chat/completions"
+
+#: (server, endpoint, body, the whole error): each kills mlx-lm 0.32.2's
+#: generation thread, or leaves the request without a whole answer, or is
+#: served as something else, or is refused naming neither what was expected
+#: nor what came
+WRONG_BODIES = [
+    ("batched", None, completion(ids(10, 50), 3, stop=[" t3", 5]),
+     'stop must be a string, a list of strings or null, got [" t3", 5]'),
+    ("draft", None, completion(ids(10, 50), 3, stop=5),
+     "stop must be a string, a list of strings or null, got 5"),
+    ("batched", None, completion(ids(10, 50), True), "max_tokens must be an integer, got true"),
+    ("batched", None, completion(ids(10, 50), 3, max_completion_tokens="5"),
+     'max_completion_tokens must be an integer or null, got "5"'),
+    ("batched", None, completion(ids(10, 50), 3, temperature=float("nan")),
+     "temperature must be a finite number, got NaN"),
+    ("batched", None, completion(ids(10, 50), 3, top_logprobs=True),
+     "top_logprobs must be an integer, got true"),
+    ("batched", None, completion(ids(10, 50), 3, seed=-1),
+     "seed must be an integer from 0 to 2**64 - 1, or null, got -1"),
+    ("draft", None, completion(ids(10, 50), 3, num_draft_tokens=True),
+     "num_draft_tokens must be an integer, got true"),
+    ("batched", None, dict(completion(ids(10, 50), 3), prompt=["t1"]),
+     'prompt must be a string, got ["t1"]'),
+    ("batched", None, dict(completion(ids(10, 50), 3), prompt=""),
+     "prompt has 0 tokens; a request needs at least one"),
+    ("batched", None, completion(ids(10, 50), 3, temperature=0.5, top_k=256),
+     "top_k must be less than 256 (the model's vocabulary), got 256"),
+    ("batched", None, completion(ids(10, 50), 3, logit_bias={"9999": 1}),
+     "logit_bias token ids must be less than 256 (the model's vocabulary), got 9999"),
+    ("batched", None, completion(ids(10, 50), 3, logit_bias={"-1": 1}),
+     'logit_bias keys must be token ids (decimal integers >= 0), got "-1"'),
+    ("batched", None, completion(ids(10, 50), 3, stream=True, stream_options=5),
+     'stream_options must be null or an object whose "include_usage" is true or false, got 5'),
+    ("batched", CHAT, chat_body(messages="t1 t2"),
+     'messages must be a non-empty list of messages, got "t1 t2"'),
+    ("draft", CHAT, chat_body(messages=[{"role": "user", "content": 5}]),
+     "messages[0].content must be a string, a list of content parts or null, got 5"),
+    ("batched", CHAT, chat_body(tools=5), "tools must be a list of objects or null, got 5"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, error", WRONG_BODIES,
+                         ids=[e.split(" must ")[0].split(" has ")[0] for *_, e in WRONG_BODIES])
+def test_a_body_field_of_the_wrong_type_is_refused_naming_it(servers, solo, name, path, body,
+                                                             error):
+    server = servers[name]
+    assert server.send(path or "/v1/completions", body) == (400, {"error": error})
+    assert send(server, REQUESTS[0]) == solo[name]
+
+
 # -- in-process: what the command is made of ----------------------------------------------------
 
 
@@ -259,6 +460,38 @@ def test_the_provider_installs_muser_kv_on_every_model_it_loads(model_dir):
     plain = serve.MuseModelProvider(parse(["--model", str(model_dir), "--max-context", "64"]))
     plain.load("default_model")
     assert plain.is_batchable and muser_kv.installed(plain.model).max_context == 64
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_queued(model_dir):
+    """The handler's thread refuses it (``MuseResponseGenerator.generate``, by
+    the loaded model's ``limits``): the generation thread never sees it, so the
+    refusal waits for no generation in flight (one at a time, all of it)."""
+    from mlx_lm.server import CompletionRequest, ModelDescription
+
+    provider = serve.MuseModelProvider(parse(["--model", str(model_dir), "--max-context", "16"]))
+    generator = serve.MuseResponseGenerator(provider, ExactPromptCache())
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while provider.limits is None:  # the generation thread loads the default model
+            assert time.monotonic() < deadline and generator.generation_available()
+            time.sleep(0.05)
+        assert (provider.limits.max_context, provider.limits.vocab_size) == (16, 256)
+
+        def put(item, *args, **kwargs):
+            raise AssertionError("queued")
+
+        generator.requests.put = put
+        args = SimpleNamespace(model=ModelDescription("default_model", "default_model", None),
+                               sampling=SimpleNamespace(top_k=0),
+                               logits=SimpleNamespace(logit_bias=None), max_tokens=5)
+        fits, too_long = (CompletionRequest("text", words(ids(n, 70)), [], None, None)
+                          for n in (15, 16))
+        with pytest.raises(serve.RequestRefused, match="prompt has 16 tokens"):
+            generator.generate(too_long, args)
+        with pytest.raises(AssertionError, match="queued"):  # one that fits goes on
+            generator.generate(fits, args)
+    finally:
+        generator.stop_and_join()
 
 
 def test_the_provider_decides_batchability_without_building_a_cache(model_dir, monkeypatch):
