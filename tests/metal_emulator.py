@@ -37,6 +37,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -416,6 +417,10 @@ class EmulatedMetal:
         return self.compiled[digest]
 
 
+#: Serializes emulated launches (see ``EmulatedKernel.__call__``).
+_LAUNCH = threading.RLock()
+
+
 @dataclass
 class EmulatedKernel:
     emulator: EmulatedMetal
@@ -428,6 +433,16 @@ class EmulatedKernel:
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value=None, verbose=False, stream=None) -> List[mx.array]:
+        # One launch at a time, as one GPU queue runs them: the guarded arenas are
+        # reused between launches and the fault handler is process-wide, so two
+        # threads emulating at once (sessions saved from several threads) would
+        # fault each other's guard pages.
+        with _LAUNCH:
+            return self._launch(inputs, output_shapes, output_dtypes, grid, threadgroup,
+                                template, init_value, verbose)
+
+    def _launch(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template,
+                init_value, verbose) -> List[mx.array]:
         if init_value is not None:
             raise MetalEmulatorError(f"{self.name}: init_value is not emulated")
         template = list(template or [])
