@@ -468,7 +468,7 @@ class MuseKVCache:
             return self._detached()
         members = group.caches()
         copies = [c._detached() for c in members]
-        cachelist.bind(copies, group.model)
+        cachelist.bind(copies, group.model, group.model_layers)
         for c, d in zip(members, copies):
             memo[id(c)] = d
         return memo[id(self)]

@@ -539,7 +539,8 @@ def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
     batches = []
     for i in range(geometry.num_layers):
         sliding = geometry.layer_kind(i) is LayerKind.SLIDING
-        planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+        heads, dim = geometry.layer_dims(i)
+        planes = Planes(kv_heads=heads, head_dim=dim,
                         capacity=geometry.capacity(i),
                         layout=sliding_layout if sliding else kernels.HEAD_MAJOR,
                         dtype=plane_dtype, slots=slots)
@@ -555,7 +556,7 @@ def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
             per_slot[s].append(c)
         batches.append(BatchKVCache(planes, seqs))
     for caches in per_slot:
-        cachelist.bind(caches, model)
+        cachelist.bind(caches, model, model_layers=geometry.model_layers or geometry.num_layers)
     return batches, per_slot
 
 

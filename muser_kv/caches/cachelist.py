@@ -100,8 +100,11 @@ class CacheList:
     """What the caches of one list share: their order, the trim round in
     progress, and the model they were built for."""
 
-    def __init__(self, caches: Sequence[Any], model: Any = None):
+    def __init__(self, caches: Sequence[Any], model: Any = None, model_layers: int = 0):
         self._members = [weakref.ref(c) for c in caches]
+        #: the layers of the model the list is for: more than its caches where
+        #: some layers keep none (Gemma 4's KV-shared layers)
+        self.model_layers = model_layers or len(self._members)
         self._model = weakref.ref(model) if model is not None else None
         self._round: Optional[Tuple[int, int, set]] = None  # (from, n, indices still to trim)
         self._fits: Optional[weakref.ref] = None  # the last model seen to fit
@@ -205,13 +208,19 @@ class CacheList:
 
     def _check_model(self, owner: Any, layers: List[Any], handed: Sequence[Any]) -> None:
         mine = len(self._members)
-        if len(layers) != len(handed) or len(handed) != mine:
+        # a model whose later layers keep no cache pads the list it was handed
+        # with None for them (Gemma 4)
+        while len(handed) > mine and handed[-1] is None:
+            handed = handed[:-1]
+        if len(layers) != self.model_layers or len(handed) != mine:
             raise CacheListMismatch(
-                f"KV cache list built for {mine} layers ({', '.join(_kinds(self.caches()))}), "
-                f"handed as a list of {len(handed)} to a model with {len(layers)} layers "
-                f"({type(owner).__name__}): mlx-lm's zip would run only "
-                f"{min(len(layers), len(handed))} of them; build the cache for this model "
+                f"KV cache list built for {mine} caches ({', '.join(_kinds(self.caches()))}) of a "
+                f"{self.model_layers}-layer model, handed as a list of {len(handed)} to a model "
+                f"with {len(layers)} layers ({type(owner).__name__}): mlx-lm's zip would run "
+                f"only {min(len(layers), len(handed))} of them; build the cache for this model "
                 "(muser_kv.make_prompt_cache(model))")
+        if len(layers) != mine:
+            return  # layers and caches do not pair one to one
         for i, (layer, c) in enumerate(zip(layers, handed)):
             want = getattr(getattr(layer, "self_attn", None), "layer_type", None)
             kind = getattr(getattr(c, "kind", None), "value", None)
@@ -224,12 +233,12 @@ class CacheList:
                     "(muser_kv.make_prompt_cache(model))")
 
 
-def bind(caches: Sequence[Any], model: Any = None) -> CacheList:
+def bind(caches: Sequence[Any], model: Any = None, model_layers: int = 0) -> CacheList:
     """Make ``caches`` (in list order) one list: each layer learns its index,
     its predecessor's ring (the last layer's, for layer 0) and whether it is
     its kind's first (a cache a model asks for a mask before a forward; the
     list's first cache also looks for the model, once per forward)."""
-    group = CacheList(caches, model)
+    group = CacheList(caches, model, model_layers)
     seen = set()
     for i, c in enumerate(caches):
         c._list = group
@@ -262,4 +271,6 @@ def adopt(cache: Any, depth: int) -> Optional[CacheList]:
         return None
     if not all(hasattr(c, "ring") and getattr(c, "_list", False) is None for c in handed):
         return None
+    # a rebuilt list does not know whether its model has layers without a cache
+    # (Gemma 4), so it takes its own length: a shorter list is refused, never run short
     return bind(list(handed))

@@ -77,19 +77,20 @@ def make_cache_for(
     caches: List[MuseKVCache] = []
     for i in range(geometry.num_layers):
         capacity = geometry.capacity(i)
+        heads, dim = geometry.layer_dims(i)
         if geometry.layer_kind(i) is LayerKind.SLIDING:
-            planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+            planes = Planes(kv_heads=heads, head_dim=dim,
                             capacity=capacity, layout=sliding_layout, dtype=dtype,
                             allocate=allocate)
             caches.append(SlidingKVCache(planes, window=geometry.window,
                                          max_context=geometry.max_context, layer=i, retain=retain))
         else:
-            planes = Planes(kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+            planes = Planes(kv_heads=heads, head_dim=dim,
                             capacity=capacity, layout=kernels.HEAD_MAJOR, dtype=dtype,
                             allocate=allocate)
             caches.append(GlobalKVCache(planes, window=geometry.window,
                                         max_context=geometry.max_context, layer=i))
     for c in caches:
         c.batch_slots = batch_slots
-    cachelist.bind(caches, model)
+    cachelist.bind(caches, model, model_layers=geometry.model_layers or geometry.num_layers)
     return caches

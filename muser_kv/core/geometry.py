@@ -21,9 +21,10 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 from muser_kv.core.counts import count, optional_count
+from muser_kv.core.probe import handed_kv, own_caches
 
 #: Bytes per stored element: the live planes are f16 or bf16 on every backend.
 PLANE_ITEMSIZE = 2
@@ -119,6 +120,13 @@ class MuseGeometry:
     kv_heads: int = 2
     head_dim: int = 128
     layer_kinds: Tuple[LayerKind, ...] = field(default=())
+    #: A global layer's K/V heads and head_dim where they differ from a sliding
+    #: layer's (Gemma 4's global layers are wider); 0: the same.
+    global_kv_heads: int = 0
+    global_head_dim: int = 0
+    #: The model's own layer count, where some layers keep no cache of their own
+    #: (Gemma 4's KV-shared layers read an earlier layer's); 0: ``num_layers``.
+    model_layers: int = 0
 
     def __post_init__(self) -> None:
         kinds = tuple(LayerKind(k) for k in self.layer_kinds) or _default_layer_kinds(
@@ -129,15 +137,23 @@ class MuseGeometry:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MuseGeometry.{name} must be a positive int, got {value!r}")
+        for name in ("global_kv_heads", "global_head_dim", "model_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"MuseGeometry.{name} must be an int >= 0, got {value!r}")
         if len(kinds) != self.num_layers:
             raise ValueError(
                 f"MuseGeometry: {self.num_layers} layers but {len(kinds)} layer kinds"
             )
-        if self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"MuseGeometry: {self.num_heads} query heads is not a multiple of "
-                f"{self.kv_heads} KV heads"
-            )
+        if self.model_layers and self.model_layers < self.num_layers:
+            raise ValueError(f"MuseGeometry: {self.num_layers} caches for a model of "
+                             f"{self.model_layers} layers")
+        for heads in {self.kv_heads, self.global_kv_heads or self.kv_heads}:
+            if self.num_heads % heads:
+                raise ValueError(
+                    f"MuseGeometry: {self.num_heads} query heads is not a multiple of "
+                    f"{heads} KV heads"
+                )
 
     @classmethod
     def from_model_args(cls, args: Any, max_context: int | None = None) -> "MuseGeometry":
@@ -186,22 +202,80 @@ class MuseGeometry:
 
     @classmethod
     def from_model(cls, model: Any, max_context: int | None = None) -> "MuseGeometry":
-        """``from_model_args(model.args)``, for a model whose layer list agrees
-        with its args (``UnsupportedModel`` otherwise)."""
+        """The layer plan of ``model``, read off its own code (``muser_kv.core.probe``):
+        one entry per cache its ``make_cache()`` builds (Gemma 4's KV-shared layers
+        have none), of the kind and window that cache is, with the K/V heads and
+        head_dim the model hands it. ``max_context`` defaults to the args'
+        ``max_position_embeddings`` and may not exceed it; a model whose args
+        carry none needs it given. A model muser-kv cannot serve exactly raises
+        ``UnsupportedModel`` naming why: no layer list, a cache of another kind
+        (chunked attention, recurrent state), attention-sink rows, no sliding
+        layer, two windows, K/V shapes that differ within a kind."""
+        name = type(model).__name__
         args = getattr(model, "args", None)
         if args is None:
             raise UnsupportedModel(
-                f"muser-kv needs an mlx-lm model with .args, got {type(model).__name__}: it "
+                f"muser-kv needs an mlx-lm model with .args, got {name}: it "
                 "serves models with sliding-window and global attention layers "
                 f"(layer_types {' / '.join(LAYER_TYPES)})")
-        geometry = cls.from_model_args(args, max_context)
-        layers = getattr(model, "layers", None)
-        if layers is not None and len(layers) != geometry.num_layers:
+        what = f"{name} ({_args_name(args)})"
+        own = own_caches(model)
+        if own is None:
+            raise UnsupportedModel(f"{what} has neither make_cache() nor a layer list: muser-kv "
+                                   "reads a model's layer plan from them")
+        fields = _text_args(args)
+        if getattr(fields, "layer_types", None):
+            _layer_kinds(fields, len(fields.layer_types))  # names a layer type not served
+        for i, c in enumerate(own):
+            if c.kind not in ("sliding", "global"):
+                raise UnsupportedModel(
+                    f"{what}: layer {i}'s own cache is a {c.kind}: muser-kv serves layers whose "
+                    "cache is mlx-lm's RotatingKVCache (a sliding window) or KVCache (global) "
+                    f"only{_why(c.kind)}")
+            if c.kind == "sliding" and (isinstance(c.window, bool) or not isinstance(
+                    c.window, numbers.Integral) or c.window <= 0):
+                raise UnsupportedModel(
+                    f"{what}: layer {i}'s RotatingKVCache has max_size {c.window!r}, expected a "
+                    "positive int (the sliding window)")
+            if c.keep:
+                raise UnsupportedModel(
+                    f"{what}: layer {i}'s RotatingKVCache keeps {c.keep} attention-sink rows; "
+                    "muser-kv's rings keep none")
+        windows = sorted({int(c.window) for c in own if c.kind == "sliding"})
+        if not windows:
             raise UnsupportedModel(
-                f"{type(model).__name__} has {len(layers)} layers but its args say "
-                f"num_hidden_layers {geometry.num_layers}")
-        _check_own_plan(model, geometry)
-        return geometry
+                f"{what} has no sliding-window layers (its make_cache() builds "
+                f"{len(own)} KVCache): muser-kv serves models with sliding-window and global "
+                "attention layers; mlx-lm's own caches serve this one")
+        if len(windows) > 1:
+            raise UnsupportedModel(f"{what}: sliding layers of windows {windows}; muser-kv "
+                                   "serves one window per model")
+        kinds = tuple(LayerKind.SLIDING if c.kind == "sliding" else LayerKind.GLOBAL for c in own)
+        dims = _handed_dims(model, what, kinds)
+        limit = _model_int(fields, "max_position_embeddings")
+        max_context = optional_count(max_context, "max_context", minimum=1)
+        if max_context is None:
+            if limit is None:
+                raise UnsupportedModel(
+                    f"{what} carries no max_position_embeddings: pass max_context (the "
+                    "positions to preallocate, at most the model's context length)")
+            max_context = limit
+        elif limit is not None and max_context > limit:
+            raise ValueError(
+                f"max_context {max_context} exceeds the model's max_position_embeddings {limit}"
+            )
+        (s_heads, s_dim) = dims.get(LayerKind.SLIDING, dims[LayerKind.GLOBAL])
+        (g_heads, g_dim) = dims.get(LayerKind.GLOBAL, (s_heads, s_dim))
+        num_heads = _model_int(fields, "num_attention_heads") or max(s_heads, g_heads)
+        layers = getattr(model, "layers", None)
+        model_layers = len(layers) if layers is not None else len(own)
+        return cls(
+            num_layers=len(own), window=windows[0], max_context=max_context,
+            num_heads=num_heads, kv_heads=s_heads, head_dim=s_dim, layer_kinds=kinds,
+            global_kv_heads=0 if g_heads == s_heads else g_heads,
+            global_head_dim=0 if g_dim == s_dim else g_dim,
+            model_layers=0 if model_layers == len(own) else model_layers,
+        )
 
     def plan(self) -> Tuple[Tuple[LayerKind, int | None], ...]:
         """Every layer's kind and window (``None`` for a global layer)."""
@@ -213,15 +287,44 @@ class MuseGeometry:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         return self.layer_kinds[layer]
 
+    def dims(self, kind: LayerKind) -> Tuple[int, int]:
+        """``(kv_heads, head_dim)`` of a layer of ``kind``."""
+        if LayerKind(kind) is LayerKind.GLOBAL:
+            return (self.global_kv_heads or self.kv_heads, self.global_head_dim or self.head_dim)
+        return (self.kv_heads, self.head_dim)
+
+    def layer_dims(self, layer: int) -> Tuple[int, int]:
+        """``(kv_heads, head_dim)`` of ``layer``."""
+        return self.dims(self.layer_kind(layer))
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the same K/V heads and head_dim."""
+        return self.dims(LayerKind.GLOBAL) == self.dims(LayerKind.SLIDING)
+
+    def kind_row_bytes(self, kind: LayerKind) -> int:
+        """Bytes one token costs one layer of ``kind``, K and V together."""
+        heads, dim = self.dims(kind)
+        return 2 * heads * dim * PLANE_ITEMSIZE
+
     @property
     def kv_dim(self) -> int:
-        """Halves in one token row of one plane: ``kv_heads * head_dim``."""
+        """Halves in one token row of one plane: ``kv_heads * head_dim`` (every
+        layer's: a geometry whose kinds differ has no one row, and refuses)."""
+        self._require_uniform("kv_dim")
         return self.kv_heads * self.head_dim
 
     @property
     def row_bytes(self) -> int:
-        """Bytes one token costs one layer, K and V together."""
+        """Bytes one token costs one layer, K and V together (uniform geometries)."""
+        self._require_uniform("row_bytes")
         return 2 * self.kv_dim * PLANE_ITEMSIZE
+
+    def _require_uniform(self, what: str) -> None:
+        if not self.uniform:
+            raise ValueError(f"MuseGeometry.{what}: sliding layers have {self.dims(LayerKind.SLIDING)} "
+                             f"and global layers {self.dims(LayerKind.GLOBAL)} (kv_heads, "
+                             "head_dim); ask per kind (kind_row_bytes, dims)")
 
     @property
     def sliding_layers(self) -> int:
@@ -266,79 +369,68 @@ class Footprint:
 
 
 def footprint(geometry: MuseGeometry, context: int, slots: int = 1) -> Footprint:
-    """The seeds' formula, ``(n_swa * min(C, W) + n_nope * C) * row_bytes`` per
-    slot, over allocated rows (each row count rounded up to ``ROW_GRANULE``)."""
+    """The seeds' formula, ``n_swa * min(C, W) * swa_row + n_nope * C * nope_row``
+    per slot (one row bytes for both kinds where their heads agree), over
+    allocated rows (each row count rounded up to ``ROW_GRANULE``)."""
     context = count(context, "footprint context", minimum=1)
     slots = count(slots, "footprint slots", minimum=1)
-    row = geometry.row_bytes
+    swa = geometry.sliding_layers * geometry.kind_row_bytes(LayerKind.SLIDING)
+    nope = geometry.global_layers * geometry.kind_row_bytes(LayerKind.GLOBAL)
     ring = min(context, geometry.window)
     return Footprint(
         context=context,
         slots=slots,
-        swa_bytes=geometry.sliding_layers * allocated_rows(ring) * row,
-        nope_bytes=geometry.global_layers * allocated_rows(context) * row,
-        per_token_below_window=geometry.num_layers * row,
-        per_token_above_window=geometry.global_layers * row,
-        formula_bytes=(geometry.sliding_layers * ring + geometry.global_layers * context) * row,
+        swa_bytes=allocated_rows(ring) * swa,
+        nope_bytes=allocated_rows(context) * nope,
+        per_token_below_window=swa + nope,
+        per_token_above_window=nope,
+        formula_bytes=ring * swa + context * nope,
     )
 
 
-def _own_plan(model: Any) -> Tuple[Tuple[str, int | None], ...] | None:
-    """What the model's own ``make_cache()`` builds, layer by layer: ``("sliding",
-    window)`` for a ``RotatingKVCache``, ``("global", None)`` for a ``KVCache``,
-    ``(class name, None)`` for anything else. A model class without
-    ``make_cache`` gets a ``KVCache`` per layer from mlx-lm; ``None`` when the
-    model has no layer list either (nothing to compare). The class's method is
-    asked, never an ``install``ed one; mlx-lm's caches allocate nothing until
-    written, so asking costs no memory."""
-    own = getattr(type(model), "make_cache", None)
-    if own is None:
-        layers = getattr(model, "layers", None)
-        return None if layers is None else (("global", None),) * len(layers)
-    plan: list = []
-    for c in own(model):
-        name = type(c).__name__ if type(c).__module__ == _MLX_LM_CACHES else type(c).__qualname__
-        if name == "RotatingKVCache":
-            plan.append(("sliding", int(c.max_size)))
-        elif name == "KVCache":
-            plan.append(("global", None))
-        else:
-            plan.append((f"{type(c).__module__}.{type(c).__qualname__}", None))
-    return tuple(plan)
+def _text_args(args: Any) -> Any:
+    """The args that describe the language model: a multimodal model's
+    ``text`` args (Muse Spark), else the args themselves."""
+    text = getattr(args, "text", None)
+    return text if text is not None and getattr(args, "num_attention_heads", None) is None else args
 
 
-#: the module of mlx-lm's cache classes (named, not imported: core needs no mlx-lm)
-_MLX_LM_CACHES = "mlx_lm.models.cache"
+def context_limit(model: Any) -> int | None:
+    """The model's ``max_position_embeddings``, where its args carry one."""
+    return _model_int(_text_args(getattr(model, "args", None)), "max_position_embeddings")
 
 
-def _check_own_plan(model: Any, geometry: MuseGeometry) -> None:
-    """Refuse a model whose own ``make_cache()`` disagrees with the plan read
-    from its args: a list built from a wrong plan would attend over the wrong
-    rows, silently (the guard for models whose plan is not read from the model)."""
-    own = _own_plan(model)
-    if own is None:
-        return
-    ours = tuple(("sliding", w) if k is LayerKind.SLIDING else ("global", None)
-                 for k, w in geometry.plan())
-    if own == ours:
-        return
-    if len(own) != len(ours):
-        detail = f"{len(own)} caches for {len(ours)} layers"
-    else:
-        layer = next(i for i, (a, b) in enumerate(zip(own, ours)) if a != b)
-        detail = (f"layer {layer}: the model's make_cache() gives {_describe(own[layer])}, "
-                  f"its args say {_describe(ours[layer])}")
-    raise UnsupportedModel(
-        f"{type(model).__name__} ({_args_name(getattr(model, 'args', None))}): its own "
-        f"make_cache() disagrees with the layer plan muser-kv reads from its args ({detail}); "
-        "muser-kv serves a model only when it knows which layers are sliding-window and which "
-        "global")
+def _why(kind: str) -> str:
+    reasons = {"ChunkedKVCache": "chunked attention", "ArraysCache": "recurrent state",
+               "MambaCache": "recurrent state", "QuantizedKVCache": "quantized K/V",
+               "CacheList": "several caches per layer"}
+    for cls, why in reasons.items():
+        if kind.endswith("." + cls):
+            return f" (this one is {why})"
+    return ""
 
 
-def _describe(entry: Tuple[str, int | None]) -> str:
-    kind, window = entry
-    if kind == "sliding":
-        return f"a sliding window of {window}"
-    if kind == "global":
-        return "a global cache"
-    return f"a {kind}"
+def _handed_dims(model: Any, what: str, kinds: Tuple[LayerKind, ...]
+                 ) -> Dict[LayerKind, Tuple[int, int]]:
+    """``(kv_heads, head_dim)`` per layer kind, from the K/V the model hands its
+    caches in a lazy forward (``probe.handed_kv``); one per kind, or refused."""
+    try:
+        handed = handed_kv(model, len(kinds))
+    except Exception as e:  # the forward itself cannot run here
+        raise UnsupportedModel(
+            f"{what}: a lazy one-token forward, to read the K/V each layer hands its cache, "
+            f"failed on this device ({type(e).__name__}: {e})") from e
+    dims: Dict[LayerKind, Tuple[int, int]] = {}
+    for i, (kind, h) in enumerate(zip(kinds, handed)):
+        if h is None:
+            raise UnsupportedModel(f"{what}: layer {i}'s cache was handed no keys in a forward")
+        if len(h.keys) != 4 or h.keys != h.values:
+            raise UnsupportedModel(
+                f"{what}: layer {i} hands its cache keys {h.keys} and values {h.values}; "
+                "muser-kv stores K and V of one shape [1, kv_heads, N, head_dim]")
+        got = (int(h.keys[1]), int(h.keys[3]))
+        if dims.setdefault(kind, got) != got:
+            raise UnsupportedModel(
+                f"{what}: {kind.value} layers hand (kv_heads, head_dim) {dims[kind]} and {got} "
+                f"(layer {i}); muser-kv serves one shape per layer kind")
+    return dims

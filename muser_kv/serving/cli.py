@@ -9,11 +9,19 @@ import json
 import sys
 from typing import List, Optional
 
-from muser_kv.core.geometry import ROW_GRANULE, MuseGeometry, allocated_rows, footprint
+from muser_kv.core.geometry import ROW_GRANULE, LayerKind, MuseGeometry, allocated_rows, footprint
 
 
 def _bytes(n: int) -> str:
     return f"{n:,} B ({n / 1e9:.3f} GB, {n / 2**30:.3f} GiB)"
+
+
+def _heads(g: MuseGeometry) -> str:
+    """K/V heads x head_dim, per kind where they differ."""
+    if g.uniform:
+        return f"{g.kv_heads} KV heads x {g.head_dim}"
+    (sh, sd), (gh, gd) = g.dims(LayerKind.SLIDING), g.dims(LayerKind.GLOBAL)
+    return f"{sh} KV heads x {sd} (sliding), {gh} x {gd} (global)"
 
 
 def _geometry(ns: argparse.Namespace) -> MuseGeometry:
@@ -117,7 +125,7 @@ def _report(session) -> int:
     print(
         f"geometry: {g.num_layers} layers ({g.sliding_layers} sliding RoPE, {g.global_layers} "
         f"global NoPE), window {g.window}, max_context {g.max_context}, "
-        f"{g.kv_heads} KV heads x {g.head_dim}"
+        f"{_heads(g)}"
     )
     print(f"position: {h.position}  encoding: {h.encoding} ({_ENCODING_NAMES[h.encoding]})")
     print(f"user: {json.dumps(h.user, sort_keys=True)}")

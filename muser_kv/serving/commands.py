@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 from muser_kv.caches.base import ContextOverflow
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import UnsupportedModel
-from muser_kv.serving.install import install
+from muser_kv.serving.install import context_for, install
 from muser_kv.sessions.format import SnapshotError
 from muser_kv.sessions.reading import read_session
 from muser_kv.sessions.save import save_session
@@ -211,7 +211,7 @@ class Loader:
         if first and max_context is None and self._session is not None:
             max_context = self._session.max_context
         try:
-            install(model, max_context=max_context, **self._settings)
+            install(model, max_context=context_for(model, path, max_context), **self._settings)
         except UnsupportedModel as e:
             if first:
                 raise UnsupportedModel(f"{path} is not a model muser-kv serves: {e}") from None

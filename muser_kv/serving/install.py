@@ -86,3 +86,35 @@ def uninstall(model: Any) -> Any:
         del model.make_cache
         delattr(model, _MARK)
     return model
+
+
+def checkpoint_context(path: Any) -> Optional[int]:
+    """The ``max_position_embeddings`` of the checkpoint at ``path`` (its
+    ``config.json``, or its ``text_config``), for a model whose mlx-lm args
+    drop it (Cohere2, GPT-OSS, Muse Spark): the context a cache preallocates
+    when none is asked for. ``None`` when the file names none or is unreadable
+    locally."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    for fields in (config, config.get("text_config") or {}):
+        value = fields.get("max_position_embeddings") if isinstance(fields, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def context_for(model: Any, path: Any, max_context: Optional[int]) -> Optional[int]:
+    """``max_context``, or, where the model's args carry no context length, the
+    checkpoint's (``checkpoint_context``); ``None`` leaves it to ``install``."""
+    if max_context is not None:
+        return max_context
+    args = getattr(model, "args", None)
+    fields = getattr(args, "text", None) or args
+    if getattr(fields, "max_position_embeddings", None):
+        return None
+    return checkpoint_context(path)

@@ -57,7 +57,7 @@ from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
-from muser_kv.serving.install import install, installed
+from muser_kv.serving.install import context_for, install, installed
 from muser_kv.serving.prompt_cache import ExactPromptCache
 
 log = logging.getLogger(__name__)
@@ -162,11 +162,14 @@ def check_model(path: str, max_context: Optional[int]) -> Optional[MuseGeometry]
     from mlx_lm.utils import _download, _get_classes, load_config
 
     try:
-        config = load_config(_download(path, allow_patterns=["*.json"]))
+        local = _download(path, allow_patterns=["*.json"])
+        config = load_config(local)
         if config.get("model_file"):
             return None
-        _, args_class = _get_classes(config)
-        return MuseGeometry.from_model_args(args_class.from_dict(config), max_context)
+        model_class, args_class = _get_classes(config)
+        # the model's own code holds its layer plan; its weights stay unevaluated
+        model = model_class(args_class.from_dict(config))
+        return MuseGeometry.from_model(model, context_for(model, local, max_context))
     except Exception as e:  # whatever it is, mlx-lm's load would not serve it either
         raise ServeRefused(f"{path}: {e}") from e
 
@@ -243,20 +246,30 @@ class MuseModelProvider(server.ModelProvider):
         draft_model_path = self._draft_model_map.get(draft_model_path, draft_model_path)
         return (model_path, adapter_path, draft_model_path)
 
-    def _install(self, model: Any, drafts: Optional[int]) -> Any:
+    def _install(self, model: Any, drafts: Optional[int], path: Any = None) -> Any:
         a = self.cli_args
-        return install(model, max_context=a.max_context, retain=a.retain,
+        context = context_for(model, self._local(path), a.max_context) if path else a.max_context
+        return install(model, max_context=context, retain=a.retain,
                        plane_dtype=a.plane_dtype, num_draft_tokens=drafts)
+
+    @staticmethod
+    def _local(path: Any) -> Any:
+        from mlx_lm.utils import _download
+
+        try:
+            return _download(path, allow_patterns=["*.json"])
+        except Exception:  # no local config: install decides
+            return path
 
     def _load(self, model_path: str, adapter_path: Optional[str] = None,
               draft_model_path: Optional[str] = None) -> None:
         super()._load(model_path, adapter_path, draft_model_path)
         try:
             drafts = self.cli_args.num_draft_tokens if self.draft_model is not None else None
-            self._install(self.model, drafts)
+            self._install(self.model, drafts, model_path)
             if self.draft_model is not None:
                 try:
-                    self._install(self.draft_model, drafts)
+                    self._install(self.draft_model, drafts, draft_model_path)
                 except UnsupportedModel as e:
                     log.info("muser-kv serve: the draft model keeps mlx-lm's caches (%s)", e)
             contexts = [i.max_context for i in map(installed, (self.model, self.draft_model))

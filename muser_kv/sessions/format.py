@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,16 @@ def plane_encoding(dtype: Any) -> str:
     return PLANE_ENCODINGS[dtype]
 #: The geometry fields that shape the stored KV state (``num_heads`` does not).
 KV_FIELDS = ("num_layers", "layer_kinds", "window", "max_context", "kv_heads", "head_dim")
+#: Fields a header's geometry carries only where they are not 0 (a geometry whose
+#: global layers have other K/V heads or head_dim, or whose model has layers without
+#: a cache): a Muse Glimmer session's header is what it has always been.
+KV_EXTRA_FIELDS = ("global_kv_heads", "global_head_dim", "model_layers")
+
+
+def kv_num_heads(kv_heads: int, global_kv_heads: int) -> int:
+    """The query-head count a KV geometry records: never part of the K/V state,
+    so the least count both kinds' K/V heads divide."""
+    return math.lcm(kv_heads, global_kv_heads or kv_heads)
 #: The header field holding the sha256 over every other header field.
 HEADER_CHECKSUM = "header_sha256"
 #: Header keys every session file carries (``__metadata__``, str -> str), and no others.
@@ -200,6 +211,7 @@ def tensor_digests(arrays: Mapping[str, np.ndarray],
 
 def geometry_to_json(geometry: MuseGeometry) -> str:
     g = {name: getattr(geometry, name) for name in KV_FIELDS}
+    g.update({name: getattr(geometry, name) for name in KV_EXTRA_FIELDS if getattr(geometry, name)})
     g["layer_kinds"] = [k.value for k in geometry.layer_kinds]
     return json.dumps(g, sort_keys=True, separators=(",", ":"))
 
@@ -236,12 +248,21 @@ def _json(metadata: Mapping[str, str], key: str, path: PathLike) -> Any:
 def _geometry_from_json(metadata: Mapping[str, str], path: PathLike) -> MuseGeometry:
     g = _json(metadata, "geometry", path)
     try:
-        if not isinstance(g, dict) or set(g) != set(KV_FIELDS):
-            raise ValueError(f"fields expected {sorted(KV_FIELDS)}, got "
+        if (not isinstance(g, dict) or not set(KV_FIELDS) <= set(g)
+                or not set(g) <= set(KV_FIELDS + KV_EXTRA_FIELDS)):
+            raise ValueError(f"fields expected {sorted(KV_FIELDS)} (and any of "
+                             f"{sorted(KV_EXTRA_FIELDS)}), got "
                              f"{_show(sorted(g)) if isinstance(g, dict) else type(g).__name__}")
         if not isinstance(g["layer_kinds"], list):
             raise ValueError(f"layer_kinds expected a list, got {type(g['layer_kinds']).__name__}")
-        g = dict(g, num_heads=g["kv_heads"], layer_kinds=tuple(g["layer_kinds"]))
+        for name in KV_EXTRA_FIELDS:
+            if name in g and (isinstance(g[name], bool) or not isinstance(g[name], int)
+                              or g[name] <= 0):
+                raise ValueError(f"{name} expected a positive int, got {_show(g[name])}")
+        heads = g["kv_heads"] if isinstance(g["kv_heads"], int) else 1
+        global_heads = g.get("global_kv_heads", 0)
+        g = dict(g, num_heads=kv_num_heads(heads, global_heads) if heads > 0 else heads,
+                 layer_kinds=tuple(g["layer_kinds"]))
         return MuseGeometry(**g)
     except (ValueError, TypeError, KeyError) as e:
         raise SessionFileError(path, f"bad geometry in header: {e}") from None

@@ -78,7 +78,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from muser_kv.caches.factory import make_prompt_cache
-from muser_kv.core.geometry import MuseGeometry
+from muser_kv.core.geometry import MuseGeometry, context_limit
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
 from muser_kv.sessions import format as fmt
 from muser_kv.sessions import save, snapshot, tensorfile
@@ -282,7 +282,7 @@ def _into_target(into: Sequence[Any], model: Any) -> _Target:
     geometry = snapshot.cache_geometry(into)
     try:
         save.check_geometry(geometry, snapshot.kv_geometry(
-            MuseGeometry.from_model_args(model.args, geometry.max_context)))
+            MuseGeometry.from_model(model, geometry.max_context)))
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"into: {e.field} (expected: the model's; got: the cache list's)",
                                e.expected, e.got) from None
@@ -291,15 +291,14 @@ def _into_target(into: Sequence[Any], model: Any) -> _Target:
 
 def _new_target(header: fmt.SessionHeader, model: Any, plane_dtype: DtypeLike,
                 source: str) -> _Target:
-    args = model.args
     context = header.geometry.max_context
-    limit = MuseGeometry.from_model_args(args).max_context
-    if context > limit:
+    limit = context_limit(model)
+    if limit is not None and context > limit:
         raise SnapshotMismatch(f"geometry.max_context (expected: within the model's "
                                f"max_position_embeddings; got: the session {source})",
                                f"<= {limit}", context)
     dtype = plane_dtype_for(model, plane_dtype)
-    return _Target(snapshot.kv_geometry(MuseGeometry.from_model_args(args, context)),
+    return _Target(snapshot.kv_geometry(MuseGeometry.from_model(model, context)),
                    fmt.plane_encoding(dtype), dtype)
 
 
@@ -358,8 +357,8 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, target: _Target, mo
     refusal take the rest of the stream, undo, and answer the verdict."""
     geometry = header.geometry
     dtype = ENCODINGS[header.encoding][0]
-    shapes = [(snapshot.expected_cut(geometry, i, header.position)[1], geometry.kv_heads,
-               geometry.head_dim) for i in range(geometry.num_layers)]
+    shapes = [(snapshot.expected_cut(geometry, i, header.position)[1], *geometry.layer_dims(i))
+              for i in range(geometry.num_layers)]
     for shape in shapes:
         if shape[0]:
             link.post_recv(shape, dtype)

@@ -11,7 +11,7 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_cache_for
 from muser_kv.core.counts import optional_count
-from muser_kv.core.geometry import MuseGeometry
+from muser_kv.core.geometry import MuseGeometry, context_limit
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
 from muser_kv.core.ring import Ring
 from muser_kv.sessions.fingerprint import model_fingerprint
@@ -76,12 +76,12 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         h = reader.header
         file_geometry = h.geometry
         context = file_geometry.max_context if max_context is None else max_context
-        limit = MuseGeometry.from_model_args(args).max_context
-        if context > limit:
+        limit = context_limit(model)
+        if limit is not None and context > limit:
             raise SnapshotMismatch(
                 f"geometry.max_context (expected: within the model's max_position_embeddings; "
                 f"got: file {os.fspath(path)})", f"<= {limit}", context)
-        target = MuseGeometry.from_model_args(args, context)
+        target = MuseGeometry.from_model(model, context)
         try:
             _check_geometry(file_geometry, kv_geometry(target))
         except SnapshotMismatch as e:
@@ -98,7 +98,7 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         if h.encoding != encoding and not convert:
             raise _encoding_mismatch(h.encoding, encoding)
         # planes unallocated: each layer's install makes its own
-        cache = make_cache_for(MuseGeometry.from_model(model, context), plane_dtype=dtype,
+        cache = make_cache_for(target, plane_dtype=dtype,
                                model=model, allocate=False)
         # every layer's start and shapes, from the table, before a byte is read
         rows = [_check_entries(geometry, h.encoding, h.position, layer, h.starts[layer],

@@ -50,10 +50,12 @@ from muser_kv.sessions.fingerprint import differs, model_fingerprint
 from muser_kv.sessions.format import (
     ENCODINGS,
     F32LE,
+    KV_EXTRA_FIELDS,
     KV_FIELDS,
     ModelMismatch,
     SnapshotMismatch,
     _encoding_mismatch,
+    kv_num_heads,
     plane_encoding,
     tensor_names,
 )
@@ -76,8 +78,10 @@ class LayerCut:
 
 
 def kv_geometry(geometry: MuseGeometry) -> MuseGeometry:
-    """``geometry`` with ``num_heads`` normalized to ``kv_heads`` (see module doc)."""
-    return dataclasses.replace(geometry, num_heads=geometry.kv_heads)
+    """``geometry`` with ``num_heads`` normalized to its K/V heads (see module doc:
+    the least multiple of both kinds' where they differ)."""
+    return dataclasses.replace(geometry, num_heads=kv_num_heads(geometry.kv_heads,
+                                                                geometry.global_kv_heads))
 
 
 def expected_cut(geometry: MuseGeometry, layer: int, position: int) -> Tuple[int, int]:
@@ -89,7 +93,7 @@ def expected_cut(geometry: MuseGeometry, layer: int, position: int) -> Tuple[int
 
 
 def _check_geometry(have: MuseGeometry, want: MuseGeometry) -> None:
-    for name in KV_FIELDS:
+    for name in KV_FIELDS + KV_EXTRA_FIELDS:
         got, expected = getattr(have, name), getattr(want, name)
         if got != expected:
             if name == "layer_kinds":
@@ -108,20 +112,21 @@ def _check_tensor(name: str, x: Any, rows: int, geometry: MuseGeometry, encoding
         fail("type", "mlx.core.array", type(x).__name__)
     if x.dtype != dtype:
         fail(f"dtype (encoding {encoding})", str(dtype), str(x.dtype))
-    _check_shape(fail, tuple(x.shape), x.nbytes, rows, geometry, dtype.size)
+    _check_shape(fail, tuple(x.shape), x.nbytes, rows, geometry.layer_dims(layer), dtype.size)
 
 
 def _check_shape(fail: Any, shape: Tuple[int, ...], nbytes: int, rows: int,
-                 geometry: MuseGeometry, itemsize: int) -> None:
+                 dims: Tuple[int, int], itemsize: int) -> None:
+    heads, dim = dims
     if len(shape) != 3:
-        fail("shape", (rows, geometry.kv_heads, geometry.head_dim), shape)
+        fail("shape", (rows, heads, dim), shape)
     if shape[0] != rows:
         fail("rows", rows, int(shape[0]))
-    if shape[1] != geometry.kv_heads:
-        fail("kv_heads", geometry.kv_heads, int(shape[1]))
-    if shape[2] != geometry.head_dim:
-        fail("head_dim", geometry.head_dim, int(shape[2]))
-    want = rows * geometry.kv_dim * itemsize
+    if shape[1] != heads:
+        fail("kv_heads", heads, int(shape[1]))
+    if shape[2] != dim:
+        fail("head_dim", dim, int(shape[2]))
+    want = rows * heads * dim * itemsize
     if nbytes != want:
         fail("bytes", want, int(nbytes))
 
@@ -140,7 +145,8 @@ def _check_entries(geometry: MuseGeometry, encoding: str, position: int, layer: 
             raise SnapshotMismatch(f"{name} {field}", expected, got, layer, kind)
 
         e = entries[tensor]
-        _check_shape(fail, e.shape, e.nbytes, rows, geometry, ENCODINGS[encoding][0].size)
+        _check_shape(fail, e.shape, e.nbytes, rows, geometry.layer_dims(layer),
+                     ENCODINGS[encoding][0].size)
     return rows
 
 
@@ -183,17 +189,29 @@ def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
     planes = [_ours(c, i) for i, c in enumerate(cache)]
     first = planes[0]
     for i, p in enumerate(planes):
-        for name in ("_window", "max_context", "kv_heads", "head_dim"):
+        for name in ("_window", "max_context"):
             if getattr(p, name) != getattr(first, name):
                 raise SnapshotMismatch(f"cache {name}", getattr(first, name), getattr(p, name),
                                        i, p.kind)
+    dims: Dict[LayerKind, Tuple[int, int]] = {}
     for i, p in enumerate(planes):
+        got = dims.setdefault(p.kind, (p.kv_heads, p.head_dim))
+        if (p.kv_heads, p.head_dim) != got:
+            raise SnapshotMismatch(f"cache (kv_heads, head_dim) of {p.kind.value} layers", got,
+                                   (p.kv_heads, p.head_dim), i, p.kind)
         if p.dtype != first.dtype:
             raise SnapshotMismatch("plane dtype", str(first.dtype), str(p.dtype), i, p.kind)
+    heads, dim = dims.get(LayerKind.SLIDING) or dims[LayerKind.GLOBAL]
+    g_heads, g_dim = dims.get(LayerKind.GLOBAL, (heads, dim))
+    group = getattr(first, "_list", None)
+    model_layers = getattr(group, "model_layers", 0) or 0
     geometry = MuseGeometry(
         num_layers=len(planes), window=first._window, max_context=first.max_context,
-        num_heads=first.kv_heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
-        layer_kinds=tuple(p.kind for p in planes),
+        num_heads=kv_num_heads(heads, 0 if g_heads == heads else g_heads), kv_heads=heads,
+        head_dim=dim, layer_kinds=tuple(p.kind for p in planes),
+        global_kv_heads=0 if g_heads == heads else g_heads,
+        global_head_dim=0 if g_dim == dim else g_dim,
+        model_layers=0 if model_layers == len(planes) else model_layers,
     )
     for i, p in enumerate(planes):
         if p.capacity != geometry.capacity(i):

@@ -109,20 +109,25 @@ def _llama(**kw):
     return llama.Model(llama.ModelArgs(**base))
 
 
-def test_a_model_without_the_fields_muser_kv_needs_is_named_clearly():
+def test_a_model_without_sliding_layers_is_named_clearly():
     """make_prompt_cache(llama) failed with int(None) deep inside; it must say
-    which field is missing and what kind of model muser-kv serves."""
+    what the model lacks and what kind of model muser-kv serves."""
     import muser_kv
 
     with pytest.raises(muser_kv.UnsupportedModel) as e:
         muser_kv.make_prompt_cache(_llama())
     text = str(e.value)
-    assert "has no sliding_window / max_position_embeddings (missing or None)" in text
+    assert "model_type 'llama'" in text and "has no sliding-window layers" in text
+    assert "its make_cache() builds 2 KVCache" in text
     assert "sliding-window and global attention layers" in text
-    assert "sliding_attention / full_attention" in text
     assert isinstance(e.value, TypeError)  # what a model of the wrong kind has always raised
-    with pytest.raises(muser_kv.UnsupportedModel, match=r"has no sliding_window \(missing"):
-        muser_kv.make_prompt_cache(_llama(max_position_embeddings=128))
+    # the plan is read, the context is not guessed
+    no_context = _llama(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    no_context.args.max_position_embeddings = None
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"carries no max_position_embeddings: "
+                                                         r"pass max_context"):
+        muser_kv.make_prompt_cache(no_context)
+    assert len(muser_kv.make_prompt_cache(no_context, max_context=64)) == 2
 
 
 def test_a_layer_type_muser_kv_does_not_serve_is_named():
@@ -136,8 +141,10 @@ def test_a_layer_type_muser_kv_does_not_serve_is_named():
         muser_kv.make_prompt_cache(model)
     with pytest.raises(muser_kv.UnsupportedModel, match=r"needs an mlx-lm model with \.args"):
         muser_kv.make_prompt_cache(object())
-    with pytest.raises(muser_kv.UnsupportedModel, match=r"sliding_window expected a positive int"):
-        muser_kv.make_prompt_cache(_llama(max_position_embeddings=128, sliding_window=16.5))
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"layer 0's RotatingKVCache has max_size "
+                                                         r"16.5, expected a positive int"):
+        muser_kv.make_prompt_cache(_llama(max_position_embeddings=128, sliding_window=16.5,
+                                          layer_types=["sliding_attention", "full_attention"]))
 
 
 def test_a_model_with_the_fields_is_served_whatever_its_family():
@@ -163,80 +170,65 @@ def _gemma3(**kw):
     return gemma3_text.Model(gemma3_text.ModelArgs(**base))
 
 
-def test_a_model_without_layer_types_is_refused_not_guessed(tmp_path):
-    """Gemma 3 has no layer_types; Muse Glimmer's i % 4 == 3 was assumed, the
-    global layers landed in the wrong places and the first token was wrong."""
-    import mlx.core as mx
-
-    import muser_kv
-    from muser_kv.serving.slots import SlotPool
-
-    model = _gemma3()
-    for build in (lambda: muser_kv.make_prompt_cache(model),
-                  lambda: muser_kv.install(model),
-                  lambda: SlotPool(model, slots=1, max_context=32),
-                  lambda: MuseGeometry.from_model_args(model.args)):
-        with pytest.raises(muser_kv.UnsupportedModel, match=r"model_type 'gemma3_text'.*has no "
-                           r"layer_types.*will not guess a layer plan"):
-            build()
-    assert muser_kv.installed(model) is None and "make_cache" not in vars(model)
-    # a session saved from a Muse model does not load into it either
-    muse = tiny_muse()
-    cache = muser_kv.make_prompt_cache(muse)
-    for c in cache:
-        c.update_and_fetch(mx.zeros((1, 2, 3, 128)), mx.zeros((1, 2, 3, 128)))
-    muser_kv.save_session(tmp_path / "s.safetensors", cache)
-    with pytest.raises(muser_kv.UnsupportedModel, match="has no layer_types"):
-        muser_kv.load_session(tmp_path / "s.safetensors", model)
-
-
-def test_layer_types_that_disagree_with_the_models_own_caches_are_refused():
-    """The model's own make_cache() says which layers rotate and at what window:
-    a plan read from the args that disagrees with it is caught, by layer."""
+def test_the_plan_is_read_from_the_models_own_caches_never_guessed():
+    """Gemma 3 has no layer_types; Muse Glimmer's i % 4 == 3 was once assumed, its
+    global layers landed in the wrong places and the first token was wrong. The
+    plan now comes from the model's own make_cache(), layer for layer, whatever
+    its args say; args alone (no model) without layer_types are still refused."""
     import muser_kv
 
     model = _gemma3()
-    # the Muse pattern a wrong reading would give: layer 2 is global in Gemma 3
-    model.args.layer_types = ["sliding_attention"] * 3 + ["full_attention"] + \
-        ["sliding_attention"] * 2
-    with pytest.raises(muser_kv.UnsupportedModel,
-                       match=r"layer 2: the model's make_cache\(\) gives a global cache, its "
-                             r"args say a sliding window of 8"):
-        muser_kv.make_prompt_cache(model)
-    # the right plan is served, and the list matches the model's own, layer by layer
-    model.args.layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
     cache = muser_kv.make_prompt_cache(model)
     own = type(model).make_cache(model)
     assert [type(c).__name__ for c in own] == ["RotatingKVCache", "RotatingKVCache", "KVCache"] * 2
     assert [c.kind for c in cache] == [LayerKind.SLIDING, LayerKind.SLIDING, LayerKind.GLOBAL] * 2
+    assert [c.window for c in cache] == [8, 8, None] * 2 and {c.max_context for c in cache} == {32768}
+    # a wrong layer_types field does not move a layer: the model's code decides
+    model.args.layer_types = ["sliding_attention"] * 3 + ["full_attention"] + \
+        ["sliding_attention"] * 2
+    assert [c.kind for c in muser_kv.make_prompt_cache(model, 64)] == [c.kind for c in cache]
+    del model.args.layer_types
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"model_type 'gemma3_text'.*has no "
+                       r"layer_types.*will not guess a layer plan"):
+        MuseGeometry.from_model_args(model.args)
 
 
-def test_a_window_that_disagrees_with_the_models_own_caches_is_refused():
-    from mlx_lm.models.cache import RotatingKVCache
+def test_caches_muser_kv_cannot_serve_exactly_are_named():
+    from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
 
     import muser_kv
 
     muse = tiny_muse()
 
-    class OtherWindow(type(muse)):
+    class TwoWindows(type(muse)):
         def make_cache(self):
             caches = super().make_cache()
             caches[0] = RotatingKVCache(max_size=self.args.sliding_window * 2)
             return caches
 
-    model = OtherWindow(muse.args)
-    with pytest.raises(muser_kv.UnsupportedModel,
-                       match=r"layer 0: the model's make_cache\(\) gives a sliding window of 32, "
-                             r"its args say a sliding window of 16"):
-        muser_kv.make_prompt_cache(model)
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"sliding layers of windows \[16, 32\]; "
+                                                         r"muser-kv serves one window per model"):
+        muser_kv.make_prompt_cache(TwoWindows(muse.args))
 
-    class Fewer(type(muse)):
+    class Chunked(type(muse)):
         def make_cache(self):
-            return super().make_cache()[:-1]
+            caches = super().make_cache()
+            caches[1] = ChunkedKVCache(8)
+            return caches
 
-    with pytest.raises(muser_kv.UnsupportedModel, match=r"7 caches for 8 layers"):
-        muser_kv.make_prompt_cache(Fewer(muse.args))
-    # the model itself is served
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"layer 1's own cache is a "
+                       r"mlx_lm.models.cache.ChunkedKVCache.*\(this one is chunked attention\)"):
+        muser_kv.make_prompt_cache(Chunked(muse.args))
+
+    class Sinks(type(muse)):
+        def make_cache(self):
+            caches = super().make_cache()
+            caches[0] = RotatingKVCache(max_size=self.args.sliding_window, keep=4)
+            return caches
+
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"keeps 4 attention-sink rows"):
+        muser_kv.make_prompt_cache(Sinks(muse.args))
+    # the model itself is served, one cache per entry of its own list
     assert len(muser_kv.make_prompt_cache(muse)) == 8
 
 

@@ -246,7 +246,7 @@ def test_a_model_muser_kv_does_not_serve_is_one_line_and_exit_1(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     line, = proc.stderr.strip().splitlines()
     assert line.startswith(f"muser-kv generate: {llama} is not a model muser-kv serves")
-    assert "sliding_window" in line and "model_type 'llama'" in line
+    assert "has no sliding-window layers" in line and "model_type 'llama'" in line
 
 
 @pytest.mark.parametrize("extra, message", [

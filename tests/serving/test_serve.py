@@ -253,7 +253,7 @@ def test_a_request_for_a_model_muser_kv_cannot_serve_fails_alone(servers, model_
     before = send(server, REQUESTS[0])
     status, out = server.send("/v1/completions", {"model": str(llama), "prompt": "t1 t2",
                                                   "max_tokens": 2})
-    assert status != 200 and "no sliding_window" in out["error"]
+    assert status != 200 and "has no sliding-window layers" in out["error"]
     assert send(server, REQUESTS[0]) == before  # the Muse model is served again, as before
 
 
@@ -559,7 +559,7 @@ def test_a_model_muser_kv_cannot_serve_is_refused_before_the_server_starts(tmp_p
     llama = write_local_model(tmp_path / "llama", model_type="llama")
     assert serve.main(["--model", str(llama)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("muser-kv serve: ") and "no sliding_window" in err
+    assert err.startswith("muser-kv serve: ") and "has no sliding-window layers" in err
 
 
 def test_a_max_context_past_the_model_is_refused(model_dir, capsys):
