@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import mlx.core as mx
+import mlx.nn as nn
 from local_tokenizer import save_tokenizer
 from mlx_lm.utils import save_config, save_model
 
@@ -42,21 +43,30 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
 
 
 def write_local_model(directory: Path, *, model_type: str = "muse_glimmer",
-                      dtype: str = "bfloat16", seed: int = 0, **args: Any) -> Path:
-    """Write a random-weight ``model_type`` checkpoint (weights in ``dtype``)
-    with the local tokenizer into ``directory`` (created if missing)."""
+                      dtype: str = "bfloat16", seed: int = 0, quantize: bool = False,
+                      config_extra: Dict[str, Any] | None = None, **args: Any) -> Path:
+    """Write a random-weight ``model_type`` checkpoint (weights in ``dtype``;
+    8-bit quantized where ``quantize``; ``config_extra`` added to its
+    config.json) with the local tokenizer into ``directory`` (created if
+    missing)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    fields = dict(DEFAULTS[model_type], **args)
+    fields = dict(DEFAULTS.get(model_type, {}), **args)
     model_args = module.ModelArgs(model_type=model_type, **fields)
     mx.random.seed(seed)
     model = module.Model(model_args)
     model.set_dtype(getattr(mx, dtype))
+    quantization = dict(group_size=32, bits=8)
+    if quantize:
+        nn.quantize(model, **quantization, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
     mx.eval(model.parameters())
     save_model(directory, model)
     config = dataclasses.asdict(model_args)
     config["torch_dtype"] = dtype
+    if quantize:
+        config["quantization"] = quantization
+    config.update(config_extra or {})
     save_config(config, directory / "config.json")
     save_tokenizer(model_args.vocab_size, directory)
     tokenizer_config = directory / "tokenizer_config.json"

@@ -31,6 +31,9 @@ class Species:
     #: 8-bit experts, as mlx-community ships these MoE models: MLX's CPU
     #: gather_mm runs f32 only, its quantized gather runs f16 and bf16
     quantize: bool = False
+    #: what the checkpoint's config.json carries beside the args (transformers
+    #: reads it too, where the tokenizer is loaded)
+    config: Dict[str, Any] = field(default_factory=dict)
 
 
 ZOO: Dict[str, Species] = {
@@ -43,10 +46,11 @@ ZOO: Dict[str, Species] = {
                                        rms_norm_eps=1e-5, max_position_embeddings=MAX_CONTEXT,
                                        rope_theta=10000.0, tie_word_embeddings=True,
                                        rope_scaling=None, sliding_window=WINDOW,
-                                       sliding_window_pattern="LLLG")),
+                                       sliding_window_pattern="LLLG"),
+                       config=dict(layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2)),
     "gemma3_text": Species("gemma3_text", dict(_COMMON, num_hidden_layers=6, head_dim=32,
                                                sliding_window=WINDOW, sliding_window_pattern=3,
-                                               query_pre_attn_scalar=32.0,
+                                               query_pre_attn_scalar=32,
                                                max_position_embeddings=MAX_CONTEXT)),
     "gemma4_text": Species("gemma4_text", dict(_COMMON, num_hidden_layers=8, head_dim=32,
                                                global_head_dim=64, num_kv_shared_layers=3,

@@ -241,6 +241,13 @@ class MuseGeometry:
                 raise UnsupportedModel(
                     f"{what}: layer {i}'s RotatingKVCache keeps {c.keep} attention-sink rows; "
                     "muser-kv's rings keep none")
+        layers = getattr(model, "layers", None)
+        model_layers = len(layers) if layers is not None else len(own)
+        if len(own) > model_layers:
+            raise UnsupportedModel(
+                f"{what}: its make_cache() builds {len(own)} caches for {model_layers} layers "
+                "(some layers run more than once, each time with another cache); muser-kv "
+                "serves at most one cache per layer")
         windows = sorted({int(c.window) for c in own if c.kind == "sliding"})
         if not windows:
             raise UnsupportedModel(
@@ -267,8 +274,6 @@ class MuseGeometry:
         (s_heads, s_dim) = dims.get(LayerKind.SLIDING, dims[LayerKind.GLOBAL])
         (g_heads, g_dim) = dims.get(LayerKind.GLOBAL, (s_heads, s_dim))
         num_heads = _model_int(fields, "num_attention_heads") or max(s_heads, g_heads)
-        layers = getattr(model, "layers", None)
-        model_layers = len(layers) if layers is not None else len(own)
         return cls(
             num_layers=len(own), window=windows[0], max_context=max_context,
             num_heads=num_heads, kv_heads=s_heads, head_dim=s_dim, layer_kinds=kinds,

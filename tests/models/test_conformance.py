@@ -1,0 +1,268 @@
+"""One conformance suite over every sliding-window family muser-kv serves
+(``tests/model_zoo.py``: tiny random-weight models from each mlx-lm module's own
+``ModelArgs``, windows of 8 so a few dozen tokens wrap every ring), f16 and bf16.
+
+For every model, against mlx-lm's own caches (its ``make_cache()``) and its own
+code paths: the list muser-kv builds is the model's list, entry for entry;
+greedy decoding before and past the wrap gives the same tokens with logits
+bitwise (the dtypes match); speculative decoding past the wrap equals greedy;
+``trim`` is exact up to ``trimmable_depth()`` and refused past it; session
+files and mlx-lm's prompt-cache files round-trip bit for bit; ``BatchGenerator``
+batches equal solo runs; the footprint is the planes' bytes, per layer kind.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from model_zoo import MAX_CONTEXT, WINDOW, ZOO, tiny
+from oracle import bits16
+
+import muser_kv
+from muser_kv import LayerKind
+
+#: every model the zoo builds on this machine (Muse Spark's attention needs a
+#: Metal kernel of mlx-lm's own, so it runs on Apple silicon only)
+RUNNABLE = [name for name in ZOO if name != "muse_spark" or mx.metal.is_available()]
+DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16}
+PROMPT = [(7 * i) % 100 + 1 for i in range(13)]  # longer than the window: the prefill wraps
+STEPS = 20
+
+
+@pytest.fixture(scope="module", params=[(n, d) for n in RUNNABLE for d in DTYPES],
+                ids=[f"{n}-{d}" for n in RUNNABLE for d in DTYPES])
+def model(request):
+    name, dtype = request.param
+    return tiny(name, DTYPES[dtype])
+
+
+def greedy(model, cache, prompt=PROMPT, n=STEPS, **kw):
+    """Tokens and log-probabilities (as f32 numpy) of mlx-lm's generate_step."""
+    out = []
+    gen = generate_step(mx.array(prompt, mx.uint32), model, prompt_cache=cache, max_tokens=n, **kw)
+    for (t, lp), _ in zip(gen, range(n)):
+        out.append((int(t), np.array(lp.astype(mx.float32))))
+    return out
+
+
+def ours(model, **kw):
+    return muser_kv.make_prompt_cache(model, MAX_CONTEXT, **kw)
+
+
+def rows(cache):
+    """Every layer's ring state and live rows in logical order, as bits."""
+    out = []
+    for c in cache:
+        start, k, v = c.snapshot()
+        out.append((c.meta_state, start, bits16(k).tobytes(), bits16(v).tobytes()))
+    return out
+
+
+def test_the_list_is_the_models_own_entry_for_entry(model):
+    own = type(model).make_cache(model)
+    cache = ours(model)
+    assert len(cache) == len(own)
+    for c, o in zip(cache, own):
+        if type(o).__name__ == "RotatingKVCache":
+            assert (c.kind, c.window) == (LayerKind.SLIDING, o.max_size)
+        else:
+            assert type(o).__name__ == "KVCache" and c.kind is LayerKind.GLOBAL
+    model(mx.array([PROMPT[:3]]), cache=own)  # the planes hold what mlx-lm's caches hold
+    assert {c.dtype for c in cache} == {o.keys.dtype for o in own}
+
+
+def test_greedy_before_the_wrap_equals_mlx_lms_caches_bitwise(model):
+    """Every position inside the window: the same rows in the same order as
+    mlx-lm's caches, so the same logits, bit for bit."""
+    prompt = PROMPT[:3]
+    n = WINDOW - len(prompt) + 1  # the last step attends over exactly the window
+    theirs = greedy(model, type(model).make_cache(model), prompt, n)
+    mine = greedy(model, ours(model), prompt, n)
+    assert [t for t, _ in mine] == [t for t, _ in theirs]
+    for i, ((_, a), (_, b)) in enumerate(zip(mine, theirs)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {i}: logits differ"
+
+
+@pytest.mark.parametrize("prompt", [PROMPT[:5], PROMPT], ids=["short-prompt", "wrapping-prompt"])
+def test_greedy_past_the_wrap_gives_mlx_lms_tokens(model, prompt):
+    """Past the wrap the rings hold the same rows as mlx-lm's, but mlx-lm's
+    RotatingKVCache keeps them in another physical order (after a prefill longer
+    than its window, and as it rotates), and attention sums rows in physical
+    order: the logits may differ in their last bits (float addition does not
+    associate), so they are compared within a few bf16 ulps; the tokens equal.
+    Exactness past the wrap is what the other tests pin, bit for bit, against
+    muser-kv's own live lists."""
+    theirs = greedy(model, type(model).make_cache(model), prompt)
+    mine = greedy(model, ours(model), prompt)
+    assert [t for t, _ in mine] == [t for t, _ in theirs]
+    worst = max(float(np.max(np.abs(a - b))) for (_, a), (_, b) in zip(mine, theirs))
+    assert worst < 0.25, f"log-probabilities differ by up to {worst}"
+
+
+def test_speculative_decoding_past_the_wrap_equals_greedy(model, request):
+    """mlx-lm's speculative_generate_step, with the caches it builds itself
+    (``install``: mlx-lm splits a handed prompt_cache at len(model.layers),
+    which a model with cacheless layers, Gemma 4, does not fill), past the
+    wrap; the draft is another random model of the family, so nearly every
+    round is rolled back through the rings' retained rows."""
+    name, dtype = request.node.callspec.params["model"]
+    draft = tiny(name, DTYPES[dtype], seed=1)
+    want = [t for t, _ in greedy(model, ours(model))]
+    for m in (model, draft):
+        muser_kv.install(m, max_context=MAX_CONTEXT, num_draft_tokens=3)
+    try:
+        out = list(speculative_generate_step(mx.array(PROMPT, mx.uint32), model, draft,
+                                             max_tokens=STEPS, num_draft_tokens=3))
+    finally:
+        for m in (model, draft):
+            muser_kv.uninstall(m)
+    assert [int(t) for t, _, _ in out] == want
+    assert sum(not accepted for _, _, accepted in out) > STEPS // 3  # rounds rolled back
+    assert len(PROMPT) + STEPS > 2 * WINDOW  # every ring wrapped twice
+
+
+def test_trim_is_exact_to_its_depth_and_refused_past_it(model):
+    live = ours(model)
+    greedy(model, live)
+    depth = min(c.trimmable_depth() for c in live)
+    assert depth >= muser_kv.DEFAULT_RETAIN or depth == live[0].offset
+    end = live[0].offset
+    back = min(depth, WINDOW + 3)  # past a whole window of overwritten rows
+    # the state a run that stopped there holds
+    fresh = ours(model)
+    tokens = PROMPT + [t for t, _ in greedy(model, ours(model))]
+    model(mx.array([tokens[:end - back]]), cache=fresh)
+    from mlx_lm.models.cache import trim_prompt_cache
+    assert trim_prompt_cache(live, back) == back
+    assert rows(live) == rows(fresh)
+    # one more than the depth is refused, and nothing changes
+    before = rows(live)
+    deeper = min(c.trimmable_depth() for c in live) + 1
+    if deeper <= live[0].offset:
+        with pytest.raises(ValueError):
+            live[0].trim(deeper)
+        assert rows(live) == before
+
+
+def test_a_session_file_round_trips_bitwise(model, tmp_path):
+    live = ours(model)
+    greedy(model, live)
+    muser_kv.save_session(tmp_path / "s.safetensors", live)
+    loaded = muser_kv.load_session(tmp_path / "s.safetensors", model)
+    assert rows(loaded) == rows(live)
+    step = mx.array([[5]])
+    assert np.array_equal(bits16(model(step, cache=loaded)), bits16(model(step, cache=live)))
+
+
+def test_a_prompt_cache_file_round_trips_bitwise(model, tmp_path):
+    live = ours(model)
+    greedy(model, live)
+    save_prompt_cache(str(tmp_path / "p.safetensors"), live)
+    loaded = load_prompt_cache(str(tmp_path / "p.safetensors"))
+    assert rows(loaded) == rows(live)
+    step = mx.array([[5]])
+    assert np.array_equal(bits16(model(step, cache=loaded)), bits16(model(step, cache=live)))
+
+
+def test_a_session_of_another_model_type_is_refused(model, tmp_path):
+    live = ours(model)
+    model(mx.array([PROMPT]), cache=live)
+    muser_kv.save_session(tmp_path / "s.safetensors", live)
+    other = tiny("muse_glimmer" if model.args.model_type != "muse_glimmer" else "olmo3")
+    with pytest.raises((muser_kv.SnapshotError, muser_kv.UnsupportedModel)):
+        muser_kv.load_session(tmp_path / "s.safetensors", other)
+
+
+def test_batch_generator_equals_solo_runs(model, monkeypatch):
+    prompts = [PROMPT[:4], PROMPT, PROMPT[2:11]]
+    max_tokens = [14, 9, 12]
+    want = [[t for t, _ in greedy(model, ours(model), p, n)] for p, n in zip(prompts, max_tokens)]
+    monkeypatch.setattr(model, "make_cache", lambda: ours(model, batch_slots=2), raising=False)
+    gen = BatchGenerator(model, max_tokens=32, completion_batch_size=2, prefill_batch_size=2,
+                         prefill_step_size=5)
+    uids = gen.insert(prompts, max_tokens)
+    got = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(int(r.token))
+    gen.close()
+    assert [got[u] for u in uids] == want
+
+
+def test_the_footprint_is_the_planes_bytes_per_layer_kind(model):
+    geometry = muser_kv.MuseGeometry.from_model(model, MAX_CONTEXT)
+    cache = ours(model)
+    fp = muser_kv.footprint(geometry, MAX_CONTEXT)
+    assert fp.slot_bytes == sum(c.nbytes for c in cache)
+    for kind in LayerKind:
+        layers = [c for c in cache if c.kind is kind]
+        heads, dim = geometry.dims(kind)
+        assert all((c.kv_heads, c.head_dim) == (heads, dim) for c in layers)
+        kind_bytes = fp.swa_bytes if kind is LayerKind.SLIDING else fp.nope_bytes
+        assert kind_bytes == sum(c.nbytes for c in layers)
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="Apple silicon runs Muse Spark in the suite")
+def test_muse_spark_is_read_but_needs_mlx_lms_metal_kernel_to_run():
+    """Muse Spark's plan is read like every other (its make_cache()), but its
+    attention runs mlx-lm's own Metal kernel (qk_norm_rope), so no forward runs
+    on this machine: make_prompt_cache refuses, naming why, rather than guess
+    the K/V shapes."""
+    from muser_kv.core.probe import own_caches
+
+    model = tiny("muse_spark")
+    kinds = [c.kind for c in own_caches(model)]
+    assert kinds == (["sliding"] * 3 + ["global"]) * 2
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"a lazy one-token forward.*failed on this "
+                                                         r"device.*Metal"):
+        muser_kv.make_prompt_cache(model, MAX_CONTEXT)
+
+
+def test_a_model_that_runs_layers_twice_is_refused():
+    """IQuest Loop Coder's make_cache() gives every layer a second, looped cache."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    base = tiny("olmo3")
+
+    class Looped(type(base)):
+        def make_cache(self):
+            return [KVCache() for _ in self.layers] + [RotatingKVCache(WINDOW) for _ in self.layers]
+
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"builds 16 caches for 8 layers"):
+        muser_kv.make_prompt_cache(Looped(base.args), MAX_CONTEXT)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_muser_kv_generate_prints_what_mlx_lm_generate_prints(name, tmp_path, capsys, monkeypatch):
+    """The command path: a checkpoint on disk (bf16, the zoo's tiny geometry; its
+    config.json has max_position_embeddings, which mlx-lm's args drop for
+    Cohere2 and GPT-OSS), mlx-lm's own generate main() on muser-kv's caches
+    against mlx-lm's, in this process; the session holds every token."""
+    import importlib
+
+    from local_model import write_local_model
+
+    from muser_kv.serving.cli import main as muser_kv_main
+
+    species = ZOO[name]
+    path = write_local_model(tmp_path / name, model_type=species.module, quantize=species.quantize,
+                             config_extra=dict(species.config, max_position_embeddings=MAX_CONTEXT),
+                             **species.args)
+    argv = ["--model", str(path), "--prompt", " ".join(f"t{i}" for i in range(4, 17)),
+            "--max-tokens", str(STEPS), "--temp", "0", "--ignore-chat-template"]
+    monkeypatch.setattr("sys.argv", ["mlx_lm.generate", *argv])
+    importlib.import_module("mlx_lm.generate").main()
+    theirs = capsys.readouterr().out
+    session = tmp_path / "s.safetensors"
+    assert muser_kv_main(["generate", *argv, "--session", str(session)]) == 0
+    mine = capsys.readouterr().out
+
+    def text(out: str) -> str:  # the generated text, without the timing lines
+        return out.split("==========")[1]
+
+    assert text(mine) == text(theirs)
+    snapshot = muser_kv.read_session(session)
+    assert snapshot.position > 2 * WINDOW and snapshot.geometry.max_context == MAX_CONTEXT
