@@ -266,3 +266,20 @@ def test_muser_kv_generate_prints_what_mlx_lm_generate_prints(name, tmp_path, ca
     assert text(mine) == text(theirs)
     snapshot = muser_kv.read_session(session)
     assert snapshot.position > 2 * WINDOW and snapshot.geometry.max_context == MAX_CONTEXT
+
+
+def test_every_mlx_lm_module_with_a_rotating_cache_is_in_the_models_table():
+    """docs/models.md says, for every model module of the installed mlx-lm that
+    creates a RotatingKVCache, whether it is served or why it is refused."""
+    import pathlib
+
+    import mlx_lm.models
+
+    root = pathlib.Path(mlx_lm.models.__file__).parent
+    modules = sorted(p.stem for p in root.glob("*.py")
+                     if p.stem != "cache" and "RotatingKVCache(" in p.read_text())
+    table = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    missing = [m for m in modules if f"`{m}`" not in table]
+    assert not missing, f"docs/models.md does not say what muser-kv does with {missing}"
+    for name in ZOO:  # every zoo model is a served row
+        assert f"`{ZOO[name].module}` | served" in table or f"`{ZOO[name].module}` | plan read" in table
