@@ -283,3 +283,71 @@ def test_every_mlx_lm_module_with_a_rotating_cache_is_in_the_models_table():
     assert not missing, f"docs/models.md does not say what muser-kv does with {missing}"
     for name in ZOO:  # every zoo model is a served row
         assert f"`{ZOO[name].module}` | served" in table or f"`{ZOO[name].module}` | plan read" in table
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One ``muser-kv serve`` per zoo model (bf16 checkpoints on disk, a prompt
+    cache, ``--retain 6``), started together, stopped in any case."""
+    import os
+
+    import metal_plugin
+    from local_model import write_local_model
+    from servers import Server
+
+    if os.environ.get(metal_plugin.EMULATOR_ENV):
+        pytest.skip("the servers run the command itself, which does not install the tests' "
+                    "Metal emulator")
+    root = tmp_path_factory.mktemp("served")
+    started = {}
+    try:
+        for name in RUNNABLE:
+            species = ZOO[name]
+            path = write_local_model(root / name, model_type=species.module,
+                                     quantize=species.quantize,
+                                     config_extra=dict(species.config,
+                                                       max_position_embeddings=MAX_CONTEXT),
+                                     **species.args)
+            started[name] = (Server(path, root / f"{name}.log", "--retain", "6"), path)
+        for server, _ in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server, _ in started.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_serve_answers_a_returning_chat_exactly(served, name):
+    """A conversation past the wrap comes back with the answer less its last 3
+    tokens (a client that renders the end of turn its own way): the stored
+    entry is trimmed by 3, exactly, and the answer is the one mlx-lm's own
+    caches give for the whole prompt in this process."""
+    from servers import words
+
+    server, path = served[name]
+
+    eos = 127  # the local tokenizer's </s>: kept out, so every answer is 10 tokens
+
+    def complete(prompt, n=10):
+        out = server.post("/v1/completions", {"prompt": words(prompt), "max_tokens": n,
+                                              "temperature": 0, "logprobs": True,
+                                              "logit_bias": {str(eos): -1000}})
+        got = [t["id"] for t in out["choices"][0]["logprobs"]["content"]]
+        return got, out["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+
+    first = PROMPT + PROMPT[:7]  # 20 tokens: every ring wrapped
+    answer, cached = complete(first)
+    assert cached == 0
+    second = first + answer[:7] + [3, 5, 7, 11]
+    got, cached = complete(second)
+    assert len(answer) == 10, answer
+    assert cached == len(first) + 7  # the stored turn (prompt + answer), trimmed by 3
+    import mlx_lm
+
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, _ = mlx_lm.load(str(path))
+    bias = make_logits_processors(logit_bias={eos: -1000})
+    want = greedy(model, type(model).make_cache(model), second, 10, logits_processors=bias)
+    assert got == [t for t, _ in want]

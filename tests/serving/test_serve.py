@@ -36,12 +36,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,86 +47,14 @@ import metal_plugin
 import numpy as np
 import pytest
 from local_model import write_local_model
+from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, words
 
 import muser_kv
 from muser_kv.serving import serve
 from muser_kv.serving.prompt_cache import ExactPromptCache
 
 ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT = 90
-REQUEST_TIMEOUT = 60
 CONTEXT = 64  # --max-context of the batched and draft servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``muser-kv serve`` in a subprocess; ``stop`` ends it (terminate, then kill)."""
-
-    def __init__(self, model: Path, log: Path, *flags: str):
-        self.port = free_port()
-        self.log_path = log
-        self._log = open(log, "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "muser_kv", "serve", "--model", str(model), "--host",
-             "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING", *flags],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()[-4000:]
-
-    def get(self, path: str, timeout: float = 5) -> int:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}",
-                                        timeout=timeout) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.get("/health", timeout=2) == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not ready after {START_TIMEOUT} s:\n{self.log()}")
-
-    def send(self, path: str, body: Dict[str, Any]):
-        """(HTTP status, the JSON body)."""
-        data = json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"null")
-
-    def post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
-        status, out = self.send(path, body)
-        assert status == 200, f"{path} -> {status} {out!r}\n{self.log()}"
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +87,6 @@ def servers(model_dir, tmp_path_factory):
     finally:
         for s in started.values():
             s.stop()
-
-
-def words(ids: Sequence[int]) -> str:
-    return " ".join(f"t{i}" for i in ids)
 
 
 def ids(n: int, seed: int) -> List[int]:

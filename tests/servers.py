@@ -1,0 +1,95 @@
+"""``muser-kv serve`` in a subprocess, for the tests that talk to it over HTTP
+(loopback only, a free port each, stopped in any case by their fixtures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 90
+REQUEST_TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``muser-kv serve`` in a subprocess; ``stop`` ends it (terminate, then kill)."""
+
+    def __init__(self, model: Path, log: Path, *flags: str):
+        self.port = free_port()
+        self.log_path = log
+        self._log = open(log, "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "muser_kv", "serve", "--model", str(model), "--host",
+             "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING", *flags],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def get(self, path: str, timeout: float = 5) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}",
+                                        timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.get("/health", timeout=2) == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready after {START_TIMEOUT} s:\n{self.log()}")
+
+    def send(self, path: str, body: Dict[str, Any]):
+        """(HTTP status, the JSON body)."""
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        status, out = self.send(path, body)
+        assert status == 200, f"{path} -> {status} {out!r}\n{self.log()}"
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def words(ids: Sequence[int]) -> str:
+    """Token ids as the local tokenizer's words (``t{id}``)."""
+    return " ".join(f"t{i}" for i in ids)
