@@ -344,7 +344,6 @@ def test_serve_answers_a_returning_chat_exactly(served, name):
     assert len(answer) == 10, answer
     assert cached == len(first) + 7  # the stored turn (prompt + answer), trimmed by 3
     import mlx_lm
-
     from mlx_lm.sample_utils import make_logits_processors
 
     model, _ = mlx_lm.load(str(path))
