@@ -1,46 +1,42 @@
-"""Handoff between processes: a session sent with muser_kv's handoff against the raw
-bytes, and the decode side's time to first token against a file and a re-prefill.
+"""How fast does a session go from one process to another, and how soon does the receiver decode?
 
-Two processes (ranks 0 and 1 of an MLX ring group on this host; the script
-starts them through ``mlx.launch -n 2 --backend ring`` when run plainly) share a
-Muse-shaped model (random weights, the same seed: real KV geometry 2 x 128,
-``--layers`` layers, ``--window``, tiny hidden size). For each depth D, rank 0
-prefills D random tokens (``--chunk`` at a time) into a muser-kv cache, then,
-every repeat, from a common start (a one-byte message from rank 1):
+A session sent with ``muser_kv.handoff`` against a raw send/recv of its bytes,
+and the receiver's time to first token against ``load_session`` and a
+re-prefill. Two ranks of an MLX ring group on this host (started through
+``mlx.launch -n 2 --backend ring`` when run plainly, with this checkout on their
+``PYTHONPATH``) share a Muse-shaped model (``_harness.build_model``, one seed;
+by default the real KV geometry and window, 8 layers, hidden 64). Per depth D,
+rank 0 prefills D random tokens (``--chunk`` at a time) into a muser-kv cache;
+then every repeat, from a common start (a one-byte message each way), the
+handoff and the raw transfer take turns, the order flipped every repeat:
 
-1. **Throughput.** ``handoff``: rank 0 ``send_session(cache, 1)`` (cut, sha256
-   of every tensor, header, stream), rank 1 ``recv_session(model, 0)`` (verify
-   the header, allocate a cache, verify each tensor's sha256 and install it);
-   timed on rank 1 from the start to the installed cache. ``raw``: the same
-   tensors (the session's rows, already cut) with one ``mx.distributed.send``
-   each, received with ``recv`` and evaluated: the floor for these bytes
-   between these two processes. GB = 1e9 B of tensor payload.
-2. **Time to first token on rank 1** (the logits of token D, evaluated):
-   ``handoff`` as above, then one decode step; ``load_session`` of the same
-   session from a file on local disk (written once beforehand, in the page
-   cache) then one step; a re-prefill of the D tokens in a fresh cache, then
-   one step (``--prefill-repeats`` times, no untimed round: on a CPU it is
-   slow). The last two run after rank 0 has left, so that nothing shares the
-   cores with them; rank 0 sleeps ``--settle`` seconds after each send for
-   the same reason (MLX's ring backend busy-polls a posted receive). The
-   three first tokens' logits must be equal, bit for bit (exit status 1
-   otherwise).
-3. **Where the time goes.** The handoff's parts, one at a time on rank 1:
-   the model fingerprint, the cut (``SessionSnapshot.capture``, which takes
-   the sender's fingerprint), sha256 of every tensor (each side does it once),
-   allocating the receiver's cache, installing the rows; their serial sum
-   with the raw transfer, beside the handoff's measured time.
+1. **Throughput.** ``handoff``: rank 0 ``send_session(cache, 1)`` (cut, sha256 of
+   every tensor, header, stream), rank 1 ``recv_session(model, 0)`` (verify the
+   header, allocate, verify each tensor and install it), timed on rank 1 to the
+   installed cache. ``raw``: the same tensors (already cut), one
+   ``mx.distributed.send`` each, received and evaluated: the floor for these
+   bytes between these processes. GB = 1e9 B of tensor payload.
+2. **Time to first token on rank 1** (the logits of token D, evaluated): the
+   handoff then one decode step; ``load_session`` of the same session from a
+   file in the page cache, then one step; a re-prefill of the D tokens, then
+   one step (``--prefill-repeats`` times, no untimed round). The last two run
+   after rank 0 has left, and rank 0 sleeps ``--settle`` s after each send
+   (MLX's ring backend busy-polls a posted receive), so that nothing shares the
+   cores with them. The three logits must be equal, bit for bit (exit 1 if not).
+3. **Where the time goes**: the handoff's parts, one at a time on rank 1
+   (fingerprint, cut, sha256, allocate, install), their serial sum with the raw
+   transfer beside the handoff's time.
 
-The re-prefill's model is tiny (hidden 64): a real Muse Glimmer spends far
-more per prefilled token, so the re-prefill column is a lower bound there.
+The re-prefill's model is tiny: a real Muse Glimmer spends far more per
+prefilled token, so the re-prefill column is a lower bound there.
 
-    python benchmarks/handoff.py                       # CPU: depths 512, 2048, 8 layers
-    python benchmarks/handoff.py --depths 2048,8192,32768 --layers 52
+    python3 benchmarks/handoff.py --depths 2048,8192,32768 --layers 52    # H200 (not run there)
+    PYTHONPATH=. .venv/bin/python benchmarks/handoff.py                   # CPU: depths 512, 2048
+    PYTHONPATH=. .venv/bin/python benchmarks/handoff.py --depths 256,512 --repeats 2 --settle 0.2
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -49,49 +45,29 @@ import tempfile
 import time
 from typing import Any, Dict, List, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # this checkout's muser_kv, in both ranks
+import _harness as H
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from _common import (  # noqa: E402
-    int_list,
-    launch_port,
-    median,
-    now,
-    print_header,
-    print_table,
-    settle,
-    write_json,
-)
+import muser_kv
+from muser_kv.sessions import handoff
 
-import muser_kv  # noqa: E402
-from muser_kv.sessions import handoff  # noqa: E402
-
-GB = 1e9
-MIB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--depths", type=int_list, default=[512, 2048],
+def parse_args(argv=None):
+    p = H.parser(__doc__)
+    p.add_argument("--depths", type=H.int_list, default=[512, 2048],
                    help="session depths in positions (default 512,2048; 'k' suffix allowed)")
-    p.add_argument("--layers", type=int, default=8, help="layers, i %% 4 == 3 global (default 8)")
-    p.add_argument("--window", type=int, default=2048, help="sliding window (default 2048)")
-    p.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed repeats per cell, after one untimed; the median is shown (default 3)")
     p.add_argument("--prefill-repeats", type=int, default=1,
                    help="timed re-prefills per depth (default 1: on a CPU they take a while)")
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds rank 0 sleeps after each send before it waits again (default 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="also write all measurements as JSON (rank 1)")
-    args = p.parse_args(argv)
+    H.add_flags(p, ("layers", "hidden", "vocab", "heads", "window"),
+                defaults=dict(layers=8, hidden=64, vocab=256, heads=4),
+                blocks=("repeats", 3, "timed repeats per cell, after one untimed; the median"))
+    args = H.parse(p, argv)
     if min(args.depths) < 1 or min(args.layers, args.repeats, args.chunk,
                                     args.prefill_repeats) < 1:
         p.error("--depths, --layers, --repeats, --prefill-repeats and --chunk must be positive")
@@ -107,25 +83,11 @@ def launch(argv: Sequence[str]) -> int:
     if launcher is None:
         raise SystemExit("handoff.py: mlx.launch not found beside this Python; run it as "
                          "mlx.launch -n 2 --backend ring --python PY benchmarks/handoff.py")
-    port = launch_port()
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--python", sys.executable, "-p", str(port),
-           os.path.abspath(__file__), *argv]
-    return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
-
-
-def build_model(args: argparse.Namespace):
-    from mlx_lm.models import muse_glimmer
-
-    margs = muse_glimmer.ModelArgs(
-        hidden_size=args.hidden, num_hidden_layers=args.layers,
-        intermediate_size=2 * args.hidden, num_attention_heads=args.heads,
-        num_key_value_heads=2, head_dim=128, vocab_size=256, sliding_window=args.window,
-        max_position_embeddings=max(args.depths) + 256)
-    mx.random.seed(args.seed)
-    model = muse_glimmer.Model(margs)
-    model.set_dtype(mx.float16)
-    mx.eval(model.parameters())
-    return model
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--python", sys.executable,
+           "-p", str(H.launch_port()), os.path.abspath(__file__), *argv]
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}  # this checkout's muser_kv, in both ranks
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL, env=env).returncode
 
 
 def prefill(model, tokens: np.ndarray, chunk: int) -> List[Any]:
@@ -160,65 +122,65 @@ def tensors(cache) -> List[mx.array]:
     return [x for cut in snap.layers for x in (cut.keys, cut.values) if x.size]
 
 
-def sender(group, model, args: argparse.Namespace) -> None:
+def sender(group, model, args) -> None:
     rng = np.random.default_rng(args.seed)
     for depth in args.depths:
-        prompt = rng.integers(0, 256, depth + 1)
+        prompt = rng.integers(0, args.vocab, depth + 1)
         cache = prefill(model, prompt[:depth], args.chunk)
         raw = tensors(cache)
-        for _ in range(args.repeats + 1):
-            barrier(group, 0)
-            t = now()
-            handoff.send_session(cache, 1, group)
-            spent = now() - t
-            time.sleep(args.settle)
-            barrier(group, 0)
-            mx.eval([mx.distributed.send(x, 1, group=group) for x in raw])
+        for r in range(args.repeats + 1):
+            spent = 0.0
+            for kind in H.order(r, ("handoff", "raw")):  # the order flipped every repeat
+                barrier(group, 0)
+                if kind == "handoff":
+                    t = H.now()
+                    handoff.send_session(cache, 1, group)
+                    spent = H.now() - t
+                else:
+                    mx.eval([mx.distributed.send(x, 1, group=group) for x in raw])
+                time.sleep(args.settle)
             mx.eval(mx.distributed.send(mx.array([spent], mx.float32), 1, group=group))
-            time.sleep(args.settle)
         del cache, raw
-        settle()
+        H.settle()
 
 
-def receiver(group, model, args: argparse.Namespace, workdir: str) -> List[Dict[str, Any]]:
+def receiver(group, model, args, workdir: str) -> List[Dict[str, Any]]:
     rng = np.random.default_rng(args.seed)
     cells = []
     for depth in args.depths:
-        prompt = rng.integers(0, 256, depth + 1)
+        prompt = rng.integers(0, args.vocab, depth + 1)
         cell: Dict[str, Any] = {"depth": depth, "handoff_s": [], "ttft_handoff_s": [],
                                 "raw_s": [], "sender_s": [],
                                 "file": os.path.join(workdir, f"session-{depth}.safetensors")}
-        for r in range(args.repeats + 1):
-            settle()
-            barrier(group, 1)
-            t = now()
-            got = handoff.recv_session(model, 0, group)
-            installed = now() - t
-            if r == 0:  # untimed: the session as it came, for the raw shapes and the file
-                shapes = [(x.shape, x.dtype) for x in tensors(got.cache)]
-                muser_kv.save_session(cell["file"], got.cache, model=model)
-            logits = first_token(model, got.cache, int(prompt[depth]))
-            ttft = now() - t
-            settle()
-            barrier(group, 1)
-            t = now()
-            ys = [mx.distributed.recv(shape, dtype, 0, group=group) for shape, dtype in shapes]
-            mx.eval(ys)
-            raw_s = now() - t
+        for r in range(args.repeats + 1):  # the first round is untimed, the handoff first
+            for kind in H.order(r, ("handoff", "raw")):
+                H.settle()
+                barrier(group, 1)
+                t = H.now()
+                if kind == "handoff":
+                    got = handoff.recv_session(model, 0, group)
+                    installed = H.now() - t
+                    if r == 0:  # the session as it came, for the raw shapes and the file
+                        shapes = [(x.shape, x.dtype) for x in tensors(got.cache)]
+                        muser_kv.save_session(cell["file"], got.cache, model=model)
+                    cell["handoff_logits"] = first_token(model, got.cache, int(prompt[depth]))
+                    ttft = H.now() - t
+                    cell["nbytes"] = got.nbytes
+                    del got
+                else:
+                    mx.eval([mx.distributed.recv(shape, dtype, 0, group=group)
+                             for shape, dtype in shapes])
+                    raw_s = H.now() - t
             spent = mx.distributed.recv((1,), mx.float32, 0, group=group).item()
-            if r:  # the first round is untimed
-                cell["handoff_s"].append(installed)
-                cell["ttft_handoff_s"].append(ttft)
-                cell["raw_s"].append(raw_s)
-                cell["sender_s"].append(spent)
-            cell["nbytes"] = got.nbytes
-            cell["handoff_logits"] = logits
-            del ys, got
+            if r:
+                for key, value in (("handoff_s", installed), ("ttft_handoff_s", ttft),
+                                   ("raw_s", raw_s), ("sender_s", spent)):
+                    cell[key].append(value)
         cells.append(cell)
     return cells
 
 
-def local(model, cells: List[Dict[str, Any]], args: argparse.Namespace) -> None:
+def local(model, cells: List[Dict[str, Any]], args) -> None:
     """Rank 1 alone: the same first token from a session file and from a re-prefill,
     and the handoff's parts one at a time."""
     from muser_kv.sessions import format as snapshot
@@ -226,98 +188,90 @@ def local(model, cells: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     rng = np.random.default_rng(args.seed)
     for cell in cells:
         depth = cell["depth"]
-        prompt = rng.integers(0, 256, depth + 1)
+        prompt = rng.integers(0, args.vocab, depth + 1)
         path = cell.pop("file")
         for key in ("ttft_file_s", "ttft_prefill_s", "fingerprint_s", "capture_s", "sha256_s",
                     "allocate_s", "install_s"):
             cell[key] = []
         for r in range(args.repeats + 1):
-            settle()
-            t = now()
+            H.settle()
+            t = H.now()
             restored = muser_kv.load_session(path, model)
             file_logits = first_token(model, restored, int(prompt[depth]))
-            file_s = now() - t
+            file_s = H.now() - t
             if r:
                 cell["ttft_file_s"].append(file_s)
         session = muser_kv.load_session(path, model)
         for r in range(args.repeats + 1):
-            settle()
-            parts = {}
-            t = now()
-            muser_kv.model_fingerprint(model)
-            parts["fingerprint_s"] = now() - t
-            t = now()
-            snap = muser_kv.SessionSnapshot.capture(session)
-            parts["capture_s"] = now() - t
+            H.settle()
+            parts: Dict[str, float] = {}
+            with H.clock(parts, "fingerprint_s"):
+                muser_kv.model_fingerprint(model)
+            with H.clock(parts, "capture_s"):
+                snap = muser_kv.SessionSnapshot.capture(session)
             arrays = {f"{i}.{j}": np.asarray(x) for i, c in enumerate(snap.layers)
                       for j, x in enumerate((c.keys, c.values))}
-            t = now()
-            snapshot.tensor_digests(arrays)
-            parts["sha256_s"] = now() - t
-            t = now()
-            fresh = muser_kv.make_prompt_cache(model, snap.geometry.max_context)
-            mx.eval([c.kv_state for c in fresh])
-            parts["allocate_s"] = now() - t
-            t = now()
-            muser_kv.restore_into(fresh, snap)
-            mx.eval([c.kv_state for c in fresh])
-            parts["install_s"] = now() - t
+            with H.clock(parts, "sha256_s"):
+                snapshot.tensor_digests(arrays)
+            with H.clock(parts, "allocate_s"):
+                fresh = muser_kv.make_prompt_cache(model, snap.geometry.max_context)
+                mx.eval([c.kv_state for c in fresh])
+            with H.clock(parts, "install_s"):
+                muser_kv.restore_into(fresh, snap)
+                mx.eval([c.kv_state for c in fresh])
             if r:
                 for key, value in parts.items():
                     cell[key].append(value)
             del snap, arrays, fresh
         del session
         for _ in range(args.prefill_repeats):
-            settle()
-            t = now()
+            H.settle()
+            t = H.now()
             prefill_logits = first_token(model, prefill(model, prompt[:depth], args.chunk),
                                          int(prompt[depth]))
-            cell["ttft_prefill_s"].append(now() - t)
+            cell["ttft_prefill_s"].append(H.now() - t)
         ref = cell.pop("handoff_logits")
         cell["same_logits"] = bool(np.array_equal(ref.view(np.uint32), file_logits.view(np.uint32))
                                    and np.array_equal(ref.view(np.uint32),
                                                       prefill_logits.view(np.uint32)))
 
 
-def report(cells: List[Dict[str, Any]], args: argparse.Namespace) -> None:
-    print_header("Handoff between processes: muser_kv.handoff against raw send/recv, and the "
-                 "receiver's first token against load_session and a re-prefill", args,
-                 "two ranks of an MLX ring group on one host (loopback TCP); "
-                 f"median of {args.repeats} repeats after one untimed")
+def report(cells: List[Dict[str, Any]], args) -> None:
+    H.print_header("Handoff between processes: muser_kv.handoff against raw send/recv, and the "
+                   "receiver's first token against load_session and a re-prefill", args,
+                   "two ranks of an MLX ring group on one host (loopback TCP); "
+                   f"median of {args.repeats} repeats after one untimed")
     rows = []
     for c in cells:
-        hand, raw = median(c["handoff_s"]), median(c["raw_s"])
-        rows.append([c["depth"], c["nbytes"] / MIB, raw * 1e3, hand * 1e3,
-                     median(c["sender_s"]) * 1e3, c["nbytes"] / raw / GB,
-                     c["nbytes"] / hand / GB, raw / hand])
-    print("Throughput (handoff: rank 0's send_session start -> rank 1's cache installed; "
-          "raw: the same tensors, send/recv only)")
-    print()
-    print_table(["depth", "payload MiB", "raw ms", "handoff ms", "rank 0 in send_session ms",
-                 "raw GB/s", "handoff GB/s", "raw / handoff"], rows)
+        hand, raw = H.median(c["handoff_s"]), H.median(c["raw_s"])
+        rows.append([c["depth"], c["nbytes"] / H.MIB, raw * 1e3, hand * 1e3,
+                     H.median(c["sender_s"]) * 1e3, c["nbytes"] / raw / H.GB,
+                     c["nbytes"] / hand / H.GB, raw / hand])
+    H.table(["depth", "payload MiB", "raw ms", "handoff ms", "rank 0 in send_session ms",
+             "raw GB/s", "handoff GB/s", "raw / handoff"], rows,
+            title="Throughput (handoff: rank 0's send_session start -> rank 1's cache installed; "
+                  "raw: the same tensors, send/recv only)")
     rows = []
     for c in cells:
-        hand, f, pre = (median(c[k]) for k in ("ttft_handoff_s", "ttft_file_s", "ttft_prefill_s"))
+        hand, f, pre = (H.median(c[k]) for k in ("ttft_handoff_s", "ttft_file_s", "ttft_prefill_s"))
         rows.append([c["depth"], hand * 1e3, f * 1e3, pre * 1e3, f / hand, pre / hand,
                      "yes" if c["same_logits"] else "NO"])
-    print("Time to the first decoded token on rank 1 (ratio > 1: the handoff is faster)")
-    print()
-    print_table(["depth", "handoff ms", "load_session ms", "re-prefill ms",
-                 "load_session / handoff", "re-prefill / handoff", "same logits bits"], rows)
+    H.table(["depth", "handoff ms", "load_session ms", "re-prefill ms", "load_session / handoff",
+             "re-prefill / handoff", "same logits bits"], rows,
+            title="Time to the first decoded token on rank 1 (ratio > 1: the handoff is faster)")
     rows = []
     for c in cells:
-        parts = [median(c[k]) * 1e3 for k in ("fingerprint_s", "capture_s", "sha256_s",
+        parts = [H.median(c[k]) * 1e3 for k in ("fingerprint_s", "capture_s", "sha256_s",
                                                "allocate_s", "install_s")]
         fingerprint, capture, sha, allocate, install = parts
-        serial = capture + sha + median(c["raw_s"]) * 1e3 + fingerprint + sha + allocate + install
-        rows.append([c["depth"], *parts, median(c["raw_s"]) * 1e3, serial,
-                     median(c["handoff_s"]) * 1e3])
-    print("Where a handoff's time goes: its parts timed one at a time on rank 1 (capture "
-          "includes the sender's fingerprint; each side hashes every tensor once; serial = "
-          "capture + sha256 + raw + fingerprint + sha256 + allocate + install)")
-    print()
-    print_table(["depth", "fingerprint ms", "capture ms", "sha256 ms", "allocate ms",
-                 "install ms", "raw ms", "serial sum ms", "handoff ms"], rows)
+        serial = capture + sha + H.median(c["raw_s"]) * 1e3 + fingerprint + sha + allocate + install
+        rows.append([c["depth"], *parts, H.median(c["raw_s"]) * 1e3, serial,
+                     H.median(c["handoff_s"]) * 1e3])
+    H.table(["depth", "fingerprint ms", "capture ms", "sha256 ms", "allocate ms", "install ms",
+             "raw ms", "serial sum ms", "handoff ms"], rows,
+            title="Where a handoff's time goes: its parts timed one at a time on rank 1 (capture "
+                  "includes the sender's fingerprint; each side hashes every tensor once; serial "
+                  "= capture + sha256 + raw + fingerprint + sha256 + allocate + install)")
 
 
 def main(argv=None) -> int:
@@ -328,7 +282,8 @@ def main(argv=None) -> int:
     group = mx.distributed.init(backend="ring", strict=True)
     if group.size() != 2:
         raise SystemExit(f"handoff.py needs 2 ranks, got {group.size()}")
-    model = build_model(args)
+    model = H.build_model(args, intermediate_size=2 * args.hidden,
+                          max_position_embeddings=max(args.depths) + 256)
     if group.rank() == 0:
         sender(group, model, args)
         return 0
@@ -336,7 +291,7 @@ def main(argv=None) -> int:
         cells = receiver(group, model, args, workdir)
         local(model, cells, args)
     report(cells, args)
-    write_json(args.json, {"cells": cells})
+    H.write_json(args.json, {"benchmark": "handoff", "args": vars(args), "cells": cells})
     return 0 if all(c["same_logits"] for c in cells) else 1
 
 

@@ -1,120 +1,68 @@
-"""Sessions and speculative rollback: muser-kv against the naive way, same run.
+"""How fast do sessions save and load against the raw disk, and what does a speculative rollback cost?
 
-Three measurements on a Muse-shaped cache (layer i global NoPE iff i % 4 == 3,
-2 KV heads x 128, window 2048), each beside its naive alternative in the same
-process, with the ratio:
+Three measurements on a Muse-shaped cache (``_harness.geometry``: layer i global
+iff i % 4 == 3, 2 KV heads x 128, window 2048), each beside its naive
+alternative in the same run, with the ratio (absolute numbers are context: a
+disk, a page cache and a CPU are shared):
 
-1. **Sessions at disk speed (issue 14): save / load GB/s against raw I/O of the
-   same bytes.** A cache at full depth (default 131,072 positions x 52 layers:
-   1,826,619,392 B of planes, every row live) is saved with
-   ``muser_kv.save_session`` (the logical cut -- written from the planes on
-   the CPU and Metal, gathered first on CUDA --, XXH3-128 of every tensor,
-   safetensors, fsync, atomic rename, directory fsync) and loaded with
-   ``muser_kv.load_session`` (read, verify every digest, a cache for a tiny
-   ``mlx_lm.models.muse_glimmer.Model`` with ``max_position_embeddings =
-   depth``, install at the live rotation, evaluated). In the same run, on the
-   same filesystem, raw I/O moves the same bytes: the planes as they lie in
-   memory written to a new file 16 MiB per ``os.write``, then fsync; that file
-   read into one new buffer of its size, 16 MiB per ``readinto``. Loads are timed
-   cold (the file's pages evicted: ``posix_fadvise(DONTNEED)`` on that file only,
-   after its fsync, so the read comes from the device) and warm (straight after:
-   the page cache). GB = 1e9 B; both sides divide the same payload (the planes'
-   bytes) by their time, and the table gives muser-kv / raw with the target,
-   >= 0.8. Every load is checked bit for bit against the source planes and rings,
-   every raw read against the planes' bytes. A second table (``--no-parts`` skips
-   it) times muser-kv's parts alone: the cut, XXH3-128 and (for comparison,
-   version 2's digest) sha256 of every tensor, ``read_session``, ``restore_into``,
-   and the floor under any load: the payload's bytes of fresh memory as MLX
-   allocates them (a load's planes) and as numpy does (the raw read's buffer),
-   and the warm raw read again into one MLX buffer instead of numpy's.
-
+1. **Sessions at disk speed (issue 14)**, GB/s against raw I/O of the same
+   bytes. A cache at full depth (default 131,072 x 52 layers: 1,826,619,392 B of
+   planes, every row live) is saved with ``save_session`` and loaded with
+   ``load_session`` (a cache for a tiny Muse Glimmer of ``max_position_embeddings
+   = depth``); raw I/O writes the planes' bytes as they lie to a new file and
+   reads the file into one new buffer, on the same filesystem, the two
+   alternating ``--repeats`` times. Loads are timed cold (the file's pages
+   evicted: ``posix_fadvise(DONTNEED)`` on that file only, after its fsync) and
+   warm (the page cache); target muser-kv / raw >= 0.8; every load is checked bit
+   for bit. A second table (``--no-parts`` skips it) times muser-kv's parts
+   alone, and the floor under any load: the payload's bytes of fresh MLX and
+   numpy memory, and the warm raw read into one MLX buffer.
 2. **Speculative rollback, ms.** A second cache (``max_context = depth +
-   max(blocks)``) is filled to ``depth`` (rings wrapped, retained rows at their
+   max(blocks)``) filled to ``depth`` (rings wrapped, retained rows at their
    steady state). Per block of B tokens: ``cp = muser_kv.checkpoint(cache, B)``,
    B tokens written (``--write chunk``: one ``update_and_fetch`` of B rows per
    layer, as a verify pass writes them; ``steps``: B one-token steps), then
-   ``cp.rollback()`` (+ ``mx.eval`` of every plane) is timed against the naive
-   alternative: an ``mx.array`` copy of every plane, evaluated. The first round
-   per B is untimed and checks that the rollback is exact (rings, sliding planes
-   and the global planes' live rows equal the copy taken before the block).
+   ``cp.rollback()`` (+ ``mx.eval`` of every plane) timed against the naive
+   alternative, an ``mx.array`` copy of every plane. The first round per B is
+   untimed and checks that the rollback is exact.
+3. **What a checkpoint holds**: ``cp.nbytes`` open and with the block written,
+   ``sum(c.retained_nbytes)``, the planes' bytes, the ``mx.get_active_memory()``
+   deltas while it is open, beside what the naive copy holds.
 
-3. **What a checkpoint holds.** ``cp.nbytes`` when opened and with the block
-   written, ``sum(c.retained_nbytes)``, against the planes' bytes; and the
-   measured ``mx.get_active_memory()`` deltas while the checkpoint is open,
-   beside the delta the naive copy costs.
+Files go to a fresh temporary directory (under ``--dir``, else the system's),
+removed afterwards; the run refuses to start unless ~2.5x the session's bytes
+are free there.
 
-Absolute numbers are for context only (a disk, a page cache and a CPU are
-shared resources); the ratios are measured within the run.
-
-    python benchmarks/sessions.py --json s.json                   # GPU, full: 131,072 x 52 layers
-    python benchmarks/sessions.py --depth 32768 --skip 2,3         # CPU: sessions only, ~3 min
-    python benchmarks/sessions.py --depth 8192 --layers 8          # CPU, well under a minute
-
-Files go to a fresh temporary directory (under ``--dir`` if given, else the
-system's) that is removed afterwards; the run refuses to start unless ~2.5x the
-session's bytes are free there.
+    bash benchmarks/device.sh sessions          # H200, full: 131,072 x 52 layers (disk: section 1)
+    PYTHONPATH=. .venv/bin/python benchmarks/sessions.py --depth 32768 --skip 2,3   # CPU, ~3 min
+    PYTHONPATH=. .venv/bin/python benchmarks/sessions.py --depth 8192 --layers 8    # CPU
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
 from typing import Any, Dict, List, Sequence, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from _common import (  # noqa: E402
-    DTYPES,
-    MB,
-    PeakProbe,
-    add_common_flags,
-    can_evict,
-    evict,
-    int_list,
-    median,
-    now,
-    print_header,
-    print_table,
-    settle,
-    write_json,
-)
+import muser_kv
+from muser_kv.sessions.tensorfile import CHUNK  # the bytes per call, both sides
 
-import muser_kv  # noqa: E402
-from muser_kv.sessions.tensorfile import CHUNK  # noqa: E402  (the bytes per call, both sides)
-
-GB = 1e9
 KIB = 1 << 10
 DISK_FACTOR = 2.5  # free space required, in multiples of the session's bytes
-PLANE_NP = np.dtype("<f2")
+TARGET = 0.8  # issue 14: save and load at no less than 0.8x raw I/O of the same bytes
 
 
-# -- flags ----------------------------------------------------------------------
-
-
-def one_int(text: str) -> int:
-    """``"131072"`` or ``"128k"``."""
-    values = int_list(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one int, got {text!r}")
-    return values[0]
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--depth", type=one_int, default=131072, metavar="N",
+def parse_args(argv=None):
+    p = H.parser(__doc__)
+    p.add_argument("--depth", type=H.one_int, default=131072, metavar="N",
                    help="session depth in positions, = max_context of the saved cache "
                         "(default 131072; 'k' suffix allowed)")
-    p.add_argument("--layers", type=int, default=52, help="layers (default 52, Muse Glimmer)")
-    p.add_argument("--window", type=int, default=2048, help="sliding window (default 2048)")
-    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--blocks", type=int_list, default=[1, 4, 16],
+    p.add_argument("--blocks", type=H.int_list, default=[1, 4, 16],
                    help=f"speculative block lengths B (default 1,4,16; at most "
                         f"{muser_kv.MAX_BLOCK})")
     p.add_argument("--write", choices=("chunk", "steps"), default="chunk",
@@ -127,10 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default: the system's temporary directory)")
     p.add_argument("--no-parts", dest="parts", action="store_false",
                    help="skip the table of muser-kv's parts (each timed alone) in section 1")
-    p.add_argument("--skip", type=int_list, default=None, metavar="SECTIONS",
+    p.add_argument("--skip", type=H.int_list, default=[], metavar="SECTIONS",
                    help="sections to skip, e.g. --skip 1 (1: sessions, 2+3: rollback)")
-    add_common_flags(p)
-    args = p.parse_args(argv)
+    H.add_flags(p, ("layers", "window", "kv_heads", "head_dim"),
+                blocks=("repeats", 3, "saves and loads per system, alternating; the median"))
+    args = H.parse(p, argv)
     if args.layers < 1 or args.depth < 1 or args.repeats < 1 or args.rollback_repeats < 1:
         p.error("--depth, --layers, --repeats and --rollback-repeats must be positive")
     for b in args.blocks:
@@ -139,14 +88,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.depth < muser_kv.DEFAULT_RETAIN:
         p.error(f"--depth must be at least {muser_kv.DEFAULT_RETAIN}")
     return args
-
-
-def geometry(args, max_context: int) -> muser_kv.MuseGeometry:
-    # num_heads = kv_heads: the query heads never enter the KV state.
-    return muser_kv.MuseGeometry(
-        num_layers=args.layers, window=args.window, max_context=max_context,
-        num_heads=args.kv_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-    )
 
 
 # -- filling a cache cheaply -------------------------------------------------------
@@ -160,28 +101,13 @@ def fill_installed(cache: Sequence[Any], position: int) -> None:
     """Every layer at ``position`` with random f16 rows, via ``plane.install``
     (the rows a sequential fill would leave, at the rotation it would leave them)."""
     for c in cache:
-        if c.kind is muser_kv.LayerKind.SLIDING:
-            rows = min(position, c.capacity)
-        else:
-            rows = position
-        start = position - rows
-        shape = (rows, c.kv_heads, c.head_dim)
-        k = mx.random.normal(shape).astype(mx.float16)
-        v = mx.random.normal(shape).astype(mx.float16)
-        c.install(start, k, v)
+        rows = min(position, c.capacity) if c.kind is muser_kv.LayerKind.SLIDING else position
+        k, v = (mx.random.normal((rows, c.kv_heads, c.head_dim)).astype(mx.float16)
+                for _ in "kv")
+        c.install(position - rows, k, v)
         mx.eval(c.keys, c.values)
         del k, v
     assert all(c.offset == position for c in cache), [c.offset for c in cache]
-
-
-def one_token_steps(cache: Sequence[Any], n: int, dtype) -> None:
-    """``n`` decode-like single-token writes to every layer, each evaluated."""
-    c0 = cache[0]
-    for _ in range(n):
-        x = mx.random.normal((1, c0.kv_heads, 1, c0.head_dim)).astype(dtype)
-        outs = [c.update_and_fetch(x, x) for c in cache]
-        mx.eval(outs, planes(cache))
-        del outs
 
 
 def same_planes(a: Sequence[mx.array], b: Sequence[mx.array]) -> bool:
@@ -207,55 +133,34 @@ def filesystem(path: str) -> str:
     return f"{best[2]} on {best[0]} ({best[1]})"
 
 
-
-
 def check_disk(directory: str, payload: int) -> None:
     free = shutil.disk_usage(directory).free
     need = int(DISK_FACTOR * payload)
     if free < need:
         raise SystemExit(
-            f"sessions.py: refusing to run: {directory} has {free / GB:,.2f} GB free, the "
-            f"benchmark needs ~{DISK_FACTOR}x the session's {payload:,} B = {need / GB:,.2f} GB. "
+            f"sessions.py: refusing to run: {directory} has {free / H.GB:,.2f} GB free, the "
+            f"benchmark needs ~{DISK_FACTOR}x the session's {payload:,} B = {need / H.GB:,.2f} GB. "
             f"Pass --dir on a larger filesystem, or a smaller --depth / --layers."
         )
 
 
 # -- section 1: sessions ------------------------------------------------------------
 
-TARGET = 0.8  # issue 14: save and load at no less than 0.8x raw I/O of the same bytes
-
-
-def tiny_model(args, depth: int):
-    """A Muse Glimmer model of this KV geometry with a tiny hidden size: what
-    ``load_session`` reads the geometry from and sizes the cache with."""
-    from mlx_lm.models import muse_glimmer
-
-    kinds = geometry(args, depth).layer_kinds
-    margs = muse_glimmer.ModelArgs(
-        hidden_size=64, num_hidden_layers=args.layers, intermediate_size=64,
-        num_attention_heads=args.kv_heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, vocab_size=64, sliding_window=args.window,
-        max_position_embeddings=depth, layer_types=[k.value for k in kinds],
-    )
-    return muse_glimmer.Model(margs)
-
 
 def save_ours(path: str, cache) -> float:
     mx.eval(planes(cache))
-    t0 = now()
-    snap = muser_kv.save_session(path, cache)
-    dt = now() - t0
-    del snap
-    return dt
+    t0 = H.now()
+    muser_kv.save_session(path, cache)
+    return H.now() - t0
 
 
 def load_ours(path: str, model) -> Tuple[float, List[Any]]:
-    t0 = now()
+    t0 = H.now()
     # the model only sizes the cache (its rows were never computed by any
     # model), so the session records no fingerprint: say so
     loaded = muser_kv.load_session(path, model, allow_other_model=True)
     mx.eval(planes(loaded))
-    return now() - t0, loaded
+    return H.now() - t0, loaded
 
 
 def save_raw(path: str, cache) -> float:
@@ -264,7 +169,7 @@ def save_raw(path: str, cache) -> float:
     file; then fsync."""
     src = planes(cache)
     mx.eval(src)
-    t0 = now()
+    t0 = H.now()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         for p in src:
@@ -274,14 +179,14 @@ def save_raw(path: str, cache) -> float:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return now() - t0
+    return H.now() - t0
 
 
 def load_raw(path: str, into_mlx: bool = False) -> Tuple[float, np.ndarray]:
     """The file's bytes into one new buffer of its size, ``CHUNK`` per ``readinto``:
     numpy's (``np.empty``), or with ``into_mlx`` an ``mx.zeros`` (a load must end
     in MLX memory; on the CPU that is 4 KiB pages where numpy's are huge)."""
-    t0 = now()
+    t0 = H.now()
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if into_mlx:
@@ -295,7 +200,7 @@ def load_raw(path: str, into_mlx: bool = False) -> Tuple[float, np.ndarray]:
             if not got:
                 raise OSError(f"{path}: short read at {done}")
             done += got
-    return now() - t0, out
+    return H.now() - t0, out
 
 
 def raw_equals(buf: np.ndarray, src: Sequence[mx.array]) -> bool:
@@ -315,125 +220,104 @@ def ours_parts(path: str, cache) -> Dict[str, float]:
     evicted first), restore_into a ``make_cache_for`` cache (allocate, install)."""
     from muser_kv.sessions.format import tensor_digests
 
-    parts = {}
-    t0 = now()
-    snap = muser_kv.SessionSnapshot.capture(cache)
-    parts["capture"] = now() - t0
+    parts: Dict[str, float] = {}
+    with H.clock(parts, "capture"):
+        snap = muser_kv.SessionSnapshot.capture(cache)
     arrays = {f"{i}{kv}": np.asarray(a) for i, c in enumerate(snap.layers)
               for kv, a in (("k", c.keys), ("v", c.values))}
     for name in ("xxh3-128", "sha256"):
-        t0 = now()
-        tensor_digests(arrays, name)
-        parts[name] = now() - t0
+        with H.clock(parts, name):
+            tensor_digests(arrays, name)
     del arrays, snap
-    if can_evict():
-        evict(path)
-    t0 = now()
-    snap = muser_kv.read_session(path)
-    parts["read_session"] = now() - t0
-    geo = snap.geometry
-    t0 = now()
-    target = muser_kv.make_cache_for(geo)
-    muser_kv.restore_into(target, snap)
-    mx.eval(planes(target))
-    parts["restore_into"] = now() - t0
+    if H.can_evict():
+        H.evict(path)
+    with H.clock(parts, "read_session"):
+        snap = muser_kv.read_session(path)
+    with H.clock(parts, "restore_into"):
+        target = muser_kv.make_cache_for(snap.geometry)
+        muser_kv.restore_into(target, snap)
+        mx.eval(planes(target))
     del target, snap
-    settle()
+    H.settle()
     # the floor under any load: fresh memory for the planes, as MLX allocates it
     # (a load must produce MLX arrays) and as numpy does (the raw read's buffer)
-    t0 = now()
-    fresh = mx.zeros((sum(p.nbytes for p in planes(cache)),), mx.uint8)
-    mx.eval(fresh)
-    parts["fresh MLX memory"] = now() - t0
+    n = sum(p.nbytes for p in planes(cache))
+    with H.clock(parts, "fresh MLX memory"):
+        fresh = mx.zeros((n,), mx.uint8)
+        mx.eval(fresh)
     del fresh
-    settle()
-    t0 = now()
-    buf = np.empty(sum(p.nbytes for p in planes(cache)), np.uint8)
-    buf.fill(0)
-    parts["fresh numpy memory"] = now() - t0
+    H.settle()
+    with H.clock(parts, "fresh numpy memory"):
+        buf = np.empty(n, np.uint8)
+        buf.fill(0)
     del buf
-    settle()
+    H.settle()
     parts["raw read into MLX memory"] = load_raw(path, into_mlx=True)[0]  # warm: read above
-    settle()
+    H.settle()
     return parts
 
 
 
 def bench_sessions(args, workdir: str) -> Dict[str, Any]:
     depth = args.depth
-    geo = geometry(args, depth)
+    geo = H.geometry(args, depth)
     cache = muser_kv.make_cache_for(geo)
     fill_installed(cache, depth)
     payload = sum(p.nbytes for p in planes(cache))
     assert payload == muser_kv.footprint(geo, depth).slot_bytes, payload
-    model = tiny_model(args, depth)
+    # a tiny model of this KV geometry: what load_session sizes the cache with
+    model = H.build_model(args, hidden_size=64, intermediate_size=64, vocab_size=64,
+                          num_attention_heads=args.kv_heads, max_position_embeddings=depth)
     src, metas = planes(cache), [c.meta_state for c in cache]
     live = sum(c.ring.len for c in cache) * geo.kv_dim * 2 * src[0].dtype.size
     assert live == payload, (live, payload)  # every plane row is live: raw = the same bytes
-    ours_path = os.path.join(workdir, "session.safetensors")
-    raw_path = os.path.join(workdir, "session.raw")
-    cold = can_evict()
+    paths = {"ours": os.path.join(workdir, "session.safetensors"),
+             "raw": os.path.join(workdir, "session.raw")}
+    cold = H.can_evict()
     modes = ("load_cold", "load_warm") if cold else ("load_warm",)
-
-    t: Dict[str, Dict[str, List[float]]] = {
-        s: {"save": [], "load_cold": [], "load_warm": []} for s in ("ours", "raw")}
+    t = {s: {"save": [], "load_cold": [], "load_warm": []} for s in paths}
     parts: Dict[str, List[float]] = {}
     sizes: Dict[str, int] = {}
     exact = {"ours": True, "raw": True}
 
-    def run_ours():
-        t["ours"]["save"].append(save_ours(ours_path, cache))
-        sizes["ours"] = os.path.getsize(ours_path)
+    def run(s: str, _block: int) -> None:
+        """One save and its loads (cold, warm) of muser-kv (``ours``) or raw I/O."""
+        path = paths[s]
+        t[s]["save"].append(save_ours(path, cache) if s == "ours" else save_raw(path, cache))
+        sizes[s] = os.path.getsize(path)
         for mode in modes:
             if mode == "load_cold":
-                evict(ours_path)
-            dt, loaded = load_ours(ours_path, model)
-            t["ours"][mode].append(dt)
-            exact["ours"] &= (same_planes(planes(loaded), src)
-                              and [c.meta_state for c in loaded] == metas)
+                H.evict(path)
+            if s == "ours":
+                dt, loaded = load_ours(path, model)
+                ok = same_planes(planes(loaded), src) and [c.meta_state for c in loaded] == metas
+            else:
+                dt, loaded = load_raw(path)
+                ok = raw_equals(loaded, src)
+            t[s][mode].append(dt)
+            exact[s] &= ok
             del loaded
-            settle()
-        if args.parts:
-            for k, v in ours_parts(ours_path, cache).items():
+            H.settle()
+        if s == "ours" and args.parts:
+            for k, v in ours_parts(path, cache).items():
                 parts.setdefault(k, []).append(v)
-        os.unlink(ours_path)
-        settle()
+        os.unlink(path)
+        H.settle()
 
-    def run_raw():
-        t["raw"]["save"].append(save_raw(raw_path, cache))
-        sizes["raw"] = os.path.getsize(raw_path)
-        for mode in modes:
-            if mode == "load_cold":
-                evict(raw_path)
-            dt, buf = load_raw(raw_path)
-            t["raw"][mode].append(dt)
-            exact["raw"] &= raw_equals(buf, src)
-            del buf
-            settle()
-        os.unlink(raw_path)
-        settle()
-
-    settle()
-    for r in range(args.repeats):
-        for run in ((run_ours, run_raw) if r % 2 == 0 else (run_raw, run_ours)):
-            run()
-
+    H.settle()
+    H.alternate(args.repeats, run, tuple(paths))
     rows, results = [], []
     labels = {"save": "save (fsync'd)", "load_cold": "load, cold (file evicted)",
               "load_warm": "load, warm (page cache)"}
-    for op in ("save", "load_cold", "load_warm"):
-        if not t["ours"][op]:
-            continue
-        ours_s, raw_s = median(t["ours"][op]), median(t["raw"][op])
-        ours_gbs, raw_gbs = payload / ours_s / GB, payload / raw_s / GB
+    for op in ("save",) + modes:
+        ours_s, raw_s = H.median(t["ours"][op]), H.median(t["raw"][op])
+        ours_gbs, raw_gbs = payload / ours_s / H.GB, payload / raw_s / H.GB
         ratio = ours_gbs / raw_gbs
         rows.append([labels[op], ours_s, ours_gbs, raw_s, raw_gbs, ratio,
                      "yes" if ratio >= TARGET else "NO"])
         results.append({"op": op, "ours_s": t["ours"][op], "raw_s": t["raw"][op],
                         "ours_GBps": ours_gbs, "raw_GBps": raw_gbs,
                         "ratio_ours_over_raw": ratio, "meets_target": ratio >= TARGET})
-    del cache, src, model
-    settle()
     return {"payload_bytes": payload, "file_bytes": sizes, "rows": rows, "results": results,
             "parts_s": parts, "exact": exact, "evicted_loads": cold, "target": TARGET}
 
@@ -457,10 +341,10 @@ def write_block(cache, block: mx.array, mode: str) -> None:
 def copy_planes(cache) -> Tuple[float, List[mx.array]]:
     """The naive checkpoint: a copy of every plane, evaluated."""
     src = planes(cache)
-    t0 = now()
+    t0 = H.now()
     copies = [mx.array(p) for p in src]
     mx.eval(copies)
-    return now() - t0, copies
+    return H.now() - t0, copies
 
 
 def state_equals(cache, ref: Sequence[mx.array], metas) -> bool:
@@ -481,89 +365,71 @@ def state_equals(cache, ref: Sequence[mx.array], metas) -> bool:
 
 
 def bench_rollback(args) -> Dict[str, Any]:
-    depth, dtype = args.depth, DTYPES[args.dtype]
-    geo = geometry(args, depth + max(args.blocks))
+    depth, dtype = args.depth, H.DTYPES[args.dtype]
+    geo = H.geometry(args, depth + max(args.blocks))
     cache = muser_kv.make_cache_for(geo)
     steady = muser_kv.DEFAULT_RETAIN  # one-token steps that end the fill: retained rows full
     fill_installed(cache, depth - steady)
-    one_token_steps(cache, steady, dtype)
+    write_block(cache, mx.random.normal((1, args.kv_heads, steady, args.head_dim)).astype(dtype),
+                "steps")
     plane_bytes = sum(p.nbytes for p in planes(cache))
     wrapped = all(c.ring.wrapped for c in cache if c.kind is muser_kv.LayerKind.SLIDING)
-    kv_heads, head_dim = args.kv_heads, args.head_dim
-
     rows, mem_rows, results = [], [], []
     for B in args.blocks:
-        block = mx.random.normal((1, kv_heads, B, head_dim)).astype(dtype)
+        block = mx.random.normal((1, args.kv_heads, B, args.head_dim)).astype(dtype)
         mx.eval(block)
-        cell: Dict[str, List[float]] = {k: [] for k in (
-            "open_ms", "write_ms", "rollback_ms", "copy_ms", "rollback_peak_extra",
-            "write_peak_extra", "cp_nbytes_open", "cp_nbytes_block", "retained_nbytes_block",
-            "active_open", "active_block", "active_after", "copy_active")}
-        exact = None
-        for r in range(args.rollback_repeats + 1):
-            check = r == 0  # untimed round: exactness against a copy taken before the block
-            # the naive alternative, timed in the same loop
-            settle()
+        cell: Dict[str, List[float]] = {}
+        for r in range(args.rollback_repeats + 1):  # round 0: untimed, checks exactness
+            m: Dict[str, float] = {}
+            H.settle()  # the naive alternative first, timed in the same loop
             m0 = mx.get_active_memory()
             dt, copies = copy_planes(cache)
-            copy_active = mx.get_active_memory() - m0
+            m["copy_ms"], m["copy_active"] = dt * 1e3, mx.get_active_memory() - m0
             metas = [c.meta_state for c in cache]
-            if not check:
-                cell["copy_ms"].append(dt * 1e3)
-                cell["copy_active"].append(copy_active)
+            if r:
                 del copies
-            # ours
-            settle()
+            H.settle()
             m0 = mx.get_active_memory()
-            t0 = now()
-            cp = muser_kv.checkpoint(cache, B)
-            open_ms = (now() - t0) * 1e3
-            settle()
-            active_open = mx.get_active_memory() - m0
-            nb_open = cp.nbytes
-            with PeakProbe() as wprobe:
-                t0 = now()
+            with H.clock(m, "open_ms"):
+                cp = muser_kv.checkpoint(cache, B)
+            H.settle()
+            m["active_open"], m["cp_nbytes_open"] = mx.get_active_memory() - m0, cp.nbytes
+            with H.PeakProbe() as wprobe, H.clock(m, "write_ms"):
                 write_block(cache, block, args.write)
-                write_ms = (now() - t0) * 1e3
             assert all(c.offset == depth + B for c in cache)
-            settle()
-            active_block = mx.get_active_memory() - m0
-            nb_block = cp.nbytes
-            retained = sum(c.retained_nbytes for c in cache)
-            with PeakProbe() as rprobe:
-                t0 = now()
+            H.settle()
+            m["active_block"], m["cp_nbytes_block"] = mx.get_active_memory() - m0, cp.nbytes
+            m["retained_nbytes_block"] = sum(c.retained_nbytes for c in cache)
+            with H.PeakProbe() as rprobe, H.clock(m, "rollback_ms"):
                 undone = cp.rollback()
                 mx.eval(planes(cache))
-                rollback_ms = (now() - t0) * 1e3
             assert undone == B and all(c.offset == depth for c in cache)
             del cp
-            settle()
-            active_after = mx.get_active_memory() - m0
-            if check:
+            H.settle()
+            m["active_after"] = mx.get_active_memory() - m0
+            m["rollback_peak_extra"], m["write_peak_extra"] = rprobe.extra, wprobe.extra
+            for k in ("open_ms", "write_ms", "rollback_ms"):
+                m[k] *= 1e3
+            if r == 0:
                 exact = state_equals(cache, copies, metas)
                 del copies
-                continue
-            for k, v in (("open_ms", open_ms), ("write_ms", write_ms),
-                         ("rollback_ms", rollback_ms), ("rollback_peak_extra", rprobe.extra),
-                         ("write_peak_extra", wprobe.extra), ("cp_nbytes_open", nb_open),
-                         ("cp_nbytes_block", nb_block), ("retained_nbytes_block", retained),
-                         ("active_open", active_open), ("active_block", active_block),
-                         ("active_after", active_after)):
-                cell[k].append(v)
-        rb, cp_ms = median(cell["rollback_ms"]), median(cell["copy_ms"])
-        rows.append([B, median(cell["open_ms"]), median(cell["write_ms"]), rb, cp_ms,
+            else:
+                for k, v in m.items():
+                    cell.setdefault(k, []).append(v)
+        rb, cp_ms = H.median(cell["rollback_ms"]), H.median(cell["copy_ms"])
+        rows.append([B, H.median(cell["open_ms"]), H.median(cell["write_ms"]), rb, cp_ms,
                      cp_ms / rb if rb > 0 else float("nan"),
-                     max(cell["rollback_peak_extra"]) / MB, "yes" if exact else "NO"])
+                     max(cell["rollback_peak_extra"]) / H.MB, "yes" if exact else "NO"])
         held = max(cell["cp_nbytes_block"])
         mem_rows.append([B, max(cell["cp_nbytes_open"]) / KIB, held / KIB,
-                         max(cell["retained_nbytes_block"]) / KIB, plane_bytes / MB,
+                         max(cell["retained_nbytes_block"]) / KIB, plane_bytes / H.MB,
                          plane_bytes / held if held else float("nan"),
-                         median(cell["active_open"]) / KIB, median(cell["active_block"]) / KIB,
-                         median(cell["copy_active"]) / MB])
+                         H.median(cell["active_open"]) / KIB, H.median(cell["active_block"]) / KIB,
+                         H.median(cell["copy_active"]) / H.MB])
         results.append({"block": B, "exact": exact, **cell,
                         "ratio_copy_over_rollback": cp_ms / rb if rb > 0 else None})
     del cache
-    settle()
+    H.settle()
     return {"plane_bytes": plane_bytes, "max_context": geo.max_context, "wrapped": wrapped,
             "rows": rows, "mem_rows": mem_rows, "results": results}
 
@@ -574,21 +440,20 @@ def bench_rollback(args) -> Dict[str, Any]:
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     mx.random.seed(args.seed)
-    geo = geometry(args, args.depth)
+    geo = H.geometry(args, args.depth)
     fp = muser_kv.footprint(geo, args.depth)
     base = args.dir or tempfile.gettempdir()
     if not os.path.isdir(base):
         raise SystemExit(f"sessions.py: --dir {base} is not a directory")
-    skip = args.skip or []
-    do_sessions, do_rollback = 1 not in skip, not {2, 3} & set(skip)
+    do_sessions, do_rollback = 1 not in args.skip, not {2, 3} & set(args.skip)
     if do_sessions:
         check_disk(base, fp.slot_bytes)
-    print_header(
+    H.print_header(
         "sessions: save/load GB/s vs raw I/O, speculative rollback vs copying the planes",
         args,
         f"geometry: {args.layers} layers ({geo.sliding_layers} sliding, {geo.global_layers} "
         f"global), {args.kv_heads} KV heads x {args.head_dim}, window {args.window}; "
-        f"planes at depth {args.depth:,}: {fp.slot_bytes:,} B ({fp.slot_bytes / GB:,.3f} GB)\n"
+        f"planes at depth {args.depth:,}: {fp.slot_bytes:,} B ({fp.slot_bytes / H.GB:,.3f} GB)\n"
         f"files in {base}: {filesystem(base)}",
     )
     payload: Dict[str, Any] = {"benchmark": "sessions", "args": vars(args),
@@ -600,14 +465,15 @@ def main(argv=None) -> Dict[str, Any]:
             s = bench_sessions(args, workdir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+        H.settle()
         payload["sessions"] = {k: v for k, v in s.items() if k != "rows"}
-        print(f"1. Sessions at disk speed, depth {args.depth:,}: save_session / load_session "
-              f"against raw I/O of the same {s['payload_bytes']:,} B (the planes) on the same "
-              f"filesystem, this run (file: muser-kv {s['file_bytes'].get('ours', 0):,} B with "
-              f"its header, raw {s['file_bytes'].get('raw', 0):,} B); median of "
-              f"{args.repeats}; GB = 1e9 B; target muser-kv / raw >= {s['target']}")
-        print_table(["operation", "muser-kv s", "muser-kv GB/s", "raw s", "raw GB/s",
-                     "muser-kv / raw", f">= {s['target']}"], s["rows"], digits=3)
+        H.table(["operation", "muser-kv s", "muser-kv GB/s", "raw s", "raw GB/s", "muser-kv / raw",
+                 f">= {s['target']}"], s["rows"], digits=3,
+                title=f"1. Sessions at disk speed, depth {args.depth:,}: save_session / load_session "
+                f"against raw I/O of the same {s['payload_bytes']:,} B (the planes) on the same "
+                f"filesystem, this run (file: muser-kv {s['file_bytes'].get('ours', 0):,} B with "
+                f"its header, raw {s['file_bytes'].get('raw', 0):,} B); median of "
+                f"{args.repeats}; GB = 1e9 B; target muser-kv / raw >= {s['target']}")
         print("muser-kv: save_session (logical cut, from the planes where the host reads them "
               "in place, XXH3-128 of every tensor, safetensors, fsync, "
               "rename, directory fsync) / load_session (read, verify every digest, a new cache "
@@ -623,20 +489,20 @@ def main(argv=None) -> Dict[str, Any]:
         print()
         parts = s["parts_s"]
         if parts:
-            save_s = median(s["results"][0]["ours_s"])
+            save_s = H.median(s["results"][0]["ours_s"])
             load_key = "load_cold" if s["evicted_loads"] else "load_warm"
-            load_s = median(next(r["ours_s"] for r in s["results"] if r["op"] == load_key))
-            print("   muser-kv's parts, each timed alone (median; share of the save / the "
-                  f"{'cold ' if s['evicted_loads'] else ''}load above: the save and load "
-                  "overlap them, so shares add up to more)")
+            load_s = H.median(next(r["ours_s"] for r in s["results"] if r["op"] == load_key))
             part_rows = []
             for name, ref in (("capture", save_s), ("xxh3-128", save_s), ("sha256", save_s),
                               ("read_session", load_s), ("restore_into", load_s),
                               ("fresh MLX memory", load_s), ("fresh numpy memory", load_s),
                               ("raw read into MLX memory", load_s)):
-                v = median(parts[name])
-                part_rows.append([name, v, s["payload_bytes"] / v / GB, 100 * v / ref])
-            print_table(["part", "s", "GB/s", "% of save/load"], part_rows, digits=3)
+                v = H.median(parts[name])
+                part_rows.append([name, v, s["payload_bytes"] / v / H.GB, 100 * v / ref])
+            H.table(["part", "s", "GB/s", "% of save/load"], part_rows, digits=3,
+                    title="   muser-kv's parts, each timed alone (median; share of the save / the "
+                    f"{'cold ' if s['evicted_loads'] else ''}load above: the save and load "
+                    "overlap them, so shares add up to more)")
             print("capture = SessionSnapshot.capture (the cut in logical order, evaluated: "
                   "what a save gathers on CUDA; on the CPU and Metal it writes from the planes); "
                   "xxh3-128 / sha256 = tensor_digests of every tensor (version 3's digest; "
@@ -652,27 +518,25 @@ def main(argv=None) -> Dict[str, Any]:
     if do_rollback:
         r = bench_rollback(args)
         payload["rollback"] = {k: v for k, v in r.items() if k not in ("rows", "mem_rows")}
-        print(f"2. Speculative rollback at depth {args.depth:,} ({args.layers} layers, rings "
-              f"{'wrapped' if r['wrapped'] else 'NOT wrapped (depth <= window)'}; cache "
-              f"max_context {r['max_context']:,}, planes {r['plane_bytes']:,} B); write = "
-              f"{args.write}; median of {args.rollback_repeats}")
-        print_table(["B", "checkpoint ms", "write B ms", "rollback ms", "copy planes ms",
-                     "copy / rollback", "rollback peak+ MiB", "exact"], r["rows"], digits=3)
-        print("rollback = cp.rollback() + mx.eval(every plane); copy planes = mx.array(p) for "
-              "every K/V plane, evaluated (the naive checkpoint); exact = after the rollback, "
-              "rings, sliding planes and global live rows equal a copy taken before the block; "
-              "peak+ = peak memory during the rollback - memory active before it")
-        print()
-        print("3. What a checkpoint holds (cp.nbytes = sum of c.retained_nbytes: the rows the "
-              "rings keep anyway; active deltas are mx.get_active_memory() against before "
-              "checkpoint(), median)")
-        print_table(["B", "cp.nbytes open KiB", "cp.nbytes block KiB", "sum retained KiB",
-                     "planes MiB", "planes / cp.nbytes", "active open KiB",
-                     "active block KiB", "copy active MiB"], r["mem_rows"], digits=1)
-        print("open: right after checkpoint(); block: with the B tokens written, checkpoint "
-              "still open; copy active: what the naive copy of every plane holds")
-        print()
-    write_json(args.json, payload)
+        H.table(["B", "checkpoint ms", "write B ms", "rollback ms", "copy planes ms",
+                 "copy / rollback", "rollback peak+ MiB", "exact"], r["rows"], digits=3,
+                title=f"2. Speculative rollback at depth {args.depth:,} ({args.layers} layers, rings "
+                f"{'wrapped' if r['wrapped'] else 'NOT wrapped (depth <= window)'}; cache "
+                f"max_context {r['max_context']:,}, planes {r['plane_bytes']:,} B); write = "
+                f"{args.write}; median of {args.rollback_repeats}",
+                note="rollback = cp.rollback() + mx.eval(every plane); copy planes = mx.array(p) "
+                "for every K/V plane, evaluated (the naive checkpoint); exact = after the rollback, "
+                "rings, sliding planes and global live rows equal a copy taken before the block; "
+                "peak+ = peak memory during the rollback - memory active before it")
+        H.table(["B", "cp.nbytes open KiB", "cp.nbytes block KiB", "sum retained KiB", "planes MiB",
+                 "planes / cp.nbytes", "active open KiB", "active block KiB", "copy active MiB"],
+                r["mem_rows"], digits=1,
+                title="3. What a checkpoint holds (cp.nbytes = sum of c.retained_nbytes: the rows "
+                "the rings keep anyway; active deltas are mx.get_active_memory() against before "
+                "checkpoint(), median)",
+                note="open: right after checkpoint(); block: with the B tokens written, checkpoint "
+                "still open; copy active: what the naive copy of every plane holds")
+    H.write_json(args.json, payload)
     return payload
 
 

@@ -1,143 +1,97 @@
-"""What would one store op per layer buy in decode, and is it race-free?
+"""What would one store op per layer buy in decode (issue 14, item 4), and is the in-place store race-free?
 
-Issue 14, item 4. A muser-kv decode token stores each layer's K and V with two
-donated slice updates, then attends. Could one custom kernel per layer, writing
-both rows into the planes *in place* (through its input pointers), buy enough to
-justify relaxing design invariant 6? This measures, in one run, in the
-Muse-shaped loop of ``decode.py`` (L layers, layer i global iff i % 4 == 3,
-sliding window W, 2 KV heads x 128, 32 query heads; step t+1's input a function
-of step t's output):
+A muser-kv decode token stores each layer's K and V with two donated slice
+updates, then attends. Would one custom kernel per layer, writing both rows into
+the planes *in place* (through its input pointers), buy enough to justify
+relaxing design invariant 6? Measured in one run, in the decode loop of
+``decode.py`` (``_harness.attend_layers``, ``decode_steps``; sync and
+pipelined, ``--repeats`` alternating blocks of ``--steps`` tokens):
 
 1. ``mlx-lm``:   mlx-lm's KVCache / RotatingKVCache;
 2. ``muser-kv``: muser-kv's caches;
 3. ``slice``:    preallocated head-major planes ``[1, H, C, D]``, the token's K
-                 and V written with two donated slice assignments
-                 (``plane[:, :, s:s+1, :] = k``), then SDPA over the live view;
+                 and V written with two donated slice assignments, then SDPA
+                 over the live view;
 4. ``inplace``:  ONE custom kernel per layer (``mx.fast.cuda_kernel`` /
-                 ``mx.fast.metal_kernel``, one body text, ``STORE_BODY``) that
-                 writes the k and v rows into both planes through const-cast
-                 input pointers and returns q copied through (``q'``), then
-                 SDPA over the live view with ``q'`` as its query;
-5. ``attend``:   SDPA over fixed views, no store at all (the ceiling of any
-                 cache that keeps the model's own SDPA call; no K/V is computed:
-                 it would be dead code that MLX never evaluates).
+                 ``metal_kernel``, ``STORE_BODY``) writing the k and v rows into
+                 both planes through const-cast input pointers and returning q
+                 copied through (``q'``), then SDPA over the live view with
+                 ``q'`` as its query;
+5. ``attend``:   SDPA over fixed views, no store (the ceiling of any cache that
+                 keeps the model's SDPA call; no K/V computed: MLX would never
+                 evaluate it).
 
-Global planes hold ``depth + decoded`` rows rounded up to a multiple of 256
-(as muser-kv allocates); sliding planes are rings of W rows (allocated rounded up
-to 256), slot ``position % W``, attended whole once full. Each system is timed in
-alternating blocks (``--repeats`` blocks of ``--steps`` tokens, the order of the
-systems reversed every other block, median block reported), in two modes:
-
-* ``sync``: ``mx.eval`` after every step;
-* ``pipelined``: mlx-lm's ``generate_step`` pattern: build step t+1 and
-  ``mx.async_eval`` it, then wait on step t.
-
-Printed per depth and mode: ms/token of every system, ``mlx-lm / X`` (> 1: X is
-faster than mlx-lm), and ``slice / inplace`` (the speed-up of one store op over
-two) beside the issue's adoption bars: >= 1.25 at 131072 pipelined, >= 1.0 (no
-slower) at 2048.
+Global planes hold ``depth + decoded`` rows rounded up to 256 (as muser-kv
+allocates); sliding planes are rings of W rows, slot ``position % W``, attended
+whole once full. Printed per depth and mode: ms/token of every system,
+``mlx-lm / X`` (> 1: X faster than mlx-lm), and ``slice / inplace`` beside the
+issue's adoption bars: >= 1.25 at 131072 pipelined, >= 1.0 (no slower) at 2048.
 
 Why the in-place store is ordered *in this loop* (and only here)
 ----------------------------------------------------------------
 
-MLX tracks GPU memory hazards only through buffers an op declares: on Metal a
-barrier is inserted when a dispatch reads a buffer an earlier one wrote (or
-writes one an earlier one read) as *declared*; MLX CUDA's graphs add edges only
-from the last *writer* of each buffer a node uses, never from readers, and a
-write through an input pointer is registered as a read. ``mx.depends`` dispatches
-nothing and registers no buffer, so it would order graph evaluation but give no
-GPU edge (``../shared/notes/mlx-0.32-kernels.md``, Q3). The kernel's plane writes
-are therefore invisible to MLX, and two orderings must come from real buffer
-edges:
+MLX tracks GPU hazards only through buffers an op declares: Metal inserts a
+barrier when a dispatch reads a buffer an earlier one wrote (or writes one an
+earlier one read) as *declared*; MLX CUDA's graphs add edges only from the last
+*writer* of each buffer a node uses, and a write through an input pointer is
+registered as a read. ``mx.depends`` registers no buffer: it orders graph
+evaluation but gives no GPU edge (``../shared/notes/mlx-0.32-kernels.md``, Q3).
+The kernel's writes are invisible to MLX, so two orderings must come from real
+buffer edges:
 
-* store(t+1) after attention(t) of the same layer (write-after-read; on a full
-  sliding ring store(t+1) overwrites a row attention(t) reads): store(t+1) reads
-  the token's k/v rows, computed from the hidden state of step t+1, which is a
-  function of step t's output and so of attention(t) of every layer. Each
-  kernel thus reads a buffer written after attention(t) finished: a RAW edge on
-  CUDA graphs (and one stream serialises the graphs of successive steps), a
-  RAW barrier on Metal (``memoryBarrier`` orders everything before it).
-* attention(t+1) after store(t+1) (read-after-write): SDPA takes ``q'``, the
-  kernel's one declared output, as its query, so SDPA is a real consumer of the
-  kernel's output buffer, a RAW edge MLX tracks on Metal and on CUDA graphs.
-  ``mx.depends(views, q')`` alone would not be: it registers no buffer.
+* store(t+1) after attention(t) of the same layer (on a full sliding ring
+  store(t+1) overwrites a row attention(t) reads): store(t+1) reads the token's
+  k/v rows, computed from step t+1's hidden state, a function of attention(t)
+  of every layer: a RAW edge on CUDA graphs (one stream serialises successive
+  steps' graphs), a RAW barrier on Metal.
+* attention(t+1) after store(t+1): SDPA takes ``q'``, the kernel's one declared
+  output, as its query, a RAW edge on Metal and CUDA graphs
+  (``mx.depends(views, q')`` alone would not be one).
 
-What this does NOT cover: any *other* reader of a plane. Retained-row copies
-for exact trim, snapshots and sessions, ``state`` handed to callers (mlx-lm's
-prompt cache, batching), staging shadows of chunked prefill, the race check's
-own digests below -- each reads the plane without an edge from the kernel or to
-the next kernel, and may run before the write it should see or after the write
-it must not see. That is why muser-kv's caches do not adopt this without more:
-every such reader would have to be evaluated or copied before the next in-place
-store, enforced by code and by tests that fail if one is left lazy.
+Not covered: any *other* reader of a plane -- retained-row copies for exact
+trim, snapshots and sessions, ``state`` handed to callers (mlx-lm's prompt
+cache, batching), staging shadows of chunked prefill, the race check's digests
+-- each reads the plane without an edge from the kernel or to the next one.
+That is why muser-kv's caches do not adopt this without more: every such reader
+would have to be evaluated or copied before the next in-place store, enforced
+by code and by tests that fail if one is left lazy.
 
 Race check (``--race-steps``)
 -----------------------------
 
-The inplace and slice paths run side by side, interleaved in the same graphs,
-from identical planes and identical inputs, for N steps, sync and pipelined.
-Each layer's K/V rows are an exact function of a running uint32 chain value
-folded from every earlier digest (bit patterns built with integer ops), plus
-``0 * tanh(h)`` so that they still depend, as data, on the previous layers'
-attention outputs (the model's ordering above). After each layer's attention, an
-exact uint32 digest (sum of bit patterns x odd weights, wrapping) of the K and
-V views that attention read is folded into the chain; the op that reads each
-view also takes a zero drawn from the query the SDPA used (``q'`` for
-inplace), so the digest reads the planes after the store, as the SDPA does.
-(In the one H200 run so far, which failed from step 0, only the digest's
-weights took it: that reader had no edge from the kernel.) A
-race anywhere changes a
-digest, hence the chain, hence every later K/V. Compared: the chain after every
-step (bitwise; first mismatching step reported), every plane bitwise at the
-end, and the final hidden states only to a tolerance, because on MLX 0.32.4 CUDA
-the same SDPA over bitwise-equal K/V has given outputs differing in the last
-bits between runs (``docs/performance.md``, "the race stress test").
+The inplace and slice paths run side by side in the same graphs, from identical
+planes and inputs, sync and pipelined. Each layer's K/V rows are an exact
+function of a running uint32 chain value folded from every earlier digest, plus
+``0 * tanh(h)`` (so they still depend, as data, on the previous layers'
+attention). After each layer's attention, an exact uint32 digest of the K and V
+views it read is folded into the chain; the op reading each view also takes a
+zero from the query the SDPA used (``q'`` for inplace), so the digest reads the
+planes after the store (in the one H200 run that failed from step 0, only the
+digest's weights took it: that reader had no edge from the kernel). A race
+anywhere changes a digest, hence every later K/V. Compared: the chain every step
+(bitwise; first mismatch reported), every plane bitwise at the end, the final
+hidden states to a tolerance (on MLX 0.32.4 CUDA the same SDPA over bitwise-equal
+K/V has differed in the last bits between runs: ``docs/performance.md``, "the
+race stress test"). Without a custom-kernel backend (MLX's CPU) inplace is
+skipped, saying so, and the race check runs slice against slice (the harness only).
 
-On a machine without a custom-kernel backend (MLX's CPU) the inplace system is
-skipped with a printed line, and the race check runs slice against slice, which
-exercises the harness only.
-
-    python benchmarks/store_ceiling.py                                  # GPU, full
-    python benchmarks/store_ceiling.py --repeats 5 --race-steps 0 --json store.json
-    python benchmarks/store_ceiling.py --race-only --race-steps 10000 --json store_race.json
-    python benchmarks/store_ceiling.py --depths 2048 --layers 4 --steps 8 --warmup 2 \\
-        --repeats 2 --race-steps 20                                     # CPU
+    bash benchmarks/device.sh store               # H200: the timing, then the race check alone
+    python3 benchmarks/store_ceiling.py --race-only --race-steps 10000 --json store_race.json
+    PYTHONPATH=. .venv/bin/python benchmarks/store_ceiling.py --depths 512 --window 256 --layers 4 \\
+        --heads 8 --steps 8 --warmup 2 --repeats 2 --race-steps 20          # CPU
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from functools import partial
 from importlib import resources
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from _common import (  # noqa: E402
-    DTYPES,
-    add_common_flags,
-    add_model_flags,
-    attend_layers,
-    int_list,
-    is_global,
-    make_caches,
-    median,
-    now,
-    on_gpu,
-    plane_dtype,
-    print_header,
-    print_table,
-    ratio,
-    settle,
-    str_list,
-    write_json,
-)
-from decode import fill, next_input  # noqa: E402
-
-from muser_kv.core import kernels  # noqa: E402
+from muser_kv.core import kernels
 
 SYSTEMS = ("mlx-lm", "muser-kv", "slice", "inplace", "attend")
 PLANE_SYSTEMS = ("slice", "inplace", "attend")
@@ -237,7 +191,7 @@ def store_inplace(kernel, plane_key, plane_value, key, value, q, params) -> mx.a
 
 def kernel_backend() -> Optional[str]:
     """"metal" or "cuda" where MLX can run custom kernels on the default device, else None."""
-    if not on_gpu():
+    if not H.on_gpu():
         return None
     name = kernels.detect()
     return name if name in ("metal", "cuda") else None
@@ -258,12 +212,12 @@ class Planes:
         self.kind, self.args, self.kernel = kind, args, kernel
         self.depth = self.pos = depth  # the position the next token is stored at
         self.window = args.window
-        dtype = plane_dtype(args)
+        dtype = H.plane_dtype(args)
         # rows allocated: global planes hold every token, sliding ones are rings of W
         self.rows = {True: rows_for(depth + tokens), False: rows_for(args.window)}
         self.keys, self.values = [], []
         for i in range(args.layers):
-            shape = (1, args.kv_heads, self.rows[is_global(i, args.pattern)], args.head_dim)
+            shape = (1, args.kv_heads, self.rows[H.is_global(i, args.pattern)], args.head_dim)
             kk, kv = mx.random.split(mx.random.key(seed * 100003 + i))
             # fresh, contiguous, evaluated buffers (the kernel indexes them as such)
             self.keys.append(mx.random.normal(shape, key=kk).astype(dtype))
@@ -277,7 +231,7 @@ class Planes:
 
     def _views(self, i: int, pos: int) -> Tuple[mx.array, mx.array]:
         """The live rows after storing position ``pos``."""
-        g = is_global(i, self.args.pattern)
+        g = H.is_global(i, self.args.pattern)
         live = pos + 1 if g else min(pos + 1, self.window)
         if live == self.rows[g]:
             return self.keys[i], self.values[i]
@@ -286,7 +240,7 @@ class Planes:
     def store(self, i: int, k: mx.array, v: mx.array, q: mx.array,
               params: Dict[bool, mx.array]) -> mx.array:
         """Store layer i's token at self.pos; returns the query attention must use."""
-        g = is_global(i, self.args.pattern)
+        g = H.is_global(i, self.args.pattern)
         if self.kind == "slice":
             s = self._slot(g, self.pos)
             self.keys[i][:, :, s:s + 1, :] = k
@@ -301,7 +255,7 @@ class Planes:
                 for g in (True, False)}
 
     def step(self, x: mx.array) -> mx.array:
-        """One decode token through every layer (lazy), as _common.attend_layers."""
+        """One decode token through every layer (lazy), as _harness.attend_layers."""
         a = self.args
         kvh, scale = a.kv_heads, a.head_dim ** -0.5
         params = self.params()
@@ -325,42 +279,15 @@ class Planes:
 # -- timing -------------------------------------------------------------------------
 
 
-def stepper(system: str, state: Any, args):
+def stepper(system: str, state: Any, q0: mx.array, args) -> Callable[[mx.array], mx.array]:
+    """One decode step of ``system`` as a function of the previous hidden state."""
     if system in PLANE_SYSTEMS:
-        return state.step
-    return lambda x: attend_layers(state, x, args)
-
-
-def run_sync(step, q0, h, steps):
-    t0 = now()
-    for _ in range(steps):
-        h = step(next_input(q0, h))
-        mx.eval(h)
-    return h, now() - t0
-
-
-def run_pipelined(step, q0, h, steps):
-    """mlx-lm generate_step: build and async_eval step t+1, then wait on step t."""
-    t0 = now()
-    h = step(next_input(q0, h))
-    mx.async_eval(h)
-    for _ in range(steps - 1):
-        nh = step(next_input(q0, h))
-        mx.async_eval(nh)
-        mx.eval(h)
-        h = nh
-    mx.eval(h)
-    return h, now() - t0
-
-
-RUNNERS = {"sync": run_sync, "pipelined": run_pipelined}
+        return lambda h: state.step((q0 + h) * 0.5)
+    return lambda h: H.attend_layers(state, (q0 + h) * 0.5, args)
 
 
 def bar_for(depth: int, mode: str) -> Optional[float]:
-    for d, m, need in BARS:
-        if d == depth and m == mode:
-            return need
-    return None
+    return next((need for d, m, need in BARS if d == depth and m == mode), None)
 
 
 def time_depth(depth: int, args, systems, kernel, dtype, q0) -> List[Dict[str, Any]]:
@@ -371,30 +298,22 @@ def time_depth(depth: int, args, systems, kernel, dtype, q0) -> List[Dict[str, A
         if s in PLANE_SYSTEMS:
             state[s] = Planes(s, args, depth, tokens, kernel, seed=args.seed)
         else:
-            state[s] = make_caches(s, args)
-            fill(state[s], depth, args, dtype)
-    settle()
+            state[s] = H.fill(H.make_caches(s, args), depth, args.kv_heads, args.head_dim, dtype,
+                              args.fill_chunk, mx.random.key(args.seed + 1), H.SETTLE_TOKENS)
+    H.settle()
     h = {s: q0 for s in systems}
+    steppers = {s: stepper(s, state[s], q0, args) for s in systems}
     out = []
     for mode in args.modes:
-        run = RUNNERS[mode]
-        blocks: Dict[str, List[float]] = {s: [] for s in systems}
-        for s in systems:  # warmup
-            h[s], _ = run(stepper(s, state[s], args), q0, h[s], args.warmup)
-        for r in range(args.repeats):
-            for s in (systems if r % 2 == 0 else systems[::-1]):
-                settle()
-                h[s], dt = run(stepper(s, state[s], args), q0, h[s], args.steps)
-                blocks[s].append(dt / args.steps * 1e3)
-        ms = {s: median(blocks[s]) for s in systems}
-        out.append({"depth": depth, "mode": mode, "ms_per_token": ms,
-                    "block_ms_per_token": blocks,
-                    "plane_rows": {"global": rows_for(depth + tokens), "sliding": rows_for(args.window)}})
+        blocks = {s: [b["ms_per_token"] for b in bs]
+                  for s, bs in H.decode_blocks(steppers, h, args, mode == "pipelined").items()}
+        out.append({"depth": depth, "mode": mode, "block_ms_per_token": blocks,
+                    "ms_per_token": {s: H.median(blocks[s]) for s in systems},
+                    "plane_rows": {"global": rows_for(depth + tokens),
+                                   "sliding": rows_for(args.window)}})
     for s in PLANE_SYSTEMS:
         if s in systems and s != "attend":
             assert state[s].pos == depth + tokens, (s, state[s].pos)
-    del state, h
-    settle()
     return out
 
 
@@ -441,7 +360,7 @@ class RacePath:
         params = p.params()
         h = x
         for i in range(a.layers):
-            g = is_global(i, a.pattern)
+            g = H.is_global(i, a.pattern)
             # exact rows, still data-dependent on every earlier attention output
             k = self.rows(c, 2 * i) + 0 * mx.tanh(h[:, :kvh])
             v = self.rows(c, 2 * i + 1) + 0 * mx.tanh(h[:, kvh:2 * kvh])
@@ -455,6 +374,17 @@ class RacePath:
         return h, c
 
 
+def race_step(paths: List[RacePath], chains: List[List[mx.array]], q0: mx.array, state):
+    """Both paths one step on ``(hidden states, chain values)``; the chains recorded."""
+    nh, nc = [], []
+    for j, path in enumerate(paths):
+        hj, cj = path.step((q0 + state[0][j]) * 0.5, state[1][j])
+        nh.append(hj)
+        nc.append(cj)
+        chains[j].append(cj)
+    return nh, nc
+
+
 def race_check(args, kernel, dtype, q0) -> List[Dict[str, Any]]:
     depth, steps = args.race_depth, args.race_steps
     kinds = ("inplace", "slice") if kernel is not None else ("slice", "slice")
@@ -462,37 +392,12 @@ def race_check(args, kernel, dtype, q0) -> List[Dict[str, Any]]:
     for mode in args.modes:
         paths = [RacePath(Planes(k, args, depth, steps, kernel, seed=args.seed + 7), args, dtype)
                  for k in kinds]
-        settle()
-        h = [q0, q0]
-        c = [mx.array(args.seed + 1, dtype=mx.uint32)] * 2
+        H.settle()
         chains: List[List[mx.array]] = [[], []]
-        t0 = now()
-
-        def build(h, c):
-            nh, nc = [], []
-            for j, path in enumerate(paths):
-                hj, cj = path.step(next_input(q0, h[j]), c[j])
-                nh.append(hj)
-                nc.append(cj)
-                chains[j].append(cj)
-            return nh, nc
-
-        if mode == "sync":
-            for _ in range(steps):
-                h, c = build(h, c)
-                mx.eval(h, c)
-        else:
-            h, c = build(h, c)
-            mx.async_eval(h, c)
-            for _ in range(steps - 1):
-                nh, nc = build(h, c)
-                mx.async_eval(nh, nc)
-                mx.eval(h, c)
-                h, c = nh, nc
-            mx.eval(h, c)
-        elapsed = now() - t0
-        a = np.array(mx.stack(chains[0]))
-        b = np.array(mx.stack(chains[1]))
+        (h, _), elapsed, _ = H.decode_steps(
+            partial(race_step, paths, chains, q0),
+            ([q0, q0], [mx.array(args.seed + 1, dtype=mx.uint32)] * 2), steps, mode == "pipelined")
+        a, b = (np.array(mx.stack(chain)) for chain in chains)
         differ = np.nonzero(a != b)[0]
         first = int(differ[0]) if differ.size else None
         planes_equal = all(
@@ -504,50 +409,32 @@ def race_check(args, kernel, dtype, q0) -> List[Dict[str, Any]]:
         results.append({"mode": mode, "paths": list(kinds), "depth": depth, "steps": steps,
                         "first_mismatch_step": first, "planes_bitwise_equal": planes_equal,
                         "final_h_max_abs_diff": h_diff, "pass": ok, "seconds": elapsed})
-        del paths, h, c, chains
-        settle()
+        del paths, h, chains
+        H.settle()
     return results
 
 
 # -- main ---------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--depths", type=int_list, default=[2048, 32768, 131072],
-                   help="context depths to decode at (default 2048,32768,131072)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="decode steps per timed block (default 64 on GPU, 16 on CPU)")
-    p.add_argument("--warmup", type=int, default=4, help="untimed steps per system and mode")
-    p.add_argument("--modes", type=str_list, default=["sync", "pipelined"],
-                   help="sync,pipelined (default both)")
-    p.add_argument("--systems", type=str_list, default=list(SYSTEMS),
+def parse_args(argv=None):
+    p = H.parser(__doc__)
+    H.add_decode_flags(p, "2048,32768,131072")
+    p.add_argument("--systems", type=H.choice_list(*SYSTEMS), default=list(SYSTEMS),
                    help="subset of " + ",".join(SYSTEMS) + " (default all)")
-    p.add_argument("--fill-chunk", type=int, default=4096,
-                   help="chunk size used to fill mlx-lm's and muser-kv's caches (default 4096)")
     p.add_argument("--race-steps", type=int, default=None,
                    help="race check steps per mode (default 10000 on GPU, 100 on CPU; 0: skip)")
     p.add_argument("--race-depth", type=int, default=None,
                    help="depth the race check starts at (default the smallest --depths)")
     p.add_argument("--race-only", action="store_true",
                    help="skip the timing, run only the race check")
-    add_model_flags(p)
-    add_common_flags(p)
-    args = p.parse_args(argv)
-    # the --repeats blocks per system alternate order; the median block is reported
-    if args.steps is None:
-        args.steps = 64 if on_gpu() else 16
+    H.add_flags(p, H.KV, blocks=("repeats", 3, "timed blocks per system, alternating; the median"))
+    H.add_cache_flags(p)
+    args = H.parse(p, argv)
     if args.race_steps is None:
-        args.race_steps = 10000 if on_gpu() else 100
+        args.race_steps = 10000 if H.on_gpu() else 100
     if args.race_depth is None:
         args.race_depth = min(args.depths)
-    for m in args.modes:
-        if m not in RUNNERS:
-            p.error(f"unknown mode {m!r}")
-    for s in args.systems:
-        if s not in SYSTEMS:
-            p.error(f"unknown system {s!r}")
     if min(args.depths + [args.race_depth]) < 8:
         p.error("depths must be at least 8")
     return args
@@ -555,14 +442,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
-    dtype = DTYPES[args.dtype]
+    dtype = H.DTYPES[args.dtype]
     mx.random.seed(args.seed)
     backend = kernel_backend()
-    print_header("store ceiling: one store op per layer (in place) against two slice updates, "
-                 "ms/token; ratios mlx-lm / X (> 1: X faster than mlx-lm)", args,
-                 f"planes {plane_dtype(args)} head-major [1, H, C, D], C = depth + decoded "
-                 f"rounded up to {GRANULE}; sliding rings of {args.window} rows; "
-                 f"custom-kernel backend: {backend or 'none'}")
+    H.print_header("store ceiling: one store op per layer (in place) against two slice updates, "
+                   "ms/token; ratios mlx-lm / X (> 1: X faster than mlx-lm)", args,
+                   f"planes {H.plane_dtype(args)} head-major [1, H, C, D], C = depth + decoded "
+                   f"rounded up to {GRANULE}; sliding rings of {args.window} rows; "
+                   f"custom-kernel backend: {backend or 'none'}")
     systems = tuple(s for s in SYSTEMS if s in args.systems)
     kernel = None
     if backend is None:
@@ -579,60 +466,48 @@ def main(argv=None) -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     for depth in ([] if args.race_only else args.depths):
         results += time_depth(depth, args, systems, kernel, dtype, q0)
-
-    nan = float("nan")
-    rows = []
+    nan, rows, ours = float("nan"), [], ("muser-kv", "slice", "inplace", "attend")
     for r in results:
         ms = r["ms_per_token"]
-        base = ms.get("mlx-lm", nan)
-        speedup = ratio(ms.get("slice", nan), ms.get("inplace", nan))
+        speedup = H.ratio(ms.get("slice", nan), ms.get("inplace", nan))
         need = bar_for(r["depth"], r["mode"])
-        r["ratios"] = {f"mlx-lm/{s}": ratio(base, ms.get(s, nan))
-                       for s in ("muser-kv", "slice", "inplace", "attend")}
-        r["slice_over_inplace"] = speedup
-        r["bar"] = need
+        r["ratios"] = {f"mlx-lm/{s}": H.ratio(ms.get("mlx-lm", nan), ms.get(s, nan)) for s in ours}
+        r["slice_over_inplace"], r["bar"] = speedup, need
         r["meets_bar"] = None if need is None or speedup != speedup else speedup >= need
         rows.append([r["depth"], r["mode"]] + [ms.get(s, nan) for s in SYSTEMS]
-                    + [r["ratios"][f"mlx-lm/{s}"] for s in ("muser-kv", "slice", "inplace", "attend")]
-                    + [speedup, f">= {need}" if need else "-",
-                       {None: "-", True: "yes", False: "NO"}[r["meets_bar"]]])
+                    + list(r["ratios"].values()) + [speedup, f">= {need}" if need else "-",
+                                                    {None: "-", True: "yes", False: "NO"}[r["meets_bar"]]])
     if results:
-        print("Decode ms/token (median of alternating blocks) and ratios")
-        print()
-        print_table(["depth", "mode"] + [f"{s} ms" for s in SYSTEMS]
-                    + ["mlx-lm/muser-kv", "mlx-lm/slice", "mlx-lm/inplace", "mlx-lm/attend",
-                       "slice/inplace", "bar", "meets"], rows, digits=3)
-        print("slice/inplace: the speed-up of one in-place store op per layer over two slice "
-              "updates; the bars are issue 14's (>= 1.25 at 131072 pipelined, >= 1.0 at 2048)")
-        print()
+        H.table(["depth", "mode"] + [f"{s} ms" for s in SYSTEMS] + [f"mlx-lm/{s}" for s in ours]
+                + ["slice/inplace", "bar", "meets"], rows, digits=3,
+                title="Decode ms/token (median of alternating blocks) and ratios",
+                note="slice/inplace: the speed-up of one in-place store op per layer over two slice "
+                     "updates; the bars are issue 14's (>= 1.25 at 131072 pipelined, >= 1.0 at 2048)")
     payload = {"benchmark": "store_ceiling", "args": vars(args), "kernel_backend": backend,
                "systems": list(systems), "results": results, "race": []}
-    write_json(args.json, payload)  # the timing survives a race check cut short
-
+    H.write_json(args.json, payload)  # the timing survives a race check cut short
     if args.race_steps > 0:
         if kernel is None:
             print("race check: inplace SKIPPED (no custom-kernel backend); running slice against "
                   "slice, which checks the harness only")
         race = race_check(args, kernel, dtype, q0)
         print()
-        print(f"Race check: {' vs '.join(race[0]['paths'])}, {args.race_steps} steps from depth "
-              f"{args.race_depth}, {args.layers} layers; chain digest compared bitwise every "
-              f"step, planes bitwise at the end, final h to {RACE_TOLERANCE}")
-        print()
-        print_table(["mode", "paths", "steps", "race", "first mismatch step", "planes equal",
-                     "final h max |diff|", "s"],
-                    [[r["mode"], " vs ".join(r["paths"]), r["steps"],
-                      "pass" if r["pass"] else "FAIL",
-                      "-" if r["first_mismatch_step"] is None else r["first_mismatch_step"],
-                      r["planes_bitwise_equal"], f"{r['final_h_max_abs_diff']:.2e}", r["seconds"]]
-                     for r in race], digits=1)
+        H.table(["mode", "paths", "steps", "race", "first mismatch step", "planes equal",
+                 "final h max |diff|", "s"],
+                [[r["mode"], " vs ".join(r["paths"]), r["steps"], "pass" if r["pass"] else "FAIL",
+                  "-" if r["first_mismatch_step"] is None else r["first_mismatch_step"],
+                  r["planes_bitwise_equal"], f"{r['final_h_max_abs_diff']:.2e}", r["seconds"]]
+                 for r in race], digits=1,
+                title=f"Race check: {' vs '.join(race[0]['paths'])}, {args.race_steps} steps from "
+                      f"depth {args.race_depth}, {args.layers} layers; chain digest compared "
+                      f"bitwise every step, planes bitwise at the end, final h to {RACE_TOLERANCE}")
         for r in race:
             print(f"race {r['mode']}: {'pass' if r['pass'] else 'FAIL'}"
                   + ("" if r["first_mismatch_step"] is None
                      else f" (first mismatch at step {r['first_mismatch_step']})"))
         print()
         payload["race"] = race
-        write_json(args.json, payload)
+        H.write_json(args.json, payload)
     return payload
 
 

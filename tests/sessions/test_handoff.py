@@ -40,7 +40,7 @@ from muser_kv import Ring
 from muser_kv.sessions import handoff
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import launch_port  # noqa: E402  (mlx.launch wants two consecutive ports)
+from _harness import launch_port  # noqa: E402  (mlx.launch wants two consecutive ports)
 
 HERE = Path(__file__).resolve().parents[1]
 CHILD = HERE / "handoff_child.py"
