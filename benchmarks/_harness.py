@@ -205,6 +205,40 @@ def build_model(args: argparse.Namespace, dtype: Optional[str] = None, **overrid
     return model
 
 
+#: The shapes of real checkpoints' configs (random weights): the families the
+#: end-to-end benchmark runs beside Muse Glimmer.
+FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "gemma3-27b": ("gemma3_text", dict(
+        hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+        num_key_value_heads=16, head_dim=128, sliding_window=1024, sliding_window_pattern=6,
+        vocab_size=262208, max_position_embeddings=131072, query_pre_attn_scalar=168,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"})),
+    "gpt-oss-20b": ("gpt_oss", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_local_experts=32,
+        num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        sliding_window=128, vocab_size=201088, rope_theta=150000,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096, "truncate": False},
+        layer_types=["sliding_attention", "full_attention"] * 12)),
+}
+#: what a family's checkpoint says its context is, where mlx-lm's args drop it
+FAMILY_CONTEXT = {"gemma3-27b": 131072, "gpt-oss-20b": 131072}
+
+
+def build_family(name: str, dtype: str, seed: int = 0):
+    """A ``FAMILIES`` model with random weights (seeded), cast to ``dtype``, evaluated."""
+    import importlib
+
+    module, fields = FAMILIES[name]
+    lib = importlib.import_module(f"mlx_lm.models.{module}")
+    mx.random.seed(seed)
+    model = lib.Model(lib.ModelArgs(model_type=module, **fields))
+    model.set_dtype(DTYPES[dtype])
+    mx.eval(model.parameters())
+    return model
+
+
 def weight_bytes(model) -> int:
     from mlx.utils import tree_flatten
 
@@ -216,9 +250,10 @@ def describe(model) -> str:
 
     a = model.args
     dtype = tree_flatten(model.parameters())[0][1].dtype
-    return (f"model: {a.num_hidden_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, "
-            f"window {a.sliding_window}, {a.num_attention_heads} heads / {a.num_key_value_heads} KV x "
-            f"{a.head_dim}, {dtype_name(dtype)}: {weight_bytes(model) / GIB:.2f} GiB of weights; "
+    return (f"model: {a.model_type}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, vocab "
+            f"{a.vocab_size}, window {a.sliding_window}, {a.num_attention_heads} heads / "
+            f"{a.num_key_value_heads} KV x {a.head_dim}, {dtype_name(dtype)}: "
+            f"{weight_bytes(model) / GIB:.2f} GiB of weights; "
             f"muser-kv planes {dtype_name(muser_kv.plane_dtype_for(model))}")
 
 

@@ -1,9 +1,10 @@
-"""What TTFT, decode tok/s and peak memory does muser-kv give through generate_step on the real Muse Glimmer?
+"""What TTFT, decode tok/s and peak memory does muser-kv give through generate_step on a real geometry?
 
 For f16 and bf16 checkpoints and long prompts, through mlx-lm's own
 ``generate_step``: does ``muser_kv.make_prompt_cache(model)`` cost anything
 against ``model.make_cache()``? One model per ``--dtypes`` (``_harness.build_model``:
-real geometry by default, ~17 GB in 2-byte weights). Per prompt, both systems
+real geometry by default, ~17 GB in 2-byte weights; ``--family gemma3-27b`` or
+``gpt-oss-20b``: those checkpoints' shapes, random weights). Per prompt, both systems
 prefill the same random prompt to their first token (TTFT; the first system
 flipped per prompt), each cache built before the clock starts (muser-kv's
 planes preallocated for ``--max-context``, default the model's 131,072); both
@@ -17,6 +18,7 @@ grown to), and the first differing greedy token (random weights: near-ties make
 equality a weak signal, so it is reported, not asserted).
 
     bash benchmarks/device.sh e2e bfloat16                         # H200: 8k, 32k, 130k
+    python3 benchmarks/end_to_end.py --family gemma3-27b --dtypes bfloat16 --prompts 8192,32768,130000
     python3 benchmarks/end_to_end.py --dtypes bfloat16 --prompts 130000 --tokens 128 --blocks 4
     PYTHONPATH=. .venv/bin/python benchmarks/end_to_end.py --layers 2 --hidden 64 --intermediate 128 \\
         --vocab 256 --heads 4 --window 16 --prompts 100,300 --tokens 4 --blocks 2 \\
@@ -42,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=64, help="tokens per decode block (default 64)")
     p.add_argument("--max-context", type=int, default=None,
                    help="muser-kv's max_context (default: the model's max_position_embeddings)")
+    p.add_argument("--family", choices=["muse-glimmer", *H.FAMILIES], default="muse-glimmer",
+                   help="the model: Muse Glimmer at the geometry flags (default), or a family "
+                        "at its real checkpoint's shapes")
     H.add_prefill_flags(p)
     H.add_flags(p, dtype=None, dtypes="float16,bfloat16",
                 blocks=("blocks", 3, "alternating decode blocks per system"))
@@ -84,14 +89,18 @@ class Run:
 
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
-    H.print_header("end to end: mlx-lm generate_step on Muse Glimmer, muser-kv vs "
+    H.print_header(f"end to end: mlx-lm generate_step on {args.family}, muser-kv vs "
                    "model.make_cache()", args)
     rng = np.random.default_rng(args.seed)
     results: List[Dict[str, Any]] = []
     rows, checks = [], []
     for dtype in args.dtypes:
         t = H.now()
-        model = H.build_model(args, dtype)
+        if args.family == "muse-glimmer":
+            model = H.build_model(args, dtype)
+        else:
+            model = H.build_family(args.family, dtype, args.seed)
+            args.max_context = args.max_context or H.FAMILY_CONTEXT[args.family]
         vocab = model.args.vocab_size
         print(f"{H.describe(model)}; built in {H.now() - t:.1f} s")
         if args.warmup:
