@@ -36,7 +36,7 @@ anything changes.
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
 
@@ -64,7 +64,7 @@ def _bound(source: MuseKVCache, planes: Planes, slot: int) -> MuseKVCache:
         kw["retain"] = source.retain
     cache = _regime(source.kind)(planes, **kw)
     cache.ring.assign(source.ring)
-    if source.kind is LayerKind.SLIDING:
+    if isinstance(source, SlidingKVCache):
         cache._retained = source._retained.copy()
     return cache
 
@@ -222,7 +222,7 @@ class BatchKVCache:
             if not on:
                 continue
             ring = s.ring
-            if s.kind is LayerKind.SLIDING and s.retain and ring.len == ring.capacity:
+            if isinstance(s, SlidingKVCache) and s.retain and ring.len == ring.capacity:
                 if not s._retained.covers(ring.origin_logical):
                     held.append(s._retain(ring.origin_logical, 1))
             rows.append(ring.append(ring.end))
@@ -237,7 +237,7 @@ class BatchKVCache:
             self.planes.put_rows(rows, keys, values)
         out = self.planes.prefix(self._read_rows(), slots=len(self.seqs))
         if self.kind is LayerKind.SLIDING:
-            for s in self.seqs:
+            for s in _rings(self.seqs):
                 ring = s.ring
                 if s.retain and ring.len == ring.capacity and not s._retained.covers(
                         ring.origin_logical):
@@ -273,7 +273,7 @@ class BatchKVCache:
         width = max(s.ring.len for s in self.seqs)
         dtype = self.planes.dtype
         shadows_k, shadows_v = [], []
-        for b, (s, r) in enumerate(zip(self.seqs, real)):
+        for b, (s, r) in enumerate(zip(_rings(self.seqs), real)):
             k_b, v_b = keys[b:b + 1], values[b:b + 1]
             old_k, old_v = s.backend.gather(*self.planes.physical(b), s.layout, s.ring)
             chunk_k = _token_rows(k_b, dtype)
@@ -290,8 +290,8 @@ class BatchKVCache:
                 if s.retain and hi > lo:  # the rows leaving the window, from this shadow
                     keep = min(hi - lo, s.retain)
                     base = pad  # shadow row of position lo
-                    rows = slice(base + hi - lo - keep, base + hi - lo)
-                    kept = mx.stack([shadows_k[-1][rows], shadows_v[-1][rows]], 1)
+                    span = slice(base + hi - lo - keep, base + hi - lo)
+                    kept = mx.stack([shadows_k[-1][span], shadows_v[-1][span]], 1)
                     s._retained.add(hi - keep, kept, plan.after.origin_logical)
                     held.append(kept)
                 s._store(k_b[:, :, :r], v_b[:, :, :r], plan)
@@ -361,13 +361,12 @@ class BatchKVCache:
         first = [rs[0] for rs in runs]
         second = [rs[1] if len(rs) > 1 else Run(0, 0, 0) for rs in runs]
         j = mx.arange(rows, dtype=mx.int32).reshape(1, rows)
-        valid = None
+        inside = []
         for part in (first, second):
             lo = mx.array([r.physical for r in part], dtype=mx.int32).reshape(B, 1)
             hi = lo + mx.array([r.length for r in part], dtype=mx.int32).reshape(B, 1)
-            inside = (j >= lo) & (j < hi)
-            valid = inside if valid is None else valid | inside
-        return valid.reshape(B, 1, 1, rows)
+            inside.append((j >= lo) & (j < hi))
+        return (inside[0] | inside[1]).reshape(B, 1, 1, rows)
 
     def _rows_after_decode(self) -> int:
         capacity = self.seqs[0].ring.capacity
@@ -448,7 +447,7 @@ class BatchKVCache:
     def state(self) -> Pair:
         """The planes (every slot), with the sequences' retained copies made since
         the last read attached (``RetainedRows.pending``)."""
-        pending = [x for s in self.seqs if s.kind is LayerKind.SLIDING
+        pending = [x for s in self.seqs if isinstance(s, SlidingKVCache)
                    for x in s._retained.pending()]
         kv = (self.planes.k, self.planes.v)
         return tuple(mx.depends(list(kv), pending)) if pending else kv
@@ -543,8 +542,9 @@ def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
                         capacity=geometry.capacity(i),
                         layout=sliding_layout if sliding else kernels.HEAD_MAJOR,
                         dtype=plane_dtype, slots=slots)
-        seqs = []
+        seqs: List[MuseKVCache] = []
         for s in range(slots):
+            c: MuseKVCache
             if sliding:
                 c = SlidingKVCache(planes, window=geometry.window, max_context=geometry.max_context,
                                    layer=i, slot=s, retain=retain)
@@ -557,6 +557,12 @@ def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
     for caches in per_slot:
         cachelist.bind(caches, model)
     return batches, per_slot
+
+
+def _rings(seqs: List[MuseKVCache]) -> List[SlidingKVCache]:
+    """A sliding layer's sequences as the rings they are: every sequence of a
+    batch is of the batch's kind (``merge`` checks it; ``_bound`` keeps it)."""
+    return cast(List[SlidingKVCache], seqs)
 
 
 def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:
