@@ -39,7 +39,7 @@ from muser_kv.core.counts import count
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
 from muser_kv.core.planes import Planes
-from muser_kv.core.ring import Ring, Trim
+from muser_kv.core.ring import Ring, Trim, Write
 
 Mask = Union[None, str, mx.array]
 Pair = Tuple[mx.array, mx.array]
@@ -242,7 +242,7 @@ class MuseKVCache:
         k, v = self.backend.store(keys, values, self.layout, 0, 1, None, 0, self.dtype)
         return k.reshape(keys.shape), v.reshape(values.shape)
 
-    def _store(self, keys: mx.array, values: mx.array, plan) -> None:
+    def _store(self, keys: mx.array, values: mx.array, plan: Write) -> None:
         """Place a write's surviving rows along its runs (the store kernel converts
         and lays them out; MLX's updates place them)."""
         first = plan.runs[0].source
@@ -479,7 +479,7 @@ class MuseKVCache:
 
     # -- copies ----------------------------------------------------------------------------
 
-    def __deepcopy__(self, memo) -> "MuseKVCache":
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "MuseKVCache":
         """An independent cache (mlx-lm's server prompt cache deep-copies the
         lists it reuses). Copying one cache of a list copies the whole list,
         bound anew, so a copied list is one unit again (``cachelist``); the

@@ -36,7 +36,7 @@ anything changes.
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
 
@@ -45,27 +45,24 @@ from muser_kv.caches.base import ContextOverflow, Mask, MuseKVCache, evaluated_w
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.core import kernels
-from muser_kv.core.geometry import LayerKind
+from muser_kv.core.geometry import LayerKind, MuseGeometry
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Run
 
 Pair = Tuple[mx.array, mx.array]
 
 
-def _regime(kind: LayerKind):
-    return SlidingKVCache if kind is LayerKind.SLIDING else GlobalKVCache
-
-
 def _bound(source: MuseKVCache, planes: Planes, slot: int) -> MuseKVCache:
     """A cache like ``source`` (same geometry, ring state and retained rows) in
     slot ``slot`` of ``planes``; the rows are the caller's to put there."""
     kw = dict(window=source._window, max_context=source.max_context, layer=source.layer, slot=slot)
-    if source.kind is LayerKind.SLIDING:
-        kw["retain"] = source.retain
-    cache = _regime(source.kind)(planes, **kw)
-    cache.ring.assign(source.ring)
     if isinstance(source, SlidingKVCache):
-        cache._retained = source._retained.copy()
+        ring = SlidingKVCache(planes, retain=source.retain, **kw)
+        ring.ring.assign(source.ring)
+        ring._retained = source._retained.copy()
+        return ring
+    cache = GlobalKVCache(planes, **kw)
+    cache.ring.assign(source.ring)
     return cache
 
 
@@ -496,7 +493,7 @@ class BatchKVCache:
             "muser-kv batch caches are not restored from a state: a batch's rows belong to "
             "several sequences; save and load each sequence's cache (BatchKVCache.extract(i))")
 
-    def __deepcopy__(self, memo) -> "BatchKVCache":
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "BatchKVCache":
         """An independent batch: the arrays are shared until either side writes
         (MLX arrays are values), everything else is copied."""
         planes = copy.copy(self.planes)
@@ -526,7 +523,7 @@ def _token_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x.astype(dtype)[0].transpose(1, 0, 2).reshape(n, h * d)
 
 
-def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
+def make_slot_caches(geometry: MuseGeometry, slots: int, retain: int, plane_dtype: mx.Dtype,
                      sliding_layout: str = kernels.TOKEN_MAJOR, model: Any = None
                      ) -> Tuple[List[BatchKVCache], List[List[MuseKVCache]]]:
     """``slots`` sequences over shared planes (one ``Planes`` of ``slots`` slots per

@@ -339,11 +339,11 @@ def detect() -> str:
 
 
 @lru_cache(maxsize=None)
-def _make(name: str):
+def _make(name: str) -> ReferenceBackend:
     return ReferenceBackend() if name == "reference" else KernelBackend(name)
 
 
-def get_backend(name: Optional[str] = None):
+def get_backend(name: Optional[str] = None) -> ReferenceBackend:
     """The backend named, else ``$MUSER_KV_BACKEND``, else the detected one.
     Each is built once and shared."""
     name = name or os.environ.get(BACKEND_ENV) or detect()

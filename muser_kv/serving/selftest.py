@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, TextIO, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -107,7 +107,8 @@ def _kv(n: int, dtype: mx.Dtype, seed: int, layout: str, h: int, d: int) -> mx.a
     return _edges((1, h, n, d), dtype, seed)
 
 
-def _planes(layout: str, rows: int, dtype: mx.Dtype, seed: int, h: int, d: int):
+def _planes(layout: str, rows: int, dtype: mx.Dtype, seed: int, h: int,
+            d: int) -> Tuple[mx.array, mx.array]:
     shape = (rows, h * d) if layout == TOKEN_MAJOR else (h, rows, d)
     return _edges(shape, dtype, seed), _edges(shape, dtype, seed + 1)
 
@@ -242,7 +243,7 @@ def _device_name() -> str:
         return "unknown device"
 
 
-def main(backend: Optional[str] = None, out=None) -> int:
+def main(backend: Optional[str] = None, out: Optional[TextIO] = None) -> int:
     """Print one line per kernel; 0 when all are bitwise equal to the reference,
     1 on any difference, 0 with "nothing to test" when this MLX has no GPU backend."""
     out = out or sys.stdout
@@ -263,7 +264,7 @@ def main(backend: Optional[str] = None, out=None) -> int:
     return summarize(run_checks(KernelBackend(name), mx.gpu), name, out)
 
 
-def summarize(reports: Sequence[KernelReport], name: str, out=None) -> int:
+def summarize(reports: Sequence[KernelReport], name: str, out: Optional[TextIO] = None) -> int:
     """One line per kernel and the verdict; the exit status (0 or 1)."""
     out = out or sys.stdout
     for report in reports:
