@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import mlx.core as mx
 
@@ -39,7 +39,7 @@ from muser_kv.core.counts import count
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
 from muser_kv.core.planes import Planes
-from muser_kv.core.ring import Ring
+from muser_kv.core.ring import Ring, Trim, Write
 
 Mask = Union[None, str, mx.array]
 Pair = Tuple[mx.array, mx.array]
@@ -49,6 +49,8 @@ State = Tuple[mx.array, mx.array, Tuple[str, ...], Any]
 #: ``INPUT_DTYPES`` as a set: the decode fast path's membership test
 INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
 _ONE = 1
+
+_Cache = TypeVar("_Cache", bound="MuseKVCache")
 
 
 class ContextOverflow(ValueError):
@@ -108,10 +110,14 @@ class MuseKVCache:
     returns), ``trimmable_depth`` (every count up to it trims exactly, one more is
     refused), ``undoable_block`` (the longest block written from here that a trim
     can always undo: a checkpoint opens only for blocks every layer can undo),
-    ``is_trimmable`` and ``_rewind`` (a trim plan, committed).
+    ``is_trimmable`` and ``_rewind`` (a trim plan, committed); the base declares
+    each (``NotImplementedError``), and each regime's class overrides it.
     """
 
     kind: LayerKind
+    #: overwritten rows a ring keeps for exact trims (``speculative``); 0 for a
+    #: global plane. Set by each regime's ``__init__``; part of ``meta_state``.
+    retain: int
 
     def __init__(self, planes: Planes, *, capacity: int, window: int, max_context: int,
                  layer: int = 0, slot: int = 0):
@@ -211,7 +217,10 @@ class MuseKVCache:
             raise ContextOverflow(self.layer, self.offset + n, self.max_context)
         ahead = self._prev.end
         if ahead != self.offset + (n if self._index else 0):
-            raise self._list.out_of_step(self, n)
+            group = self._list
+            # alone, a cache is its own predecessor (ahead == offset): never here
+            assert group is not None, "a cache of no list is always in step"
+            raise group.out_of_step(self, n)
 
     def _fast_one(self, keys: mx.array, values: mx.array) -> Optional[mx.Dtype]:
         """The decode fast path's gate, every check ``check_input`` / ``check_write``
@@ -233,7 +242,7 @@ class MuseKVCache:
         k, v = self.backend.store(keys, values, self.layout, 0, 1, None, 0, self.dtype)
         return k.reshape(keys.shape), v.reshape(values.shape)
 
-    def _store(self, keys: mx.array, values: mx.array, plan) -> None:
+    def _store(self, keys: mx.array, values: mx.array, plan: Write) -> None:
         """Place a write's surviving rows along its runs (the store kernel converts
         and lays them out; MLX's updates place them)."""
         first = plan.runs[0].source
@@ -263,19 +272,26 @@ class MuseKVCache:
             self._before_forward(N)
         return self._mask(N, window_size, return_array)
 
+    def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
+        """The mask for the rows this regime's next write of ``n`` tokens returns
+        (``make_mask`` has checked ``n`` and the list)."""
+        raise NotImplementedError(type(self).__name__)
+
     def _before_forward(self, n: int) -> None:
         """A layer type's first cache, asked for a mask: the model must fit the
         list, and the list must be in step (this layer level with its
         predecessor, or one write of ``n`` behind it if that layer went first)."""
-        if self._list is None:  # rebuilt alone (from_state): join the list the model hands
-            if cachelist.adopt(self, 3) is None:
+        group = self._list
+        if group is None:  # rebuilt alone (from_state): join the list the model hands
+            group = cachelist.adopt(self, 3)
+            if group is None:
                 self._first_of_kind = False  # driven alone: a list of one, as ever
                 return
         if not self._index:  # the model asks layer 0 first: once per forward
-            self._list.check_caller(3)  # 0 check_caller, 1 here, 2 make_mask, 3 its caller
+            group.check_caller(3)  # 0 check_caller, 1 here, 2 make_mask, 3 its caller
         ahead, here = self._prev.end, self.ring.end
         if ahead != here and not (self._index and ahead == here + n):
-            raise self._list.out_of_step(self, n if self._index else 0)
+            raise group.out_of_step(self, n if self._index else 0)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -380,6 +396,11 @@ class MuseKVCache:
         """After the contents changed wholesale (an install, a restore): evaluate
         what the next write will need, so it never waits in that write's graph."""
 
+    def _adopt_retained(self, start: int, blocks: List[mx.array]) -> None:
+        """Hold the retained rows a state carried (``_check_state_retained``'s
+        answer; only a regime that retains rows gives one)."""
+        raise NotImplementedError(type(self).__name__)
+
     # -- sessions -------------------------------------------------------------------------
 
     def snapshot(self) -> Tuple[int, mx.array, mx.array]:
@@ -458,7 +479,7 @@ class MuseKVCache:
 
     # -- copies ----------------------------------------------------------------------------
 
-    def __deepcopy__(self, memo) -> "MuseKVCache":
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "MuseKVCache":
         """An independent cache (mlx-lm's server prompt cache deep-copies the
         lists it reuses). Copying one cache of a list copies the whole list,
         bound anew, so a copied list is one unit again (``cachelist``); the
@@ -473,7 +494,7 @@ class MuseKVCache:
             memo[id(c)] = d
         return memo[id(self)]
 
-    def _detached(self) -> "MuseKVCache":
+    def _detached(self: _Cache) -> _Cache:
         """This cache alone: its own planes (one slot, arrays shared until a
         write), ring and retained rows; no list, no checkpoints."""
         other = copy.copy(self)
@@ -486,6 +507,23 @@ class MuseKVCache:
         return other
 
     # -- trimming --------------------------------------------------------------------------
+
+    def trimmable_depth(self) -> int:
+        """Every count up to this trims exactly; one more is refused."""
+        raise NotImplementedError(type(self).__name__)
+
+    def undoable_block(self) -> int:
+        """The longest block written from here that a trim can always undo (a
+        checkpoint opens only for blocks every layer can undo)."""
+        raise NotImplementedError(type(self).__name__)
+
+    def is_trimmable(self) -> bool:
+        """mlx-lm's question: whether ``trim`` can be exact for this cache."""
+        raise NotImplementedError(type(self).__name__)
+
+    def _rewind(self, plan: Trim) -> None:
+        """Commit a trim plan (``Ring.trimmed``): the rows and ring it leaves."""
+        raise NotImplementedError(type(self).__name__)
 
     def trim(self, n: int) -> int:
         """Forget the newest ``n`` tokens, exactly, or refuse (never silently wrong)."""

@@ -36,7 +36,7 @@ anything changes.
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
 
@@ -45,27 +45,24 @@ from muser_kv.caches.base import ContextOverflow, Mask, MuseKVCache, evaluated_w
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.core import kernels
-from muser_kv.core.geometry import LayerKind
+from muser_kv.core.geometry import LayerKind, MuseGeometry
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Run
 
 Pair = Tuple[mx.array, mx.array]
 
 
-def _regime(kind: LayerKind):
-    return SlidingKVCache if kind is LayerKind.SLIDING else GlobalKVCache
-
-
 def _bound(source: MuseKVCache, planes: Planes, slot: int) -> MuseKVCache:
     """A cache like ``source`` (same geometry, ring state and retained rows) in
     slot ``slot`` of ``planes``; the rows are the caller's to put there."""
     kw = dict(window=source._window, max_context=source.max_context, layer=source.layer, slot=slot)
-    if source.kind is LayerKind.SLIDING:
-        kw["retain"] = source.retain
-    cache = _regime(source.kind)(planes, **kw)
+    if isinstance(source, SlidingKVCache):
+        ring = SlidingKVCache(planes, retain=source.retain, **kw)
+        ring.ring.assign(source.ring)
+        ring._retained = source._retained.copy()
+        return ring
+    cache = GlobalKVCache(planes, **kw)
     cache.ring.assign(source.ring)
-    if source.kind is LayerKind.SLIDING:
-        cache._retained = source._retained.copy()
     return cache
 
 
@@ -222,7 +219,7 @@ class BatchKVCache:
             if not on:
                 continue
             ring = s.ring
-            if s.kind is LayerKind.SLIDING and s.retain and ring.len == ring.capacity:
+            if isinstance(s, SlidingKVCache) and s.retain and ring.len == ring.capacity:
                 if not s._retained.covers(ring.origin_logical):
                     held.append(s._retain(ring.origin_logical, 1))
             rows.append(ring.append(ring.end))
@@ -237,7 +234,7 @@ class BatchKVCache:
             self.planes.put_rows(rows, keys, values)
         out = self.planes.prefix(self._read_rows(), slots=len(self.seqs))
         if self.kind is LayerKind.SLIDING:
-            for s in self.seqs:
+            for s in _rings(self.seqs):
                 ring = s.ring
                 if s.retain and ring.len == ring.capacity and not s._retained.covers(
                         ring.origin_logical):
@@ -273,7 +270,7 @@ class BatchKVCache:
         width = max(s.ring.len for s in self.seqs)
         dtype = self.planes.dtype
         shadows_k, shadows_v = [], []
-        for b, (s, r) in enumerate(zip(self.seqs, real)):
+        for b, (s, r) in enumerate(zip(_rings(self.seqs), real)):
             k_b, v_b = keys[b:b + 1], values[b:b + 1]
             old_k, old_v = s.backend.gather(*self.planes.physical(b), s.layout, s.ring)
             chunk_k = _token_rows(k_b, dtype)
@@ -290,8 +287,8 @@ class BatchKVCache:
                 if s.retain and hi > lo:  # the rows leaving the window, from this shadow
                     keep = min(hi - lo, s.retain)
                     base = pad  # shadow row of position lo
-                    rows = slice(base + hi - lo - keep, base + hi - lo)
-                    kept = mx.stack([shadows_k[-1][rows], shadows_v[-1][rows]], 1)
+                    span = slice(base + hi - lo - keep, base + hi - lo)
+                    kept = mx.stack([shadows_k[-1][span], shadows_v[-1][span]], 1)
                     s._retained.add(hi - keep, kept, plan.after.origin_logical)
                     held.append(kept)
                 s._store(k_b[:, :, :r], v_b[:, :, :r], plan)
@@ -361,13 +358,12 @@ class BatchKVCache:
         first = [rs[0] for rs in runs]
         second = [rs[1] if len(rs) > 1 else Run(0, 0, 0) for rs in runs]
         j = mx.arange(rows, dtype=mx.int32).reshape(1, rows)
-        valid = None
+        inside = []
         for part in (first, second):
             lo = mx.array([r.physical for r in part], dtype=mx.int32).reshape(B, 1)
             hi = lo + mx.array([r.length for r in part], dtype=mx.int32).reshape(B, 1)
-            inside = (j >= lo) & (j < hi)
-            valid = inside if valid is None else valid | inside
-        return valid.reshape(B, 1, 1, rows)
+            inside.append((j >= lo) & (j < hi))
+        return (inside[0] | inside[1]).reshape(B, 1, 1, rows)
 
     def _rows_after_decode(self) -> int:
         capacity = self.seqs[0].ring.capacity
@@ -448,7 +444,7 @@ class BatchKVCache:
     def state(self) -> Pair:
         """The planes (every slot), with the sequences' retained copies made since
         the last read attached (``RetainedRows.pending``)."""
-        pending = [x for s in self.seqs if s.kind is LayerKind.SLIDING
+        pending = [x for s in self.seqs if isinstance(s, SlidingKVCache)
                    for x in s._retained.pending()]
         kv = (self.planes.k, self.planes.v)
         return tuple(mx.depends(list(kv), pending)) if pending else kv
@@ -497,7 +493,7 @@ class BatchKVCache:
             "muser-kv batch caches are not restored from a state: a batch's rows belong to "
             "several sequences; save and load each sequence's cache (BatchKVCache.extract(i))")
 
-    def __deepcopy__(self, memo) -> "BatchKVCache":
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "BatchKVCache":
         """An independent batch: the arrays are shared until either side writes
         (MLX arrays are values), everything else is copied."""
         planes = copy.copy(self.planes)
@@ -527,7 +523,7 @@ def _token_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x.astype(dtype)[0].transpose(1, 0, 2).reshape(n, h * d)
 
 
-def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
+def make_slot_caches(geometry: MuseGeometry, slots: int, retain: int, plane_dtype: mx.Dtype,
                      sliding_layout: str = kernels.TOKEN_MAJOR, model: Any = None
                      ) -> Tuple[List[BatchKVCache], List[List[MuseKVCache]]]:
     """``slots`` sequences over shared planes (one ``Planes`` of ``slots`` slots per
@@ -544,8 +540,9 @@ def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
                         capacity=geometry.capacity(i),
                         layout=sliding_layout if sliding else kernels.HEAD_MAJOR,
                         dtype=plane_dtype, slots=slots)
-        seqs = []
+        seqs: List[MuseKVCache] = []
         for s in range(slots):
+            c: MuseKVCache
             if sliding:
                 c = SlidingKVCache(planes, window=geometry.window, max_context=geometry.max_context,
                                    layer=i, slot=s, retain=retain)
@@ -558,6 +555,12 @@ def make_slot_caches(geometry, slots: int, retain: int, plane_dtype: mx.Dtype,
     for caches in per_slot:
         cachelist.bind(caches, model, model_layers=geometry.model_layers or geometry.num_layers)
     return batches, per_slot
+
+
+def _rings(seqs: List[MuseKVCache]) -> List[SlidingKVCache]:
+    """A sliding layer's sequences as the rings they are: every sequence of a
+    batch is of the batch's kind (``merge`` checks it; ``_bound`` keeps it)."""
+    return cast(List[SlidingKVCache], seqs)
 
 
 def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:

@@ -16,7 +16,7 @@ import mlx.core as mx
 from muser_kv.caches.base import REGIMES, Mask, MuseKVCache, causal_mask
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.planes import Planes
-from muser_kv.core.ring import Ring
+from muser_kv.core.ring import Ring, Trim
 
 
 class GlobalKVCache(MuseKVCache):
@@ -91,7 +91,7 @@ class GlobalKVCache(MuseKVCache):
     def is_trimmable(self) -> bool:
         return True
 
-    def _rewind(self, plan) -> None:
+    def _rewind(self, plan: Trim) -> None:
         self.ring.assign(plan.after)
 
 

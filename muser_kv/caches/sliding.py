@@ -34,7 +34,7 @@ from muser_kv.caches.speculative import DEFAULT_RETAIN, RetainedRows
 from muser_kv.core import kernels
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.planes import Planes
-from muser_kv.core.ring import Read, Ring
+from muser_kv.core.ring import Read, Ring, Trim
 
 Pair = Tuple[mx.array, mx.array]
 
@@ -257,10 +257,10 @@ class SlidingKVCache(MuseKVCache):
         else:
             mx.eval(blocks)
 
-    def hold(self):
+    def hold(self) -> Any:
         return super().hold(), self._retained.copy()
 
-    def release(self, held) -> None:
+    def release(self, held: Any) -> None:
         base, retained = held
         super().release(base)
         self._retained = retained
@@ -299,7 +299,7 @@ class SlidingKVCache(MuseKVCache):
         is never trimmable, even before it wraps."""
         return self.retain > 0 or self.max_context <= self.ring.capacity
 
-    def _rewind(self, plan) -> None:
+    def _rewind(self, plan: Trim) -> None:
         """Put back the rows the trimmed tokens overwrote (from the retained rows)
         at the rows the earlier ring holds them, then move both origins back."""
         lo, hi = plan.restore

@@ -14,7 +14,7 @@ is exact up to the retained depth, and refused beyond it (never silently wrong).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -191,12 +191,12 @@ class SpeculativeCheckpoint:
 
     # -- what the caches report (MuseKVCache.watch) -----------------------------
 
-    def _trimmed(self, cache, position: int) -> None:
+    def _trimmed(self, cache: Any, position: int) -> None:
         if position < self.start and self._broken is None:
             self._broken = (f"layer {cache.layer} was trimmed to position {position}, below the "
                             f"checkpoint's start {self.start}")
 
-    def _replaced(self, cache) -> None:
+    def _replaced(self, cache: Any) -> None:
         if self._broken is None:
             self._broken = f"layer {cache.layer} was restored from a snapshot"
 

@@ -165,8 +165,9 @@ class MuseGeometry:
         muser-kv needs, or name a layer type it does not serve, raise
         ``UnsupportedModel`` naming the field.
         """
-        fields = {name: _model_int(args, name) for name in _REQUIRED}
-        missing = [name for name, value in fields.items() if value is None]
+        found = {name: _model_int(args, name) for name in _REQUIRED}
+        fields = {name: value for name, value in found.items() if value is not None}
+        missing = [name for name in _REQUIRED if name not in fields]
         if missing:
             raise UnsupportedModel(
                 f"{_args_name(args)} has no {' / '.join(missing)} (missing or None): muser-kv "

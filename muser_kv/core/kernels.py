@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from importlib import resources
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
 
@@ -249,10 +249,12 @@ class KernelBackend(ReferenceBackend):
         if name not in self._built:
             inputs, outputs = _KERNELS[name]
             factory = mx.fast.metal_kernel if self.name == "metal" else mx.fast.cuda_kernel
-            self._built[name] = factory(
+            # mlx's stubs type the built kernel as ``object``; it is the callable
+            # its documentation describes
+            self._built[name] = cast(Callable, factory(
                 name=f"muser_kv_{name}", input_names=inputs, output_names=outputs,
                 source=kernel_source(name), header=kernel_header(), ensure_row_contiguous=False,
-            )
+            ))
         return self._built[name]
 
     def store(self, keys, values, layout, first, count, ring=None, start=0, dtype=PLANE_DTYPE):
@@ -337,11 +339,11 @@ def detect() -> str:
 
 
 @lru_cache(maxsize=None)
-def _make(name: str):
+def _make(name: str) -> ReferenceBackend:
     return ReferenceBackend() if name == "reference" else KernelBackend(name)
 
 
-def get_backend(name: Optional[str] = None):
+def get_backend(name: Optional[str] = None) -> ReferenceBackend:
     """The backend named, else ``$MUSER_KV_BACKEND``, else the detected one.
     Each is built once and shared."""
     name = name or os.environ.get(BACKEND_ENV) or detect()

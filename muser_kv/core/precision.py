@@ -20,7 +20,7 @@ choice (f16 or bf16 only).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, NoReturn, Optional, Union
 
 import mlx.core as mx
 
@@ -58,7 +58,7 @@ class _ProbeCache:
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> NoReturn:
         raise _Probed(keys.dtype)
 
 

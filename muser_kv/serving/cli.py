@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from muser_kv.core.geometry import ROW_GRANULE, LayerKind, MuseGeometry, allocated_rows, footprint
+
+if TYPE_CHECKING:  # for the annotation only; cmd_inspect imports it when it runs
+    from muser_kv.sessions.reading import SessionFile
 
 
 def _bytes(n: int) -> str:
@@ -117,7 +120,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     return _report(session)
 
 
-def _report(session) -> int:
+def _report(session: SessionFile) -> int:
     from muser_kv.sessions.format import SnapshotError, tensor_names
     h, g = session.header, session.header.geometry
     print(f"file: {session.path}")

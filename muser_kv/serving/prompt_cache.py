@@ -174,7 +174,7 @@ class ExactPromptTrie(PromptTrie):
         return best
 
     @staticmethod
-    def trims_exactly(caches: Sequence[Any], n: int) -> bool:
+    def trims_exactly(caches: List[Any], n: int) -> bool:
         """Whether mlx-lm's ``trim_prompt_cache(caches, n)`` trims ``n`` exactly."""
         return can_trim_prompt_cache(caches) and exact_trim_depth(caches) >= n
 
@@ -203,6 +203,8 @@ class ExactPromptTrie(PromptTrie):
 class ExactPromptCache(LRUPromptCache):
     """mlx-lm's server prompt cache, exact for muser-kv's caches past the wrap
     (module doc); for lists of mlx-lm's caches it is mlx-lm's, unchanged."""
+
+    _trie: ExactPromptTrie  # mlx-lm's trie, replaced in __init__
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         super().__init__(max_size, max_bytes)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, TextIO, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -107,7 +107,8 @@ def _kv(n: int, dtype: mx.Dtype, seed: int, layout: str, h: int, d: int) -> mx.a
     return _edges((1, h, n, d), dtype, seed)
 
 
-def _planes(layout: str, rows: int, dtype: mx.Dtype, seed: int, h: int, d: int):
+def _planes(layout: str, rows: int, dtype: mx.Dtype, seed: int, h: int,
+            d: int) -> Tuple[mx.array, mx.array]:
     shape = (rows, h * d) if layout == TOKEN_MAJOR else (h, rows, d)
     return _edges(shape, dtype, seed), _edges(shape, dtype, seed + 1)
 
@@ -211,7 +212,7 @@ def _install(gpu, ref, h, d, p, layout, state, rows):
     return run
 
 
-def run_checks(gpu: KernelBackend, device: mx.Device,
+def run_checks(gpu: KernelBackend, device: Union[mx.Device, mx.DeviceType],
                ref: Optional[ReferenceBackend] = None) -> List[KernelReport]:
     """Every case on ``device`` (the GPU, or the CPU for an emulated backend)."""
     ref = ref or ReferenceBackend()
@@ -242,14 +243,15 @@ def _device_name() -> str:
         return "unknown device"
 
 
-def main(backend: Optional[str] = None, out=None) -> int:
+def main(backend: Optional[str] = None, out: Optional[TextIO] = None) -> int:
     """Print one line per kernel; 0 when all are bitwise equal to the reference,
     1 on any difference, 0 with "nothing to test" when this MLX has no GPU backend."""
     out = out or sys.stdout
+    version = mx.__version__  # type: ignore[attr-defined]  # mlx's stubs omit mlx.core.__version__
     name = backend or kernels.detect()
     if name == "reference":
         print("muser-kv selftest: this MLX has neither Metal nor CUDA "
-              f"(mlx {mx.__version__}, {_device_name()}): nothing to test; the reference "
+              f"(mlx {version}, {_device_name()}): nothing to test; the reference "
               "path is the only backend here", file=out)
         return 0
     available = {"metal": mx.metal.is_available(), "cuda": mx.cuda.is_available()}
@@ -257,12 +259,12 @@ def main(backend: Optional[str] = None, out=None) -> int:
         print(f"muser-kv selftest: backend {name!r} is not available in this MLX "
               f"(metal: {available['metal']}, cuda: {available['cuda']})", file=out)
         return 2
-    print(f"muser-kv selftest: mlx {mx.__version__}, {name} kernels on {_device_name()} "
+    print(f"muser-kv selftest: mlx {version}, {name} kernels on {_device_name()} "
           "against the reference path on the same GPU", file=out)
     return summarize(run_checks(KernelBackend(name), mx.gpu), name, out)
 
 
-def summarize(reports: Sequence[KernelReport], name: str, out=None) -> int:
+def summarize(reports: Sequence[KernelReport], name: str, out: Optional[TextIO] = None) -> int:
     """One line per kernel and the verdict; the exit status (0 or 1)."""
     out = out or sys.stdout
     for report in reports:

@@ -49,7 +49,7 @@ import math
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx_lm.server as server
 
@@ -139,7 +139,7 @@ def _argparse_with(argv: Sequence[str]) -> types.ModuleType:
             super().__init__(*args, **kwargs)
             self._muser_kv = False
 
-        def parse_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None):
+        def parse_args(self, args: Optional[Iterable[str]] = None, namespace: Any = None) -> Any:
             if not self._muser_kv:  # after mlx-lm's own flags, so --help lists them last
                 add_arguments(self)
                 self._muser_kv = True
@@ -148,8 +148,7 @@ def _argparse_with(argv: Sequence[str]) -> types.ModuleType:
             return ns
 
     module = types.ModuleType("argparse")
-    module.__dict__.update(argparse.__dict__)
-    module.ArgumentParser = ArgumentParser
+    module.__dict__.update(argparse.__dict__, ArgumentParser=ArgumentParser)
     return module
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
 
 import mlx.core as mx
 import numpy as np
@@ -82,7 +82,9 @@ def model_fingerprint(model: Any) -> Dict[str, str]:
     args = getattr(model, "args", None)
     config = hashlib.sha256(_config_json(args).encode() if args is not None else b"")
     weights = hashlib.sha256()
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    # tree_flatten returns a list of (name, array) when given no destination
+    flat = cast(List[Tuple[str, Any]], tree_flatten(model.parameters()))
+    params = sorted(flat, key=lambda kv: kv[0])
     samples = []
     for name, w in params:
         weights.update(f"{name}:{w.dtype}:{list(w.shape)};".encode())

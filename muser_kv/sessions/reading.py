@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Dict, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -38,6 +38,7 @@ from muser_kv.sessions import managed, tensorfile
 from muser_kv.sessions.format import (
     ENCODINGS,
     PathLike,
+    SessionFileError,
     SessionHeader,
     TensorCheck,
     _digest_check,
@@ -297,7 +298,7 @@ class _Reader:
 
     def __init__(self, path: PathLike, *, tidy: bool = True):
         self.path = path
-        self._active: Optional[Iterator[Any]] = None
+        self._active: Optional[Generator[Any, None, None]] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         if tidy:
             tidy_temporaries(path)
@@ -366,18 +367,19 @@ class _Reader:
         for e, x in zip(order, arrays):
             where = placements.get(e.name)
             if where is None:
-                task = (_read_verified, f.fileno(), e, _writable(x).reshape(-1).view(np.uint8),
-                        self.header.digest)
+                digests[e.name] = self._pool.submit(
+                    _read_verified, f.fileno(), e, _writable(x).reshape(-1).view(np.uint8),
+                    self.header.digest)
             else:
-                task = (_read_placed, f.fileno(), e, _writable(x).view(np.uint16), where,
-                        self.header.digest, free)
-            digests[e.name] = self._pool.submit(*task)
+                digests[e.name] = self._pool.submit(
+                    _read_placed, f.fileno(), e, _writable(x).view(np.uint16), where,
+                    self.header.digest, free)
         self._active = self._consume(order, arrays, digests)
         return self._active
 
     def _consume(self, order: Sequence[tensorfile.Entry], arrays: Sequence[mx.array],
                  digests: Mapping[str, "Future[str]"],
-                 ) -> Iterator[Tuple[int, int, mx.array, mx.array]]:
+                 ) -> Generator[Tuple[int, int, mx.array, mx.array], None, None]:
         h = self.header
         arrays_of = {e.name: x for e, x in zip(order, arrays)}
         layer_of = {n: i for i in range(h.geometry.num_layers) for n in tensor_names(i)}
@@ -400,11 +402,15 @@ def read_session(path: PathLike) -> SessionSnapshot:
     """The snapshot in a session file, with every checksum and shape verified."""
     with _Reader(path) as reader:
         h = reader.header
-        cuts: List[Optional[LayerCut]] = [None] * h.geometry.num_layers
+        cuts: Dict[int, LayerCut] = {}
         for layer, start, k, v in reader.layers():
             cuts[layer] = LayerCut(start, k, v)
-    mx.eval([a for c in cuts if c is not None for a in (c.keys, c.values)])
-    snapshot = SessionSnapshot(h.geometry, h.position, h.encoding, tuple(cuts), h.model)
+    missing = [i for i in range(h.geometry.num_layers) if i not in cuts]
+    if missing:  # the table checks refuse a file without every layer's tensors first
+        raise SessionFileError(path, f"layers {missing} were not read")
+    layers = tuple(cuts[i] for i in range(h.geometry.num_layers))
+    mx.eval([a for c in layers for a in (c.keys, c.values)])
+    snapshot = SessionSnapshot(h.geometry, h.position, h.encoding, layers, h.model)
     snapshot.check(h.geometry)
     return snapshot
 

@@ -341,10 +341,12 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
     else:
         snapshot = SessionSnapshot._capture(cache, model)  # lazy: the gate, and the header
     encoding = encoding or snapshot.encoding
-    direct = (not isinstance(cache, SessionSnapshot) and encoding == snapshot.encoding
-              and _host_places())
+    # a live list in its own encoding, where the host reads planes in place: its
+    # rows are written straight from the planes
+    live = cache if (not isinstance(cache, SessionSnapshot) and encoding == snapshot.encoding
+                     and _host_places()) else None
     snapshot = snapshot.encoded(encoding)
     snapshot.check(snapshot.geometry)
     tensors: Sequence[Tuple[str, Source]] = (
-        _plane_rows(cache) if direct else _tensors(snapshot))
+        _plane_rows(live) if live is not None else _tensors(snapshot))
     return _atomic_write(Path(path), tensors, _header_fields(snapshot, user))

@@ -73,7 +73,7 @@ class LayerCut:
 
     @property
     def rows(self) -> int:
-        shape = getattr(self.keys, "shape", ())
+        shape: Tuple[int, ...] = getattr(self.keys, "shape", ())
         return int(shape[0]) if len(shape) else 0
 
 

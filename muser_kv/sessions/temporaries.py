@@ -47,7 +47,7 @@ def tidy_temporaries(path: PathLike) -> List[Path]:
     target = Path(path)
     directory = target.parent
     pattern = _temporary_pattern(target)
-    removed = []
+    removed: List[Path] = []
     try:
         names = os.listdir(directory if str(directory) else ".")
     except OSError:

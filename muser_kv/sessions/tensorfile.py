@@ -16,6 +16,7 @@ file's own name for the type, so a U16 tensor is never mistaken for one.
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import reprlib
 import struct
 import sys
 from dataclasses import dataclass
-from typing import BinaryIO, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -112,17 +113,24 @@ def head(tensors: Sequence[Tuple[str, str, Sequence[int]]], metadata: Mapping[st
     return struct.pack("<Q", len(text)) + text
 
 
+def _buffer(data: Union[bytes, memoryview, np.ndarray]) -> memoryview:
+    """``data``'s buffer (an ndarray's is its ``.data``, the same memoryview:
+    numpy's stubs declare the buffer protocol only from Python 3.12)."""
+    return data.data if isinstance(data, np.ndarray) else memoryview(data)
+
+
 def write_all(fd: int, data: Union[bytes, memoryview, np.ndarray],
               chunk: Optional[int] = None) -> None:
     """Every byte of ``data`` (C-contiguous) to ``fd`` at its offset, ``chunk``
     (default ``CHUNK``) at a time."""
     chunk = chunk or CHUNK
-    view = memoryview(data).cast("B") if len(memoryview(data)) else memoryview(b"")
+    view = _buffer(data)
+    view = view.cast("B") if len(view) else memoryview(b"")
     while view:
         view = view[os.write(fd, view[:chunk]):]
 
 
-def _sync_file_range() -> Optional[object]:
+def _sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -235,7 +243,7 @@ def read_table(f: BinaryIO) -> Tuple[Dict[str, str], List[Entry]]:
     return metadata, entries
 
 
-def read_into(f: BinaryIO, entry: Entry, out: Union[memoryview, np.ndarray],
+def read_into(f: Union[io.RawIOBase, io.BufferedIOBase], entry: Entry, out: Union[memoryview, np.ndarray],
               chunk: Optional[int] = None) -> None:
     """``entry``'s bytes into ``out`` (writable, C-contiguous, at least
     ``entry.nbytes``), ``chunk`` (default ``CHUNK``) at a time with ``readinto``;
@@ -244,7 +252,7 @@ def read_into(f: BinaryIO, entry: Entry, out: Union[memoryview, np.ndarray],
     chunk = chunk or CHUNK
     if not entry.nbytes:
         return
-    view = memoryview(out).cast("B")[:entry.nbytes]
+    view = _buffer(out).cast("B")[:entry.nbytes]
     f.seek(entry.begin)
     done = 0
     while done < entry.nbytes:
@@ -266,7 +274,7 @@ def read_at(fd: int, entry: Entry, out: Union[memoryview, np.ndarray],
     chunk = chunk or CHUNK
     if not entry.nbytes:
         return
-    view = memoryview(out).cast("B")[:entry.nbytes]
+    view = _buffer(out).cast("B")[:entry.nbytes]
     done = 0
     while done < entry.nbytes:
         part = view[done:done + chunk]

@@ -17,7 +17,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Literal, Optional, Sequence, Tuple, overload
 
 import mlx.core as mx
 import numpy as np
@@ -228,6 +228,14 @@ def _link(group: Any, peer: Any, role: str) -> _Link:
             link = _Link(group, peer)
             _LINKS[(id(group), peer)] = link
     return link
+
+
+@overload
+def _timeout(value: Optional[float], name: str, allow_none: Literal[False]) -> float: ...
+
+
+@overload
+def _timeout(value: Optional[float], name: str, allow_none: bool) -> Optional[float]: ...
 
 
 def _timeout(value: Optional[float], name: str, allow_none: bool) -> Optional[float]:
