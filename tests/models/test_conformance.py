@@ -48,6 +48,26 @@ def greedy(model, cache, prompt=PROMPT, n=STEPS, **kw):
     return out
 
 
+ON_GPU = mx.default_device() != mx.cpu
+#: on a GPU two forwards that take the same rows through other kernels (a
+#: prefill against decode steps, a strided view against a contiguous one, a
+#: batch against one sequence) may round differently: tokens may part at a
+#: near tie of the reference's log-probabilities, never at a clear margin
+NEAR_TIE = 0.07
+
+
+def assert_same_tokens(got, want, what):
+    """``got`` equals ``want`` (a ``greedy`` result): bit for bit on the CPU, or,
+    on a GPU only, up to a first difference at a near tie of ``want``."""
+    tokens = [t for t, _ in want]
+    if got == tokens:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(got + [None], tokens + [None])) if a != b)
+    assert ON_GPU, f"{what}: tokens differ at {first} on the CPU"
+    top2 = np.sort(want[first][1])[-2:]
+    assert top2[1] - top2[0] < NEAR_TIE, f"{what}: tokens differ at {first} at a clear margin"
+
+
 def ours(model, **kw):
     return muser_kv.make_prompt_cache(model, MAX_CONTEXT, **kw)
 
@@ -81,7 +101,9 @@ def test_greedy_before_the_wrap_equals_mlx_lms_caches_bitwise(model):
     n = WINDOW - len(prompt) + 1  # the last step attends over exactly the window
     theirs = greedy(model, type(model).make_cache(model), prompt, n)
     mine = greedy(model, ours(model), prompt, n)
-    assert [t for t, _ in mine] == [t for t, _ in theirs]
+    assert_same_tokens([t for t, _ in mine], theirs, "muser-kv against mlx-lm")
+    if ON_GPU:  # strided plane views and mlx-lm's contiguous buffers take other kernels
+        return
     for i, ((_, a), (_, b)) in enumerate(zip(mine, theirs)):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {i}: logits differ"
 
@@ -97,7 +119,9 @@ def test_greedy_past_the_wrap_gives_mlx_lms_tokens(model, prompt):
     muser-kv's own live lists."""
     theirs = greedy(model, type(model).make_cache(model), prompt)
     mine = greedy(model, ours(model), prompt)
-    assert [t for t, _ in mine] == [t for t, _ in theirs]
+    assert_same_tokens([t for t, _ in mine], theirs, "muser-kv against mlx-lm")
+    if [t for t, _ in mine] != [t for t, _ in theirs]:
+        return  # parted at a near tie (GPU): the logits after it are other sequences'
     worst = max(float(np.max(np.abs(a - b))) for (_, a), (_, b) in zip(mine, theirs))
     assert worst < 0.25, f"log-probabilities differ by up to {worst}"
 
@@ -110,7 +134,7 @@ def test_speculative_decoding_past_the_wrap_equals_greedy(model, request):
     round is rolled back through the rings' retained rows."""
     name, dtype = request.node.callspec.params["model"]
     draft = tiny(name, DTYPES[dtype], seed=1)
-    want = [t for t, _ in greedy(model, ours(model))]
+    want = greedy(model, ours(model))
     for m in (model, draft):
         muser_kv.install(m, max_context=MAX_CONTEXT, num_draft_tokens=3)
     try:
@@ -119,26 +143,30 @@ def test_speculative_decoding_past_the_wrap_equals_greedy(model, request):
     finally:
         for m in (model, draft):
             muser_kv.uninstall(m)
-    assert [int(t) for t, _, _ in out] == want
+    assert_same_tokens([int(t) for t, _, _ in out], want, "speculative against greedy")
     assert sum(not accepted for _, _, accepted in out) > STEPS // 3  # rounds rolled back
     assert len(PROMPT) + STEPS > 2 * WINDOW  # every ring wrapped twice
 
 
 def test_trim_is_exact_to_its_depth_and_refused_past_it(model):
-    live = ours(model)
-    greedy(model, live)
-    depth = min(c.trimmable_depth() for c in live)
-    assert depth >= muser_kv.DEFAULT_RETAIN or depth == live[0].offset
-    end = live[0].offset
-    back = min(depth, WINDOW + 3)  # past a whole window of overwritten rows
-    # the state a run that stopped there holds
-    fresh = ours(model)
-    tokens = PROMPT + [t for t, _ in greedy(model, ours(model))]
-    model(mx.array([tokens[:end - back]]), cache=fresh)
+    """Decode past the wrap, recording the list's rows at every position; a trim
+    back by up to ``trimmable_depth()`` gives exactly the rows the same list
+    held there, bit for bit (on every backend: the same rows, not a re-run);
+    one more is refused and changes nothing."""
     from mlx_lm.models.cache import trim_prompt_cache
+
+    live = ours(model)
+    seen = {}
+    gen = generate_step(mx.array(PROMPT, mx.uint32), model, prompt_cache=live, max_tokens=STEPS)
+    for _, _ in zip(gen, range(STEPS)):
+        seen[live[0].offset] = rows(live)
+    end = live[0].offset
+    depth = min(c.trimmable_depth() for c in live)
+    assert depth >= min(muser_kv.DEFAULT_RETAIN, end)
+    back = min(depth, WINDOW + 3)  # past a whole window of overwritten rows
+    assert end - back in seen
     assert trim_prompt_cache(live, back) == back
-    assert rows(live) == rows(fresh)
-    # one more than the depth is refused, and nothing changes
+    assert rows(live) == seen[end - back]
     before = rows(live)
     deeper = min(c.trimmable_depth() for c in live) + 1
     if deeper <= live[0].offset:
@@ -179,7 +207,7 @@ def test_a_session_of_another_model_type_is_refused(model, tmp_path):
 def test_batch_generator_equals_solo_runs(model, monkeypatch):
     prompts = [PROMPT[:4], PROMPT, PROMPT[2:11]]
     max_tokens = [14, 9, 12]
-    want = [[t for t, _ in greedy(model, ours(model), p, n)] for p, n in zip(prompts, max_tokens)]
+    want = [greedy(model, ours(model), p, n) for p, n in zip(prompts, max_tokens)]
     monkeypatch.setattr(model, "make_cache", lambda: ours(model, batch_slots=2), raising=False)
     gen = BatchGenerator(model, max_tokens=32, completion_batch_size=2, prefill_batch_size=2,
                          prefill_step_size=5)
@@ -189,7 +217,8 @@ def test_batch_generator_equals_solo_runs(model, monkeypatch):
         for r in responses:
             got[r.uid].append(int(r.token))
     gen.close()
-    assert [got[u] for u in uids] == want
+    for u, w in zip(uids, want):
+        assert_same_tokens(got[u], w, f"sequence {u} against its solo run")
 
 
 def test_the_footprint_is_the_planes_bytes_per_layer_kind(model):
