@@ -184,8 +184,51 @@ def bounded_receiver(timeout):
     return receive
 
 
+def zoo_sender(group, model, folder):
+    """Every zoo family's session (bf16, past the wrap), handed over in turn."""
+    from model_zoo import tiny
+
+    out = {}
+    for name in zoo_names():
+        m = tiny(name, mx.bfloat16)
+        cache = muser_kv.make_prompt_cache(m, ZOO_CONTEXT)
+        m(mx.array([ZOO_PROMPT]), cache=cache)
+        out[name] = outcome(lambda cache=cache: handoff.send_session(cache, 1, group).position)
+    return out
+
+
+def zoo_receiver(group, model, folder):
+    """Each family's session received into a new list, then ZOO_NEXT decoded."""
+    from model_zoo import tiny
+
+    out = {}
+    for name in zoo_names():
+        m = tiny(name, mx.bfloat16)
+
+        def take(m=m, name=name):
+            r = handoff.recv_session(m, 0, group)
+            np.save(folder / f"zoo-{name}.npy", decode(m, r.cache, ZOO_NEXT))
+            return r.position
+
+        out[name] = outcome(take)
+    return out
+
+
+def zoo_names():
+    from model_zoo import ZOO
+
+    return [n for n in ZOO if n != "muse_spark" or mx.metal.is_available()]
+
+
+#: the zoo scenario's session: 21 tokens through windows of 8, then 4 decoded
+ZOO_PROMPT = [(5 * i) % 100 + 1 for i in range(21)]
+ZOO_NEXT = [3, 9, 27, 81]
+ZOO_CONTEXT = 96
+
+
 SCENARIOS = {
     "exact": (exact_sender, exact_receiver),
+    "zoo": (zoo_sender, zoo_receiver),
     "kill": (kill_sender, bounded_receiver(handoff.DEFAULT_TIMEOUT)),
     "stall": (stall_sender, bounded_receiver(STALL_TIMEOUT)),
 }

@@ -379,3 +379,36 @@ def test_serve_answers_a_returning_chat_exactly(served, name):
     bias = make_logits_processors(logit_bias={eos: -1000})
     want = greedy(model, type(model).make_cache(model), second, 10, logits_processors=bias)
     assert got == [t for t, _ in want]
+
+
+def test_a_handoff_between_processes_is_exact_for_every_family(tmp_path):
+    """Rank 0 prefills each family's session past the wrap and hands it over
+    MLX's ring backend; rank 1 decodes from what it received: the logits of
+    one process that did it all, bit for bit."""
+    if not mx.distributed.is_available("ring"):
+        pytest.skip("MLX's ring backend is not available")
+    import os
+
+    from handoff_child import ZOO_CONTEXT, ZOO_NEXT, ZOO_PROMPT, decode, zoo_names
+    from metal_plugin import EMULATOR_ENV
+    from ring_pair import RingPair
+
+    if os.environ.get(EMULATOR_ENV):
+        pytest.skip("the emulated-Metal run cannot route mlx.launch's children through the emulator")
+    import json
+    import pathlib
+
+    child = pathlib.Path(__file__).resolve().parents[1] / "handoff_child.py"
+    with RingPair(child, ["zoo", str(tmp_path)], tmp_path) as pair:
+        codes = pair.wait(240)
+        logs = pair.logs()
+    assert None not in codes, logs
+    sent, got = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for name in zoo_names():
+        assert sent[name].get("ok") == len(ZOO_PROMPT) == got[name].get("ok"), (name, logs)
+        m = tiny(name, mx.bfloat16)
+        cache = muser_kv.make_prompt_cache(m, ZOO_CONTEXT)
+        m(mx.array([ZOO_PROMPT]), cache=cache)
+        alone = decode(m, cache, ZOO_NEXT)
+        there = np.load(tmp_path / f"zoo-{name}.npy")
+        assert np.array_equal(there.view(np.uint32), alone.view(np.uint32)), name
