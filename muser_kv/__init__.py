@@ -9,10 +9,11 @@ import-linter in CI): ``core`` <- ``caches`` <- ``sessions`` <- ``serving``.
 Every public name is here, in one ``__all__``.
 """
 
-from muser_kv.caches.base import ContextOverflow, MuseKVCache, causal_mask
+from muser_kv.caches.base import ContextOverflow, MuseKVCache
 from muser_kv.caches.cachelist import CacheList, CacheListMismatch, CacheOutOfStep
 from muser_kv.caches.factory import make_cache_for, make_prompt_cache
 from muser_kv.caches.growing import GlobalKVCache
+from muser_kv.caches.masks import causal_mask
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import (
     DEFAULT_RETAIN,

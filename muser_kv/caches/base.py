@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import mlx.core as mx
@@ -67,29 +68,6 @@ class ContextOverflow(ValueError):
         )
 
 
-def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
-    """``[n, offset + n]`` bool: query ``offset + i`` sees key ``j`` iff
-    ``j <= offset + i`` (and ``offset + i - j < window``). mlx-lm's semantics."""
-    keys = mx.arange(offset + n)[None]
-    queries = mx.arange(offset, offset + n)[:, None]
-    mask = queries >= keys
-    if window is not None:
-        mask = mask & (queries < keys + window)
-    return mask
-
-
-def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
-    """A bool mask as attention's additive form in ``dtype`` (0 where a key is
-    seen, -inf where not): the same attention, bit for bit, for any row that
-    sees at least one key with finite scores. MLX's CUDA attention takes this
-    form in its fused kernel but turns a bool mask into a float one of every
-    head first: for a 2,048-token chunk over a 4,095-row window that was 1.0 GiB
-    of temporaries and 4.0 ms against 0.06 GiB and 1.05 ms (H200, bf16). Only
-    for rows that always see a key (a sliding chunk sees itself): a fully masked
-    row, or a NaN key, would need the bool form's select."""
-    return mx.where(mask, mx.array(0, dtype), mx.array(-float("inf"), dtype))
-
-
 def evaluated_with(kv: Pair, copy: mx.array) -> Pair:
     """``kv`` with ``copy`` made part of what evaluating it computes (``mx.depends``:
     an edge, no kernel). A copy left lazy would keep what it reads (the plane
@@ -98,7 +76,7 @@ def evaluated_with(kv: Pair, copy: mx.array) -> Pair:
     return tuple(mx.depends(list(kv), [copy]))
 
 
-class MuseKVCache:
+class MuseKVCache(ABC):
     """One layer's cache for one sequence: planes, a ``Ring``, mlx-lm's protocol.
 
     ``offset`` is the logical position of the next token and is read-only: only
@@ -111,7 +89,7 @@ class MuseKVCache:
     refused), ``undoable_block`` (the longest block written from here that a trim
     can always undo: a checkpoint opens only for blocks every layer can undo),
     ``is_trimmable`` and ``_rewind`` (a trim plan, committed); the base declares
-    each (``NotImplementedError``), and each regime's class overrides it.
+    each abstract, and each regime's class implements it.
     """
 
     kind: LayerKind
@@ -272,10 +250,10 @@ class MuseKVCache:
             self._before_forward(N)
         return self._mask(N, window_size, return_array)
 
+    @abstractmethod
     def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
         """The mask for the rows this regime's next write of ``n`` tokens returns
         (``make_mask`` has checked ``n`` and the list)."""
-        raise NotImplementedError(type(self).__name__)
 
     def _before_forward(self, n: int) -> None:
         """A layer type's first cache, asked for a mask: the model must fit the
@@ -394,12 +372,14 @@ class MuseKVCache:
 
     def _settle(self) -> None:
         """After the contents changed wholesale (an install, a restore): evaluate
-        what the next write will need, so it never waits in that write's graph."""
+        what the next write will need, so it never waits in that write's graph
+        (a regime holding nothing beside its planes has nothing to evaluate)."""
+        return None
 
+    @abstractmethod
     def _adopt_retained(self, start: int, blocks: List[mx.array]) -> None:
         """Hold the retained rows a state carried (``_check_state_retained``'s
         answer; only a regime that retains rows gives one)."""
-        raise NotImplementedError(type(self).__name__)
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -508,22 +488,22 @@ class MuseKVCache:
 
     # -- trimming --------------------------------------------------------------------------
 
+    @abstractmethod
     def trimmable_depth(self) -> int:
         """Every count up to this trims exactly; one more is refused."""
-        raise NotImplementedError(type(self).__name__)
 
+    @abstractmethod
     def undoable_block(self) -> int:
         """The longest block written from here that a trim can always undo (a
         checkpoint opens only for blocks every layer can undo)."""
-        raise NotImplementedError(type(self).__name__)
 
+    @abstractmethod
     def is_trimmable(self) -> bool:
         """mlx-lm's question: whether ``trim`` can be exact for this cache."""
-        raise NotImplementedError(type(self).__name__)
 
+    @abstractmethod
     def _rewind(self, plan: Trim) -> None:
         """Commit a trim plan (``Ring.trimmed``): the rows and ring it leaves."""
-        raise NotImplementedError(type(self).__name__)
 
     def trim(self, n: int) -> int:
         """Forget the newest ``n`` tokens, exactly, or refuse (never silently wrong)."""
@@ -590,16 +570,16 @@ class MuseKVCache:
         return BATCH.merge(caches)
 
     @classmethod
+    @abstractmethod
     def build(cls, planes: Planes, *, window: int, max_context: int, layer: int,
               retain: int) -> "MuseKVCache":
         """A cache of this regime over ``planes`` (``from_state``'s constructor)."""
-        raise NotImplementedError(cls.__name__)
 
     @classmethod
+    @abstractmethod
     def _check_state_retained(cls, retained: Any, ring: Ring, dtype: Any, kv_dim: int,
                               retain: int) -> Any:
         """The retained rows of a state, checked (``None``: none to adopt)."""
-        raise NotImplementedError(cls.__name__)
 
 
 #: The class of each storage regime, by layer kind. Each regime's module enters

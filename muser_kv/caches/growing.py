@@ -9,11 +9,12 @@ again, and a later write overwrites them).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
-from muser_kv.caches.base import REGIMES, Mask, MuseKVCache, causal_mask
+from muser_kv.caches.base import REGIMES, Mask, MuseKVCache
+from muser_kv.caches.masks import causal_mask
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Trim
@@ -42,6 +43,9 @@ class GlobalKVCache(MuseKVCache):
             raise ValueError(f"layer {ring.layer}: a global plane retains no rows, got retain "
                              f"{retain} and retained {type(retained).__name__}")
         return None
+
+    def _adopt_retained(self, start: int, blocks: List[mx.array]) -> None:
+        raise ValueError(f"layer {self.layer}: a global plane retains no rows")
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         ring = self.ring

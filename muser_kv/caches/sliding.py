@@ -26,10 +26,9 @@ from muser_kv.caches.base import (
     Mask,
     MuseKVCache,
     State,
-    additive_mask,
-    causal_mask,
     evaluated_with,
 )
+from muser_kv.caches.masks import additive_mask, causal_mask
 from muser_kv.caches.speculative import DEFAULT_RETAIN, RetainedRows
 from muser_kv.core import kernels
 from muser_kv.core.geometry import LayerKind
