@@ -269,8 +269,13 @@ def adopt(cache: Any, depth: int) -> Optional[CacheList]:
         return None
     if not isinstance(handed, (list, tuple)) or not any(c is cache for c in handed):
         return None
-    if not all(hasattr(c, "ring") and getattr(c, "_list", False) is None for c in handed):
+    # a model whose later layers keep no cache pads the list with None for them
+    # (Gemma 4): those layers are the model's, the caches before them the list's
+    caches = list(handed)
+    while caches and caches[-1] is None:
+        caches.pop()
+    if not all(hasattr(c, "ring") and getattr(c, "_list", False) is None for c in caches):
         return None
-    # a rebuilt list does not know whether its model has layers without a cache
-    # (Gemma 4), so it takes its own length: a shorter list is refused, never run short
-    return bind(list(handed))
+    # without padding a rebuilt list takes its own length as its model's: a list
+    # cut short is refused at its first forward, never run short
+    return bind(caches, model_layers=len(handed))

@@ -193,6 +193,11 @@ def test_a_prompt_cache_file_round_trips_bitwise(model, tmp_path):
     assert rows(loaded) == rows(live)
     step = mx.array([[5]])
     assert np.array_equal(bits16(model(step, cache=loaded)), bits16(model(step, cache=live)))
+    # rebuilt one cache at a time, the list is one unit from its first forward on
+    c = loaded[1]
+    one = mx.zeros((1, c.kv_heads, 1, c.head_dim), c.dtype)
+    with pytest.raises(muser_kv.CacheOutOfStep):
+        c.update_and_fetch(one, one)
 
 
 def test_a_session_of_another_model_type_is_refused(model, tmp_path):
