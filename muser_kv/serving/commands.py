@@ -11,10 +11,10 @@ attributes of that mlx-lm module are swapped (and restored afterwards):
 * ``load`` is mlx-lm's ``load`` followed by ``muser_kv.install`` on the model it
   returns, so mlx-lm's ``make_prompt_cache(model)`` builds muser-kv caches.
   mlx-lm's ``main()`` loads the model first and then, in ``generate``, the
-  ``--draft-model``: the first model must be Muse-shaped (``UnsupportedModel``
+  ``--draft-model``: the first model must be one muser-kv serves (``UnsupportedModel``
   otherwise: one line naming what is missing, exit status 1); a later (draft)
-  model gets muser-kv caches when it is Muse-shaped and keeps mlx-lm's own
-  otherwise. With ``--draft-model``, every Muse-shaped model is installed with
+  model gets muser-kv caches when it is one muser-kv serves and keeps mlx-lm's own
+  otherwise. With ``--draft-model``, every model muser-kv serves is installed with
   ``num_draft_tokens=--num-draft-tokens``, so each rollback
   ``speculative_generate_step`` asks for is exact past the wrap;
 * with ``--session FILE``, ``stream_generate`` is mlx-lm's followed by a save of
@@ -190,7 +190,7 @@ class Session:
 
 class Loader:
     """mlx-lm's ``load``, then ``install`` on what it loaded: the first model is
-    the model (Muse-shaped or refused), any later one a draft model."""
+    the model (one muser-kv serves, or refused), any later one a draft model."""
 
     def __init__(self, load: Callable[..., Any], ns: argparse.Namespace,
                  session: Optional[Session]):
@@ -215,7 +215,7 @@ class Loader:
         except UnsupportedModel as e:
             if first:
                 raise UnsupportedModel(f"{path} is not a model muser-kv serves: {e}") from None
-            print(f"muser-kv: draft model {path} keeps mlx-lm's caches (not Muse-shaped: {e})",
+            print(f"muser-kv: draft model {path} keeps mlx-lm's caches (not a model muser-kv serves: {e})",
                   file=sys.stderr, flush=True)
             return loaded
         except ValueError as e:  # a setting install refuses (retain=0 with drafts, ...)

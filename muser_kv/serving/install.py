@@ -49,7 +49,7 @@ def install(model: Any, *, max_context: Optional[int] = None, retain: int = DEFA
     caller will decode speculatively, raises ``retain`` to at least that draft
     length, so every rollback mlx-lm's ``speculative_generate_step`` asks for is
     exact (with ``retain=0`` such a request is refused here). Raises
-    ``UnsupportedModel`` for a model that is not Muse-shaped.
+    ``UnsupportedModel`` for a model that is not one muser-kv serves (docs/models.md).
     """
     retain = count(retain, "retain")
     if num_draft_tokens is not None:

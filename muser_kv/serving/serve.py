@@ -219,8 +219,8 @@ def admit(limits: Limits, prompt_tokens: int, args: Any) -> int:
 
 class MuseModelProvider(server.ModelProvider):
     """mlx-lm's ``ModelProvider``: every model it loads gets muser-kv's caches
-    (``install``). The model must be Muse-shaped (``UnsupportedModel``
-    otherwise, and the load is undone). A draft model that is Muse-shaped
+    (``install``). The model must be one muser-kv serves (``UnsupportedModel``
+    otherwise, and the load is undone). A draft model that muser-kv serves
     gets them too, one that is not keeps mlx-lm's: the target model verifies
     every drafted token, so a draft's caches decide only how many are accepted.
     When a draft model is loaded, ``retain`` is raised to ``--num-draft-tokens``
