@@ -16,7 +16,8 @@ disk, a page cache and a CPU are shared):
    warm (the page cache); target muser-kv / raw >= 0.8; every load is checked bit
    for bit. A second table (``--no-parts`` skips it) times muser-kv's parts
    alone, and the floor under any load: the payload's bytes of fresh MLX and
-   numpy memory, and the warm raw read into one MLX buffer.
+   numpy memory, and the warm raw read into one MLX buffer. ``--no-prefetch``
+   loads without CUDA's bulk prefetch of managed memory (``muser_kv.sessions.managed``).
 2. **Speculative rollback, ms.** A second cache (``max_context = depth +
    max(blocks)``) filled to ``depth`` (rings wrapped, retained rows at their
    steady state). Per block of B tokens: ``cp = muser_kv.checkpoint(cache, B)``,
@@ -50,6 +51,7 @@ import mlx.core as mx
 import numpy as np
 
 import muser_kv
+from muser_kv.sessions import managed
 from muser_kv.sessions.tensorfile import CHUNK  # the bytes per call, both sides
 
 KIB = 1 << 10
@@ -75,6 +77,9 @@ def parse_args(argv=None):
                         "default: the system's temporary directory)")
     p.add_argument("--no-parts", dest="parts", action="store_false",
                    help="skip the table of muser-kv's parts (each timed alone) in section 1")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="loads without the CUDA managed-memory prefetch (managed.ENABLED = False), "
+                        "to measure what it buys; nothing to turn off on the CPU or Metal")
     p.add_argument("--skip", type=H.int_list, default=[], metavar="SECTIONS",
                    help="sections to skip, e.g. --skip 1 (1: sessions, 2+3: rollback)")
     H.add_flags(p, ("layers", "window", "kv_heads", "head_dim"),
@@ -440,6 +445,7 @@ def bench_rollback(args) -> Dict[str, Any]:
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     mx.random.seed(args.seed)
+    managed.ENABLED = args.prefetch
     geo = H.geometry(args, args.depth)
     fp = muser_kv.footprint(geo, args.depth)
     base = args.dir or tempfile.gettempdir()
