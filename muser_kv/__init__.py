@@ -64,6 +64,7 @@ from muser_kv.sessions.load import load_session
 from muser_kv.sessions.reading import read_session
 from muser_kv.sessions.save import save_session
 from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, restore_into
+from muser_kv.sessions.store import KVStore, PutReport, StoreStats
 from muser_kv.sessions.temporaries import tidy_temporaries
 
 __version__ = "0.1.0"
@@ -98,15 +99,18 @@ __all__ = [
     "make_prompt_cache",
     # sessions: files, restore, fingerprint, handoff
     "EncodingMismatch",
+    "KVStore",
     "LayerCut",
     "ModelMismatch",
     "ProductionF16Required",
+    "PutReport",
     "SessionFileError",
     "SessionHeader",
     "SessionMetadataError",
     "SessionSnapshot",
     "SnapshotError",
     "SnapshotMismatch",
+    "StoreStats",
     "load_session",
     "model_fingerprint",
     "read_session",

@@ -1,0 +1,8 @@
+"""The KV store: chunks of K/V rows named by a prefix hash chain, kept in tiers
+(memory, a directory, Redis), from which any stored point of a conversation is
+rebuilt exactly (``store.KVStore``)."""
+
+from muser_kv.sessions.store.chunks import CHUNK, ChunkFormatError
+from muser_kv.sessions.store.store import KVStore, PutReport, StoreStats
+
+__all__ = ["CHUNK", "ChunkFormatError", "KVStore", "PutReport", "StoreStats"]

@@ -1,0 +1,535 @@
+"""``KVStore``: exact reuse of any stored point of a conversation, by prefix.
+
+A state at position ``n`` is rebuilt exactly from the rows of the positions
+before ``n``: every global plane takes all of them, every ring the last
+``window`` of them at its positional rotation (``SessionSnapshot.install``, the
+install a session load does). Rows of a position never change once written (a
+plane only appends; a trim forgets rows, it never rewrites one), so rows kept
+from a list at any later position are the rows the list held at ``n``.
+
+What is kept (``chunks``): per 256-token chunk, its global rows (``G``); its
+sliding rows (``S``) when a put saw the whole chunk in the rings; and per put
+point its tail and the sliding rows of its window no ``S`` holds (``P``).
+
+**Rebuildable positions.** Every put point, and every chunk boundary ``b``
+whose window ``[b - window, b)`` lies in ``S`` chunks: the boundaries within
+the window before a put point (a ring holds only the last ``window`` rows, so
+rows older than that were never seen by a put). A position stays rebuildable
+while every object it needs is in some tier.
+
+**What a put costs.** A lookup per chunk of the prefix, and a copy only of
+what no tier holds: the new chunks' global rows, the new whole chunks of the
+window, and the point (its tail's global rows, at most two runs of sliding
+rows). The copies are gathered on the device in one evaluation; writing them to
+the directory or Redis tier happens behind, on one writer thread
+(``flush`` waits for it).
+
+**Faults.** A stored object that fails its digest (the byte tiers check it),
+is truncated, or is not what its key says (``chunks.decode``) is a miss and is
+dropped; a tier that fails is a miss and a log line. A rebuild assembles every
+row before it installs any: a missing object passes the position over, for a
+shallower one, and never leaves a list half-written.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from muser_kv.caches.base import MuseKVCache
+from muser_kv.caches.factory import make_prompt_cache
+from muser_kv.core.geometry import LayerKind
+from muser_kv.core.ring import Ring
+from muser_kv.sessions.fingerprint import model_fingerprint
+from muser_kv.sessions.format import plane_encoding
+from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, _list_model, cache_geometry
+from muser_kv.sessions.store import chunks
+from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
+from muser_kv.sessions.store.memory import MemoryTier
+
+log = logging.getLogger("muser_kv.store")
+
+#: The memory tier's default bound.
+DEFAULT_MEMORY_BYTES = 4 << 30
+
+
+@dataclass
+class PutReport:
+    """What one ``put`` did."""
+
+    position: int
+    #: objects copied from the live list (global and sliding chunks, the point)
+    copied: int
+    copied_bytes: int
+    #: objects some tier already held: a lookup each
+    found: int
+    seconds: float
+
+
+@dataclass
+class StoreStats:
+    tiers: List[Any]
+    puts: int = 0
+    copied_bytes: int = 0
+    lookups: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    pending_writes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass
+class _Model:
+    fingerprint: Dict[str, str]
+    ref: Any = field(repr=False, default=None)
+
+
+def _tokens(tokens: Sequence[int]) -> List[int]:
+    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+
+
+class KVStore:
+    """Chunks of K/V rows behind sessions and the server (module doc).
+
+    ``location``: ``None`` keeps the memory tier only; a directory path adds the
+    directory tier, ``redis://HOST:PORT`` the Redis tier (``store.tiers``).
+    ``memory_bytes`` bounds the memory tier, ``store_bytes`` the other."""
+
+    def __init__(self, location: Optional[str] = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 store_bytes: Optional[int] = None, write_behind: bool = True):
+        self.memory = MemoryTier(memory_bytes)
+        self.tiers: List[Any] = []
+        if location is not None:
+            from muser_kv.sessions.store.tiers import open_tier
+
+            self.tiers.append(open_tier(str(location), store_bytes))
+        self._lock = threading.Lock()
+        self._models: Dict[int, _Model] = {}
+        self._stats = StoreStats(tiers=[])
+        self._queue: "queue.Queue[Optional[Tuple[str, Any, str]]]" = queue.Queue()
+        self._writer: Optional[threading.Thread] = None
+        self._write_behind = write_behind and bool(self.tiers)
+
+    # -- scope ------------------------------------------------------------------------
+
+    def _fingerprint(self, model: Any) -> Dict[str, str]:
+        with self._lock:
+            known = self._models.get(id(model))
+            if known is not None and known.ref() is model:
+                return known.fingerprint
+        fingerprint = model_fingerprint(model)
+        try:
+            ref = weakref.ref(model)
+        except TypeError:  # pragma: no cover - mlx-lm models are weak-referenceable
+            return fingerprint
+        with self._lock:
+            self._models[id(model)] = _Model(fingerprint, ref)
+        return fingerprint
+
+    def _scope(self, cache: Sequence[Any], model: Any) -> Tuple[Scope, Dict[str, str]]:
+        geometry = cache_geometry(cache)
+        fingerprint = self._fingerprint(model)
+        return chunks.scope_for(geometry, plane_encoding(cache[0].dtype), fingerprint), fingerprint
+
+    # -- tiers --------------------------------------------------------------------------
+
+    def _get(self, key: str, scope: Scope) -> Any:
+        obj = self.memory.get(key)
+        if obj is not None:
+            return obj
+        for tier in self.tiers:
+            blob = tier.get(key)
+            if blob is None:
+                continue
+            try:
+                obj = chunks.decode(blob, scope.encoding)
+            except chunks.ChunkFormatError as e:
+                log.warning("KV store: %s tier: object %s is not what its key says (%s); dropped",
+                            tier.name, key, e)
+                tier.delete(key)
+                continue
+            self.memory.put(key, obj)
+            return obj
+        return None
+
+    def _has(self, key: str) -> bool:
+        return self.memory.contains(key) or any(t.contains(key) for t in self.tiers)
+
+    def _keep(self, key: str, obj: Any, scope: Scope) -> None:
+        self.memory.put(key, obj)
+        if self.tiers:
+            self._send(key, obj, scope.encoding)
+
+    def _send(self, key: str, obj: Any, encoding: str) -> None:
+        if not self._write_behind:
+            self._write(key, obj, encoding)
+            return
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(target=self._drain, name="muser-kv-store-writer",
+                                            daemon=True)
+            self._writer.start()
+        self._queue.put((key, obj, encoding))
+
+    def _drain(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._write(*job)
+            except Exception:  # a tier's failure is a log line, never the writer's end
+                log.exception("KV store: writing %s failed", job[0] if job else None)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: str, obj: Any, encoding: str) -> None:
+        for tier in self.tiers:
+            if isinstance(obj, Index):
+                old = tier.get(key)
+                if old is not None:
+                    try:
+                        have = chunks.decode(old, encoding)
+                        if isinstance(have, Index):
+                            if obj.tails <= have.tails:
+                                continue
+                            obj = Index(obj.tails | have.tails)
+                    except chunks.ChunkFormatError:
+                        pass
+                tier.put(key, chunks.encode(obj, encoding), replace=True)
+            elif not tier.contains(key):
+                tier.put(key, chunks.encode(obj, encoding))
+
+    def flush(self) -> None:
+        """Wait until every put so far is written to every tier."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        for tier in self.tiers:
+            tier.close()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s = StoreStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"},
+                           tiers=[self.memory.stats(), *(t.stats() for t in self.tiers)])
+        s.pending_writes = self._queue.unfinished_tasks
+        return s
+
+    # -- put ------------------------------------------------------------------------------
+
+    def put(self, tokens: Sequence[int], cache: Sequence[Any], model: Any = None) -> PutReport:
+        """Record what the live list ``cache`` holds for ``tokens``
+        (``len(tokens)`` must be every layer's offset), so that its position and
+        the chunk boundaries of its window can be rebuilt (module doc)."""
+        t0 = time.perf_counter()
+        tokens = _tokens(tokens)
+        n = len(tokens)
+        entries = _entries(cache)
+        offsets = {c.offset for c in entries}
+        if offsets != {n}:
+            raise ValueError(f"KV store put: the list holds {sorted(offsets)} tokens, "
+                             f"got {n} tokens to record")
+        model = model if model is not None else _list_model(cache)
+        if model is None:
+            raise ValueError("KV store put: the list does not know its model (built without "
+                             "make_prompt_cache(model)): pass model=")
+        scope, _ = self._scope(entries, model)
+        if n == 0:
+            return PutReport(0, 0, 0, 0, time.perf_counter() - t0)
+        c = n // CHUNK
+        names = chunks.chain(scope, tokens, c)
+        glob, slid = scope.global_layers, scope.sliding_layers
+        # every ring holds [held, n): the window's rows (the latest origin, should they differ)
+        held = max((e.ring.origin_logical for e in entries if e.kind is LayerKind.SLIDING),
+                   default=n)
+        plan: List[Tuple[str, Callable[[], Any]]] = []
+        found = 0
+        for j in range(c):
+            key = chunks.object_key("G", names[j + 1])
+            if self._has(key):
+                found += 1
+            else:
+                plan.append((key, _gatherer(entries, glob, CHUNK * j, CHUNK * (j + 1))))
+        first = -(-held // CHUNK) * CHUNK  # the first boundary at or after the window's start
+        whole = range(first // CHUNK, c) if first <= CHUNK * c else range(0)
+        for j in whole:
+            key = chunks.object_key("S", names[j + 1])
+            if self._has(key):
+                found += 1
+            else:
+                plan.append((key, _gatherer(entries, slid, CHUNK * j, CHUNK * (j + 1))))
+        if whole:
+            runs = [(held, first), (CHUNK * c, n)]
+        else:
+            runs = [(held, n)]
+        tail = tuple(tokens[CHUNK * c:])
+        point_key = chunks.object_key("P", names[c], tail)
+        point_parts: Optional[Tuple[Callable[[], Any], List[Callable[[], Any]]]] = None
+        if self._has(point_key):
+            found += 1
+        else:
+            point_parts = (_gatherer(entries, glob, CHUNK * c, n),
+                           [_gatherer(entries, slid, lo, hi) for lo, hi in runs if hi > lo])
+        made = [(key, make()) for key, make in plan]
+        point = None
+        if point_parts is not None:
+            point = Point(tail, point_parts[0](), tuple(f() for f in point_parts[1]))
+        mx.eval([a for _, r in made for a in r.keys + r.values]
+                + ([a for r in (point.globals, *point.fragments) for a in r.keys + r.values]
+                   if point is not None else []))
+        copied = 0
+        for key, rows in made:
+            self._keep(key, rows, scope)
+            copied += rows.nbytes
+        if point is not None:
+            self._keep(point_key, point, scope)
+            copied += point.nbytes
+        self._add_tail(names[c], len(tail), scope)
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.copied_bytes += copied
+        return PutReport(n, len(made) + (point is not None), copied, found, time.perf_counter() - t0)
+
+    def _add_tail(self, name: bytes, r: int, scope: Scope) -> None:
+        key = chunks.object_key("I", name)
+        with self._lock:
+            have = self.memory.get(key)
+            tails = have.tails if isinstance(have, Index) else frozenset()
+            if r in tails:
+                return
+            index = Index(tails | {r})
+            self.memory.put(key, index)
+        if self.tiers:
+            self._send(key, index, scope.encoding)
+
+    def _index(self, name: bytes, scope: Scope) -> frozenset:
+        key = chunks.object_key("I", name)
+        tails: set = set()
+        have = self.memory.get(key)
+        if isinstance(have, Index):
+            tails |= have.tails
+        for tier in self.tiers:
+            blob = tier.get(key)
+            if blob is None:
+                continue
+            try:
+                obj = chunks.decode(blob, scope.encoding)
+            except chunks.ChunkFormatError:
+                tier.delete(key)
+                continue
+            if isinstance(obj, Index):
+                tails |= obj.tails
+        return frozenset(tails)
+
+    # -- lookup ------------------------------------------------------------------------
+
+    def longest_prefix(self, tokens: Sequence[int], model: Any,
+                       into: Optional[List[Any]] = None) -> Tuple[int, List[Any]]:
+        """``(n, cache)``: the deepest position ``n <= len(tokens) - 1`` this store
+        can rebuild for ``tokens``, and a list holding exactly the state the live
+        list had there (``into``, an empty list of ``model``'s, or a fresh one).
+        A miss is ``(0, the empty list)``; the caller prefills ``tokens[n:]``."""
+        tokens = _tokens(tokens)
+        cache = into if into is not None else fresh_list(model)
+        entries = _entries(cache)
+        if any(e.offset for e in entries):
+            raise ValueError("KV store longest_prefix: into= must be an empty list, got one "
+                             f"holding {entries[0].offset} tokens")
+        scope, fingerprint = self._scope(entries, model)
+        with self._lock:
+            self._stats.lookups += 1
+        limit = len(tokens) - 1
+        if limit <= 0:
+            return 0, cache
+        top = limit // CHUNK
+        names = chunks.chain(scope, tokens, top)
+        lo, hi = 0, top  # the deepest level whose chunks are stored (a chain is kept whole)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._has(chunks.object_key("G", names[mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        for level in range(lo, -1, -1):
+            tails = self._index(names[level], scope)
+            base = CHUNK * level
+            for r in sorted(tails, reverse=True):
+                if r == 0 or base + r > limit:
+                    continue
+                point = self._get(chunks.object_key("P", names[level], tokens[base:base + r]), scope)
+                if isinstance(point, Point) and self._rebuild(cache, entries, scope, fingerprint,
+                                                              names, base + r, point):
+                    return self._hit(base + r, cache)
+            if level:
+                point = (self._get(chunks.object_key("P", names[level], ()), scope)
+                         if 0 in tails else None)
+                if self._rebuild(cache, entries, scope, fingerprint, names, base,
+                                 point if isinstance(point, Point) else None):
+                    return self._hit(base, cache)
+        return 0, cache
+
+    def _hit(self, n: int, cache: List[Any]) -> Tuple[int, List[Any]]:
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.reused_tokens += n
+        return n, cache
+
+    def rebuildable(self, tokens: Sequence[int], model: Any,
+                    like: Optional[List[Any]] = None) -> List[int]:
+        """Every position along ``tokens`` (``1 .. len(tokens)``) the store can
+        rebuild now for lists like ``like`` (default: ``model``'s own), ascending."""
+        tokens = _tokens(tokens)
+        entries = _entries(like if like is not None else fresh_list(model))
+        scope, _ = self._scope(entries, model)
+        names = chunks.chain(scope, tokens, len(tokens) // CHUNK)
+        found = []
+        for level in range(len(names)):
+            if level and not self._has(chunks.object_key("G", names[level])):
+                break
+            base = CHUNK * level
+            tails = self._index(names[level], scope)
+            for r in sorted(tails):
+                if base + r > len(tokens) or (r == 0 and not level):
+                    continue
+                point = self._get(chunks.object_key("P", names[level], tokens[base:base + r]), scope)
+                if isinstance(point, Point) and self._rows_for(entries, scope, names, base + r,
+                                                               point) is not None:
+                    found.append(base + r)
+            if level and base not in found and self._rows_for(entries, scope, names, base,
+                                                              None) is not None:
+                found.append(base)
+        return sorted(set(found))
+
+    # -- rebuild ---------------------------------------------------------------------------
+
+    def _rows_for(self, entries: List[MuseKVCache], scope: Scope, names: List[bytes], n: int,
+                  point: Optional[Point]) -> Optional[List[LayerCut]]:
+        """Every layer's cut at ``n``, or ``None`` when an object it needs is gone."""
+        level, r = divmod(n, CHUNK)
+        if r and point is None:
+            return None
+        pieces: List[Rows] = []
+        for j in range(level):
+            rows = self._get(chunks.object_key("G", names[j + 1]), scope)
+            if not _fits(rows, CHUNK * j, CHUNK, scope.global_layers):
+                return None
+            pieces.append(rows)
+        if point is not None and point.globals.count:
+            if not _fits(point.globals, CHUNK * level, r, scope.global_layers):
+                return None
+            pieces.append(point.globals)
+        capacity = min((e.capacity for e in entries if e.kind is LayerKind.SLIDING), default=0)
+        start = max(0, n - capacity)
+        window: List[Rows] = []
+        at = start
+        fragments = {f.start: f for f in point.fragments} if point is not None else {}
+        while at < n:
+            frag = fragments.get(at)
+            if frag is not None and frag.count and _fits(frag, at, frag.count, scope.sliding_layers):
+                take = min(frag.end, n)
+                window.append(frag.part(at, take) if take < frag.end else frag)
+                at = take
+                continue
+            j = at // CHUNK
+            if j + 1 >= len(names) or CHUNK * (j + 1) > n:  # a partial chunk: a point's alone
+                return None
+            rows = self._get(chunks.object_key("S", names[j + 1]), scope)
+            if not _fits(rows, CHUNK * j, CHUNK, scope.sliding_layers):
+                return None
+            take = min(CHUNK * (j + 1), n)
+            window.append(rows.part(at, take))
+            at = take
+        cuts: List[LayerCut] = []
+        glob_index = {layer: i for i, layer in enumerate(scope.global_layers)}
+        slid_index = {layer: i for i, layer in enumerate(scope.sliding_layers)}
+        for layer, e in enumerate(entries):
+            shape = (e.kv_heads, e.head_dim)
+            if e.kind is LayerKind.GLOBAL:
+                i, parts, first = glob_index[layer], pieces, 0
+            else:
+                i, parts, first = slid_index[layer], window, start
+            k = _join([p.keys[i] for p in parts], shape, e.dtype)
+            v = _join([p.values[i] for p in parts], shape, e.dtype)
+            cuts.append(LayerCut(first, k, v))
+        return cuts
+
+    def _rebuild(self, cache: List[Any], entries: List[MuseKVCache], scope: Scope,
+                 fingerprint: Dict[str, str], names: List[bytes], n: int,
+                 point: Optional[Point]) -> bool:
+        cuts = self._rows_for(entries, scope, names, n, point)
+        if cuts is None:
+            return False
+        snapshot = SessionSnapshot(cache_geometry(entries), n, scope.encoding, tuple(cuts),
+                                   fingerprint)
+        snapshot.install(entries)
+        return True
+
+
+def fresh_list(model: Any) -> List[Any]:
+    """An empty list for ``model``: its own ``make_cache()`` where that gives
+    muser-kv's (a model ``muser_kv.install`` hooked, with the context and retention
+    it was installed with), else ``make_prompt_cache(model)``."""
+    own = model.make_cache() if hasattr(model, "make_cache") else None
+    if own and all(isinstance(c, MuseKVCache) for c in own):
+        return list(own)
+    return make_prompt_cache(model)
+
+
+def _entries(cache: Sequence[Any]) -> List[MuseKVCache]:
+    if not cache or not all(isinstance(c, MuseKVCache) for c in cache):
+        kinds = sorted({type(c).__name__ for c in cache})
+        raise TypeError(f"KV store: expected a list of muser-kv caches (make_prompt_cache), got "
+                        f"{kinds or 'an empty list'}")
+    return list(cache)
+
+
+def _fits(rows: Any, start: int, count: int, layers: Tuple[int, ...]) -> bool:
+    """Whether a stored object is the rows its key promises (else it is passed over)."""
+    ok = (isinstance(rows, Rows) and rows.start == start and rows.count == count
+          and rows.layers == layers)
+    if not ok and rows is not None:
+        log.warning("KV store: an object under a key for rows [%d, %d) holds other rows; "
+                    "passed over", start, start + count)
+    return ok
+
+
+def _join(parts: List[mx.array], shape: Tuple[int, int], dtype: mx.Dtype) -> mx.array:
+    if not parts:
+        return mx.zeros((0, *shape), dtype)
+    rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    return rows.reshape(rows.shape[0], *shape)
+
+
+def _gatherer(entries: List[MuseKVCache], layers: Tuple[int, ...], lo: int,
+              hi: int) -> Callable[[], Rows]:
+    """Rows ``[lo, hi)`` of ``layers`` as fresh buffers, gathered when called."""
+
+    def make() -> Rows:
+        keys, values = [], []
+        for i in layers:
+            e = entries[i]
+            if hi > lo:
+                ring = e.ring
+                sub = Ring(ring.capacity, hi - lo, lo, ring.physical(lo), e.layer)
+                k, v = e.backend.gather(*e.planes.physical(e.slot), e.layout, sub)
+            else:
+                k = v = mx.zeros((0, e.kv_dim), e.dtype)
+            keys.append(k)
+            values.append(v)
+        return Rows(lo, hi - lo, layers, tuple(keys), tuple(values))
+
+    return make

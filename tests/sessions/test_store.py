@@ -1,0 +1,308 @@
+"""muser_kv.KVStore: every position it says it can rebuild is the live list's
+state there, bit for bit (every live row, every ring's rotation, the next
+logits), across wraps, layer plans, plane dtypes and both sliding layouts.
+
+The oracle for which positions are rebuildable is the module doc's rule, kept
+here as simply as it can be said: a put point always; a chunk boundary ``b``
+when every position of its window ``[b - window, b)`` lies in a chunk some put
+saw whole in its rings, and some put reached ``b`` (its global rows)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import tiny_model
+from mlx import nn
+from model_zoo import ZOO
+
+import muser_kv
+from muser_kv import KVStore
+from muser_kv.sessions.store import CHUNK
+
+CONTEXT = 1024
+#: positions the producer passes through: every chunk boundary, and the put
+#: points (prompt ends one short of their last token, as the server stores them)
+PUTS = (300, 511, 600, 703, 900)
+ENDS = sorted(set(PUTS) | {256, 512, 768})
+
+
+def bits(x: mx.array) -> np.ndarray:
+    return np.array(x.view(mx.uint16) if x.dtype in (mx.float16, mx.bfloat16) else x)
+
+
+def state(cache):
+    """Every layer's ``(start, key bits, value bits, ring)``: what a rebuild must equal."""
+    out = []
+    for c in cache:
+        start, k, v = c.snapshot()
+        r = c.ring
+        out.append((start, bits(k), bits(v), (r.len, r.origin_logical, r.origin_physical)))
+    return out
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == w[0] and g[3] == w[3], f"layer {i}: start/ring {g[0], g[3]} != {w[0], w[3]}"
+        assert g[1].shape == w[1].shape and (g[1] == w[1]).all(), f"layer {i}: keys differ"
+        assert (g[2] == w[2]).all(), f"layer {i}: values differ"
+
+
+def next_logits(model, cache, token=7):
+    return bits(model(mx.array([[token]]), cache=cache)[0, -1])
+
+
+def zoo_model(name: str, dtype):
+    species = ZOO[name]
+    module = importlib.import_module(f"mlx_lm.models.{species.module}")
+    fields = dict(species.args)
+    if "max_position_embeddings" in fields:
+        fields["max_position_embeddings"] = CONTEXT
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs(model_type=species.module, **fields))
+    model.set_dtype(dtype)
+    if species.quantize:
+        nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+    mx.eval(model.parameters())
+    return model
+
+
+PLANS = {
+    # Muse Glimmer, a window far below a chunk (wraps ~100 times) and one above it
+    "glimmer-w8": lambda dtype: tiny_model(dtype, num_hidden_layers=4, head_dim=32,
+                                           sliding_window=8, max_position_embeddings=CONTEXT),
+    "glimmer-w300": lambda dtype: tiny_model(dtype, num_hidden_layers=4, head_dim=32,
+                                             sliding_window=300, max_position_embeddings=CONTEXT),
+    "gemma3_text": lambda dtype: zoo_model("gemma3_text", dtype),
+    "gemma4_text": lambda dtype: zoo_model("gemma4_text", dtype),
+    "gpt_oss": lambda dtype: zoo_model("gpt_oss", dtype),
+}
+
+
+def new_list(model, layout="token_major"):
+    return muser_kv.make_prompt_cache(model, max_context=CONTEXT, sliding_layout=layout)
+
+
+def converse(model, tokens, store, layout="token_major", puts=PUTS, ends=ENDS):
+    """Prefill ``tokens`` through every position of ``ends``, putting at ``puts``;
+    the live state (and a copy of the list) at each end."""
+    cache = new_list(model, layout)
+    states, lists, at = {}, {}, 0
+    for end in ends:
+        model(mx.array([tokens[at:end]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        at = end
+        states[end] = state(cache)
+        lists[end] = copy.deepcopy(cache)
+        if end in puts:
+            store.put(tokens[:end], cache)
+    return states, lists
+
+
+def oracle(puts, window):
+    """The positions the module doc's rule makes rebuildable."""
+    seen = set()
+    for p in puts:
+        held = max(0, p - window)
+        for j in range(p // CHUNK):
+            if CHUNK * j >= held:
+                seen.update(range(CHUNK * j, CHUNK * (j + 1)))
+    out = set(puts)
+    for b in range(CHUNK, max(puts) + 1, CHUNK):
+        if all(q in seen for q in range(max(0, b - window), b)):
+            out.add(b)
+    return sorted(out)
+
+
+def tokens_for(seed=0, n=CONTEXT - 8):
+    return np.random.default_rng(seed).integers(0, 128, n).tolist()
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
+def test_every_rebuildable_position_is_the_live_list_there(plan, dtype):
+    model = PLANS[plan](dtype)
+    store = KVStore()
+    tokens = tokens_for()
+    states, lists = converse(model, tokens, store)
+    window = new_list(model)[0]._window
+    rebuildable = store.rebuildable(tokens, model, like=new_list(model))
+    assert rebuildable == oracle(PUTS, window)
+    for n in rebuildable:
+        got_n, cache = store.longest_prefix(tokens[:n + 1], model, into=new_list(model))
+        assert got_n == n
+        assert_same(state(cache), states[n])
+        assert (next_logits(model, cache) == next_logits(model, lists[n])).all(), f"position {n}"
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_a_rebuild_is_exact_in_both_sliding_layouts(layout):
+    model = PLANS["glimmer-w300"](mx.bfloat16)
+    store = KVStore()
+    tokens = tokens_for(1)
+    states, lists = converse(model, tokens, store, layout=layout)
+    for n in (256, 703):
+        got, cache = store.longest_prefix(tokens[:n + 1], model, into=new_list(model, layout))
+        assert got == n
+        assert_same(state(cache), states[n])
+        assert (next_logits(model, cache) == next_logits(model, lists[n])).all()
+
+
+def test_the_deepest_rebuildable_position_is_found_and_a_miss_is_a_fresh_list():
+    model = PLANS["glimmer-w8"](mx.float16)
+    store = KVStore()
+    tokens = tokens_for(2)
+    converse(model, tokens, store)
+    for length, want in ((900 + 5, 900), (901, 900), (900, 703), (704, 703), (301, 300), (300, 0),
+                         (2, 0)):
+        n, cache = store.longest_prefix(tokens[:length], model, into=new_list(model))
+        assert n == want, f"{length} tokens: rebuilt at {n}, expected {want}"
+        assert {c.offset for c in cache} == {n}
+    other = tokens[:450] + [(t + 1) % 128 for t in tokens[450:]]  # diverges at 450
+    n, _ = store.longest_prefix(other, model, into=new_list(model))
+    assert n == 300
+
+
+def test_two_conversations_sharing_three_chunks_store_them_once():
+    model = PLANS["glimmer-w8"](mx.bfloat16)
+    store = KVStore()
+    shared = tokens_for(3, 3 * CHUNK)
+    a = shared + tokens_for(4, 200)
+    b = shared + tokens_for(5, 200)
+    ca, cb = new_list(model), new_list(model)
+    model(mx.array([a]), cache=ca)
+    model(mx.array([b]), cache=cb)
+    first = store.put(a, ca)
+    before = store.stats().tiers[0].bytes
+    second = store.put(b, cb)
+    after = store.stats().tiers[0].bytes
+    glob = [c for c in ca if c.kind is muser_kv.LayerKind.GLOBAL]
+    chunk_bytes = sum(2 * CHUNK * c.kv_dim * 2 for c in glob)  # K and V, 2-byte rows
+    assert second.found == 3 and first.found == 0
+    assert first.copied_bytes >= 3 * chunk_bytes
+    assert second.copied_bytes == first.copied_bytes - 3 * chunk_bytes
+    assert after - before == second.copied_bytes  # its point alone (the index has r = 200)
+    assert store.put(b, cb).copied == 0  # a repeated put: lookups only
+    n, cache = store.longest_prefix(b + [1], model, into=new_list(model))
+    assert n == len(b)
+    assert_same(state(cache), state(cb))
+
+
+def test_regenerate_and_edit_reuse_the_deepest_put_point():
+    """A chat past many wraps (window 8): the client regenerates the last answer
+    (the same prompt again) and then edits its last message. Each reuses the
+    deepest put point and prefills only the rest, and its first token's logits
+    equal those of the live list continued the same way."""
+    model = PLANS["glimmer-w8"](mx.float16)
+    store = KVStore()
+    history = tokens_for(6, 620)
+    prompt2 = history + tokens_for(7, 60)
+    puts = (len(history) - 1, len(history), len(prompt2) - 1)  # as the server inserts them
+    states, lists = converse(model, prompt2, store, puts=puts, ends=sorted(puts) + [len(prompt2)])
+    # regenerate: the same prompt again
+    n, cache = store.longest_prefix(prompt2, model, into=new_list(model))
+    assert n == len(prompt2) - 1
+    rest = prompt2[n:]
+    live = lists[n]
+    assert (bits(model(mx.array([rest]), cache=cache)[0, -1])
+            == bits(model(mx.array([rest]), cache=live)[0, -1])).all()
+    # edit the last message: everything after the history differs
+    edited = history + tokens_for(8, 45)
+    n, cache = store.longest_prefix(edited, model, into=new_list(model))
+    assert n == len(history)
+    rest = edited[n:]
+    live = copy.deepcopy(lists[len(history)])
+    assert (bits(model(mx.array([rest]), cache=cache)[0, -1])
+            == bits(model(mx.array([rest]), cache=live)[0, -1])).all()
+
+
+def test_a_put_that_does_not_match_its_list_is_refused_before_anything_is_kept():
+    model = PLANS["glimmer-w8"](mx.float16)
+    store = KVStore()
+    tokens = tokens_for(9, 300)
+    cache = new_list(model)
+    model(mx.array([tokens]), cache=cache)
+    with pytest.raises(ValueError, match="holds \\[300\\] tokens, got 299"):
+        store.put(tokens[:-1], cache)
+    orphan = muser_kv.make_cache_for(muser_kv.MuseGeometry.from_model(model, CONTEXT))
+    with pytest.raises(ValueError, match="does not know its model"):
+        store.put([], orphan)
+    with pytest.raises(TypeError, match="muser-kv caches"):
+        store.put(tokens, model.make_cache())
+    assert store.stats().tiers[0].chunks == 0 and store.stats().puts == 0
+    with pytest.raises(ValueError, match="empty list"):
+        store.longest_prefix(tokens, model, into=cache)
+
+
+def test_rows_of_one_model_or_dtype_are_never_read_into_another():
+    f16 = PLANS["glimmer-w8"](mx.float16)
+    store = KVStore()
+    tokens = tokens_for(10, 600)
+    cache = new_list(f16)
+    f16(mx.array([tokens]), cache=cache)
+    store.put(tokens, cache)
+    assert store.longest_prefix(tokens + [1], f16, into=new_list(f16))[0] == 600
+    bf16 = PLANS["glimmer-w8"](mx.bfloat16)
+    assert store.longest_prefix(tokens + [1], bf16, into=new_list(bf16))[0] == 0
+    other = tiny_model(mx.float16, seed=1, num_hidden_layers=4, head_dim=32, sliding_window=8,
+                       max_position_embeddings=CONTEXT)
+    assert store.longest_prefix(tokens + [1], other, into=new_list(other))[0] == 0
+
+
+def test_the_memory_tier_keeps_its_byte_bound_and_a_gap_is_passed_over():
+    model = PLANS["glimmer-w8"](mx.float16)
+    tokens = tokens_for(11, 900)
+    probe = KVStore()
+    states, _ = converse(model, tokens, probe)
+    full = probe.stats().tiers[0].bytes
+    store = KVStore(memory_bytes=full // 2)
+    converse(model, tokens, store)
+    s = store.stats().tiers[0]
+    assert s.bytes <= full // 2 and s.chunks < probe.stats().tiers[0].chunks
+    for length in (301, 512, 601, 704, 901):  # whatever survives is exact, or a miss
+        n, cache = store.longest_prefix(tokens[:length], model, into=new_list(model))
+        if n:
+            assert_same(state(cache), states[n])
+
+
+def test_threads_putting_and_rebuilding_each_see_whole_states():
+    model = PLANS["glimmer-w8"](mx.float16)
+    store = KVStore()
+    convs = [tokens_for(20 + i, 700) for i in range(3)]
+    recorded = {}
+    for i, t in enumerate(convs):
+        cache = new_list(model)
+        model(mx.array([t]), cache=cache)
+        recorded[i] = state(cache)
+        store.put(t, cache)
+    errors = []
+
+    def reader(i):
+        try:
+            for _ in range(3):
+                n, cache = store.longest_prefix(convs[i] + [1], model, into=new_list(model))
+                assert n == 700
+                assert_same(state(cache), recorded[i])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def writer():
+        try:
+            for t in convs:
+                cache = new_list(model)
+                model(mx.array([t[:650]]), cache=cache)
+                store.put(t[:650], cache)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)] + [threading.Thread(target=writer)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
