@@ -13,8 +13,9 @@ What a step costs, and what it copies:
 * **decode** (one token each): every sequence's ring reserves its row, one
   scatter per plane writes all of them, and attention reads the first ``B``
   slots in place -- a ring's whole capacity, a growing plane's longest prefix --
-  with a mask for the rows a sequence does not hold yet (none once every ring
-  is full and every plane is level). No plane is copied.
+  with an additive mask for the rows a sequence does not hold yet (none once
+  every sequence holds every row read: level lengths, or every ring full). No
+  plane is copied.
 * **prefill** (a chunk each, right-padded as mlx-lm's ``BatchGenerator`` pads it:
   ``prepare(lengths=...)`` says how many tokens of the next prompt are real for
   each sequence): each sequence commits only its real tokens, so padding never
