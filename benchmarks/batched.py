@@ -1,34 +1,78 @@
-"""Serving B sequences at once: what aggregate decode tok/s and memory does muser-kv's batch give against mlx-lm's?
+"""Serving B sequences at once: what tok/s and memory does muser-kv's batch give against mlx-lm's, how near the floor?
 
-Decode reads all the weights (~52 GiB for the real Muse Glimmer) whatever the
-batch, so B sequences in one forward should cost about what one does. Per
-context and B, each system gets B sequences' caches filled with random K/V
-(through their own ``update_and_fetch``: a prefill is not the question), merged
-into one batch per layer as ``BatchGenerator`` merges them (muser-kv:
-``BatchKVCache.merge``; mlx-lm: ``BatchKVCache`` / ``BatchRotatingKVCache.merge``),
-then decoded through the model (``_harness.build_model``) as ``GenerationBatch``
-does (pipelined) in ``--blocks`` alternating blocks of ``--steps`` steps.
-Printed: aggregate tok/s of the median block (B x steps / time), the ratio, and
-the peak during decode above everything but the system's own batch, plus that
-batch, beside the footprint of B sequences (muser-kv's planes are preallocated).
+Decode reads all the weights (55.7 GB for the real Muse Glimmer in bf16)
+whatever the batch, plus every live K/V row of every sequence, so B sequences in
+one forward should cost about what one does. Per context and B, each system
+gets one batch per layer of B sequences, each at the same context of random K/V
+(muser-kv: ``BatchKVCache.merge`` of empty caches, ``batch_slots`` = B; mlx-lm:
+its ``BatchKVCache`` / ``BatchRotatingKVCache``), filled through the batch's own
+``update_and_fetch`` in ``--fill-chunk`` chunks (a prefill is not the question;
+no single-sequence copies are held beside the batch), then decoded through the
+model as ``GenerationBatch`` does (pipelined) in ``--blocks`` alternating blocks
+of ``--steps`` steps.
 
+**The floor, measured in the same run**: one pass that reads every weight of the
+model and every live K/V row of the batch (a sum over each array, all in one
+evaluation: the rows a decode step must read, at the speed this device reads
+them), timed as a third system in the same alternation. Each step is reported
+as a fraction of it (``floor ms / step ms``; 1.0 = at the floor).
+
+**Reaching the model's full context**: every system decodes ``--warmup`` +
+``--blocks`` x ``--steps`` tokens past the fill. A context that leaves no room
+for them below the model's ``max_position_embeddings`` is filled to
+``max_position_embeddings`` minus those steps instead, so the last step ends
+exactly at the model's full context (the table's ``filled`` column is where
+decode began; ``--contexts 131072`` fills to 131,072 - 3 - 5 x 16 = 130,989).
+
+Printed: aggregate tok/s of the median block (B x steps / time), the ratio, ms
+per step, the fraction of the floor; then the peak during decode above
+everything but the system's own batch, plus that batch, against B x footprint
+(one sequence's preallocated planes) plus the step's activations (an upper
+estimate: two pipelined steps of one layer's hidden, MLP and attention rows
+and the logits, in float32), and whether the peak is within it.
+
+``--generator``: instead, mlx-lm's ``BatchGenerator`` (what the server runs)
+end to end with B prompts of ``--prompt`` tokens, mlx-lm's caches against
+muser-kv's lists (``caches=``), ``--blocks`` alternating runs: prefill to every
+sequence's first token, decode tok/s of the rest, peak above what was held
+before (muser-kv's preallocated planes included).
+
+``--family gemma3-27b|gpt-oss-20b``: that checkpoint's shapes (random weights)
+instead of Muse Glimmer at the geometry flags.
+
+    # H200, real geometry, bf16 (55.7 GB of weights). Rough times: 131072 x 1,2,4,8,16
+    # ~ 8 min (both systems; B = 32 does not fit both: 2 x 58.5 GB of K/V + weights);
+    # 131072 x 32 muser-kv only ~ 3 min; 8k and 32k x 1..32 ~ 6 min; generator 16k ~ 5 min
+    python3 benchmarks/batched.py --contexts 131072 --batches 1,2,4,8,16 --dtype bfloat16 --blocks 3
+    python3 benchmarks/batched.py --contexts 131072 --batches 32 --systems muser-kv --dtype bfloat16 --blocks 3
+    python3 benchmarks/batched.py --contexts 8192,32768 --batches 1,2,4,8,16,32 --dtype bfloat16 --blocks 3
+    python3 benchmarks/batched.py --generator --prompt 16384 --batches 1,8 --dtype bfloat16 --blocks 2
+    python3 benchmarks/batched.py --family gemma3-27b --contexts 32768 --batches 1,8 --dtype bfloat16 --blocks 3
     bash benchmarks/device.sh batched                    # H200: real geometry, 8k and 32k, B 1..8
     PYTHONPATH=. .venv/bin/python benchmarks/batched.py --layers 4 --hidden 128 --intermediate 256 \\
-        --vocab 512 --heads 4 --window 64 --contexts 256,512 --batches 1,2,4 --steps 8 \\
+        --vocab 512 --heads 4 --window 64 --contexts 256,1024 --batches 1,2,4 --steps 8 \\
         --max-position 1024                                                     # CPU
+    PYTHONPATH=. .venv/bin/python benchmarks/batched.py --generator --layers 4 --hidden 128 \\
+        --intermediate 256 --vocab 512 --heads 4 --window 64 --prompt 300 --tokens 8 \\
+        --batches 1,3 --max-position 1024 --prefill-step 128 --blocks 2        # CPU
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import _harness as H
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache as LmBatchKVCache
 from mlx_lm.models.cache import BatchRotatingKVCache
 
 import muser_kv
 from muser_kv.caches.batch import BatchKVCache
+
+FLOOR = "floor"
 
 
 def parse_args(argv=None):
@@ -37,26 +81,96 @@ def parse_args(argv=None):
                    help="tokens each sequence holds (default 8192,32768)")
     p.add_argument("--batches", type=H.int_list, default=[1, 2, 4, 8],
                    help="batch sizes (default 1,2,4,8)")
+    p.add_argument("--systems", type=H.choice_list(*H.SYSTEMS), default=list(H.SYSTEMS),
+                   help="muser-kv,mlx-lm (default both; one alone where both do not fit)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per block (default 16)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--fill-chunk", type=int, default=4096)
+    p.add_argument("--floor-repeats", type=int, default=3,
+                   help="floor passes per block, the median (default 3)")
+    p.add_argument("--family", choices=["muse-glimmer", *H.FAMILIES], default="muse-glimmer",
+                   help="the model: Muse Glimmer at the geometry flags (default), or a family "
+                        "at its real checkpoint's shapes")
+    g = p.add_argument_group("--generator: mlx-lm's BatchGenerator end to end")
+    g.add_argument("--generator", action="store_true",
+                   help="run BatchGenerator over B prompts instead of the decode loop")
+    g.add_argument("--prompt", type=int, default=16384, help="tokens per prompt (default 16384)")
+    g.add_argument("--tokens", type=int, default=48, help="tokens generated per sequence (default 48)")
+    g.add_argument("--prefill-step", type=int, default=2048,
+                   help="BatchGenerator's prefill_step_size (default 2048, mlx-lm's)")
     H.add_flags(p, blocks=("blocks", 5, "timed blocks per system, alternating; the median block"))
     return H.parse(p, argv)
 
 
-def batch(model, system: str, context: int, b: int, args) -> List[Any]:
-    """B sequences' caches, every layer at ``context`` tokens of random K/V, merged."""
-    a, tokens = model.args, context + args.warmup + args.blocks * args.steps
-    singles = [H.fill(H.prompt_cache(system, model, tokens), context, a.num_key_value_heads,
-                      a.head_dim, H.DTYPES[args.dtype], args.fill_chunk, mx.random.key(args.seed))
-               for _ in range(b)]
-    out = []
-    for i in range(len(singles[0])):
-        layer = [c[i] for c in singles]
-        kind = (BatchKVCache if system == "muser-kv" else
-                BatchRotatingKVCache if hasattr(layer[0], "max_size") else LmBatchKVCache)
-        out.append(kind.merge(layer))
+def build(args):
+    if args.family == "muse-glimmer":
+        return H.build_model(args)
+    return H.build_family(args.family, args.dtype, args.seed)
+
+
+def max_positions(model, args) -> int:
+    """The model's full context: its ``max_position_embeddings`` (or the checkpoint's)."""
+    return (getattr(model.args, "max_position_embeddings", None)
+            or H.FAMILY_CONTEXT.get(args.family) or 1 << 62)
+
+
+def filled(context: int, decode: int, limit: int) -> int:
+    """Where decode begins: ``context``, or lower so that ``decode`` steps end at ``limit``."""
+    start = min(context, limit - decode)
+    if start < 1:
+        raise SystemExit(f"{decode} decode steps do not fit the model's {limit} positions")
+    return start
+
+
+def batch(model, system: str, fill: int, max_context: int, b: int, args) -> List[Any]:
+    """One batch per layer of ``b`` sequences, each filled to ``fill`` tokens of
+    the same random K/V through the batch's own ``update_and_fetch``."""
+    if system == "muser-kv":
+        single = muser_kv.make_prompt_cache(model, max_context=max_context)
+        caches: List[Any] = [BatchKVCache.merge([c] * b, slots=b) for c in single]
+        del single
+    else:
+        caches = [BatchRotatingKVCache(c.max_size, [0] * b) if hasattr(c, "max_size")
+                  else LmBatchKVCache([0] * b) for c in model.make_cache()]
+    a, dtype = model.args, H.DTYPES[args.dtype]
+    block = mx.random.normal((1, a.num_key_value_heads, min(args.fill_chunk, fill), a.head_dim),
+                             key=mx.random.key(args.seed)).astype(dtype)
+    block = mx.broadcast_to(block, (b,) + block.shape[1:])
+    mx.eval(block)
+    done = 0
+    while done < fill:
+        n = min(block.shape[2], fill - done)
+        for c in caches:
+            c.update_and_fetch(block[:, :, :n], block[:, :, :n])
+        mx.eval([c.state for c in caches])
+        done += n
+    return caches
+
+
+def footprint(model, max_context: int) -> int:
+    """One sequence's preallocated planes (what each slot of a batch holds)."""
+    return sum(c.nbytes for c in muser_kv.make_prompt_cache(model, max_context=max_context))
+
+
+def live_kv(caches: Sequence[BatchKVCache]) -> List[mx.array]:
+    """Every live K/V row of a muser-kv batch, as attention's views read them."""
+    out: List[mx.array] = []
+    for c in caches:
+        rows = max(s.ring.len for s in c.seqs)
+        out.extend(c.planes.prefix(rows, slots=len(c.seqs)))
     return out
+
+
+def floor_pass(reads: Callable[[], List[mx.array]], repeats: int) -> Dict[str, float]:
+    """The median time of one evaluation that sums every one of ``reads()``."""
+    times = []
+    for _ in range(repeats):
+        arrays = reads()
+        H.settle()
+        t0 = H.now()
+        mx.eval([mx.sum(x) for x in arrays])
+        times.append(H.now() - t0)
+    return {"ms": H.median(times) * 1e3}
 
 
 def decode(model, cache: List[Any], b: int, steps: int) -> float:
@@ -75,43 +189,187 @@ def block(model, caches, b: int, args, system: str, _block: int) -> Dict[str, fl
     return {"tok_s": b * args.steps / seconds, "peak": probe.extra + held}
 
 
-def main(argv=None) -> Dict[str, Any]:
-    args = parse_args(argv)
-    H.print_header("batched decode: aggregate tok/s, muser-kv's batch vs mlx-lm's batch caches", args)
-    model = H.build_model(args)
-    print(H.describe(model))
-    geometry = muser_kv.MuseGeometry.from_model_args(model.args)
-    rows, results = [], []
+def activations(model, b: int, rows: int, kv_itemsize: int) -> int:
+    """An upper estimate of a decode step's activations, two steps in flight
+    (pipelined): one layer's hidden, MLP and projection rows and the logits in
+    float32, plus the largest attention's temporaries (float32 scores over
+    ``rows`` keys, and one copy of the K/V it reads, as a strided view may need)."""
+    a = model.args
+    heads, kv = a.num_attention_heads, a.num_key_value_heads
+    per_row = (4 * a.hidden_size + 3 * a.intermediate_size + (heads + 2 * kv) * a.head_dim
+               + 2 * a.vocab_size) * 4
+    attention = heads * rows * 4 + 2 * rows * kv * a.head_dim * kv_itemsize
+    return 2 * b * (per_row + attention)
+
+
+def decode_main(args, model) -> Dict[str, Any]:
+    limit = max_positions(model, args)
+    weights = [v for _, v in tree_flatten(model.parameters())]
+    weight_bytes = sum(w.nbytes for w in weights)
+    steps = args.warmup + args.blocks * args.steps
+    systems = tuple(args.systems)
+    rows, mem, results = [], [], []
     for context in args.contexts:
-        tokens = context + args.warmup + args.blocks * args.steps
-        slot = muser_kv.footprint(geometry, tokens).slot_bytes
+        fill = filled(context, steps, limit)
+        slot = footprint(model, fill + steps)
         for b in args.batches:
-            caches = {}
-            for s in H.order(b + context):
-                caches[s] = batch(model, s, context, b, args)
+            caches: Dict[str, List[Any]] = {}
+            for s in H.order(b + context, systems):
+                caches[s] = batch(model, s, fill, fill + steps, b, args)
                 H.settle()
                 decode(model, caches[s], b, args.warmup)
             H.settle()
-            blocks = H.alternate(args.blocks, lambda s, i, c=caches, b=b: block(model, c, b, args, s, i),
-                                 first=b + context)
-            cell = {s: {"tok_s": H.median([x["tok_s"] for x in blocks[s]]),
-                        "block_tok_s": [x["tok_s"] for x in blocks[s]],
-                        "peak_bytes": max(x["peak"] for x in blocks[s]),
-                        "cache_bytes": sum(c.nbytes for c in caches[s])} for s in H.SYSTEMS}
+            if "muser-kv" in caches:  # views made per pass: a view held would keep the
+                ours = caches["muser-kv"]  # planes from being updated in place
+
+                def reads(ours=ours) -> List[mx.array]:
+                    return weights + live_kv(ours)
+            else:  # as many bytes as the live rows, in one buffer
+                rows_kv = [mx.zeros((max(1, b * _live_kv_bytes(model, fill) // 2),), mx.bfloat16)]
+                mx.eval(rows_kv)
+
+                def reads(rows_kv=rows_kv) -> List[mx.array]:
+                    return weights + rows_kv
+            kv_bytes = sum(x.nbytes for x in reads()) - weight_bytes
+            floor_pass(reads, 1)  # compiled and warm
+
+            def run(s: str, i: int, c=caches, b=b, reads=reads) -> Dict[str, float]:
+                if s == FLOOR:
+                    return floor_pass(reads, args.floor_repeats)
+                return block(model, c, b, args, s, i)
+
+            blocks = H.alternate(args.blocks, run, systems=systems + (FLOOR,), first=b + context)
+            floor_ms = H.median([x["ms"] for x in blocks[FLOOR]])
+            cell: Dict[str, Any] = {}
+            for s in systems:
+                tok_s = H.median([x["tok_s"] for x in blocks[s]])
+                cell[s] = {"tok_s": tok_s, "block_tok_s": [x["tok_s"] for x in blocks[s]],
+                           "ms_per_step": 1e3 * b / tok_s, "of_floor": floor_ms * tok_s / (1e3 * b),
+                           "peak_bytes": max(x["peak"] for x in blocks[s]),
+                           "cache_bytes": sum(c.nbytes for c in caches[s])}
             del caches
             H.settle()
-            ours, theirs = cell["muser-kv"], cell["mlx-lm"]
-            rows.append([context, b, ours["tok_s"], theirs["tok_s"], ours["tok_s"] / theirs["tok_s"],
-                         ours["peak_bytes"] / H.GIB, b * slot / H.GIB, theirs["peak_bytes"] / H.GIB])
-            results.append({"context": context, "batch": b, "systems": cell,
-                            "footprint_bytes": b * slot})
+            act = activations(model, b, fill + steps, H.DTYPES[args.dtype].size)
+
+            def get(s: str, k: str, cell=cell) -> float:
+                return cell[s][k] if s in cell else float("nan")
+            rows.append([context, fill, b, get("muser-kv", "tok_s"), get("mlx-lm", "tok_s"),
+                         get("muser-kv", "tok_s") / get("mlx-lm", "tok_s"),
+                         get("muser-kv", "ms_per_step"), get("mlx-lm", "ms_per_step"), floor_ms,
+                         get("muser-kv", "of_floor"), get("mlx-lm", "of_floor")])
+            bound = b * slot + act
+            peak = get("muser-kv", "peak_bytes")
+            mem.append([context, b, peak / H.GIB, b * slot / H.GIB, act / H.GIB, bound / H.GIB,
+                        "-" if peak != peak else ("yes" if peak <= bound else "NO"),
+                        get("mlx-lm", "peak_bytes") / H.GIB])
+            results.append({"context": context, "filled": fill, "batch": b, "systems": cell,
+                            "floor_ms": floor_ms, "floor_bytes": weight_bytes + kv_bytes,
+                            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+                            "footprint_bytes": b * slot, "activation_bytes": act})
     print()
-    H.table(["context", "B", "muser-kv tok/s", "mlx-lm tok/s", "muser / mlx-lm", "muser-kv peak GiB",
-             "B x footprint GiB", "mlx-lm peak GiB"], rows,
-            note="tok/s: aggregate over the batch, median block; peak: peak memory during the timed "
-                 "decode above everything but the system's own batch, plus that batch (caches, "
-                 "activations, temporaries); muser-kv's planes are preallocated (B x footprint)")
-    payload = {"benchmark": "batched", "args": vars(args), "results": results}
+    H.table(["context", "filled", "B", "muser-kv tok/s", "mlx-lm tok/s", "muser / mlx-lm",
+             "muser ms/step", "mlx-lm ms/step", "floor ms", "muser of floor", "mlx-lm of floor"],
+            rows, note="tok/s: aggregate over the batch, median block; filled: where decode began "
+                       "(the steps end at or below max_position_embeddings); floor: one pass "
+                       "summing every weight and every live K/V row of the batch, median, in the "
+                       "same alternation; of floor = floor ms / step ms (1.0: at the floor)")
+    H.table(["context", "B", "muser-kv peak GiB", "B x footprint GiB", "activations GiB",
+             "bound GiB", "peak <= bound", "mlx-lm peak GiB"], mem, digits=3,
+            note="peak: peak memory during the timed decode above everything but the system's "
+                 "own batch, plus that batch; bound = B x footprint (the batch's preallocated "
+                 "planes) + activations (an upper estimate of two pipelined steps')")
+    return {"benchmark": "batched", "args": vars(args), "results": results}
+
+
+def _live_kv_bytes(model, fill: int) -> int:
+    """One sequence's live K/V bytes at ``fill`` tokens (muser-kv's planes' rows)."""
+    single = muser_kv.make_prompt_cache(model, max_context=fill + 1)
+    total = 0
+    for c in single:
+        rows = min(fill, c.capacity)
+        total += 2 * rows * c.kv_heads * c.head_dim * c.dtype.size
+    return total
+
+
+# -- --generator: BatchGenerator end to end ------------------------------------------------
+
+
+def generate(model, system: str, prompts: List[List[int]], args) -> Dict[str, float]:
+    """One BatchGenerator run over ``prompts``: prefill to every first token, decode tok/s."""
+    b = len(prompts)
+    caches = None
+    own = 0
+    if system == "muser-kv":
+        caches = [muser_kv.make_prompt_cache(model, max_context=len(prompts[0]) + args.tokens,
+                                             batch_slots=b) for _ in prompts]
+        mx.eval([c.state for cache in caches for c in cache])
+        own = sum(c.nbytes for cache in caches for c in cache)
+    with H.PeakProbe() as probe:
+        gen = BatchGenerator(model, max_tokens=args.tokens, completion_batch_size=b,
+                             prefill_batch_size=b, prefill_step_size=args.prefill_step)
+        t0 = H.now()
+        gen.insert(prompts, [args.tokens] * b, caches=caches)
+        counts: Dict[int, int] = {}
+        first = None
+        while responses := gen.next_generated():
+            for r in responses:
+                counts[r.uid] = counts.get(r.uid, 0) + 1
+            if first is None and len(counts) == b:
+                first = H.now()
+        end = H.now()
+        gen.close()
+    decoded = sum(counts.values()) - b
+    first = first or end
+    return {"prefill_s": first - t0, "decode_tok_s": decoded / (end - first) if end > first
+            else float("nan"), "peak": probe.extra + own}
+
+
+def generator_main(args, model) -> Dict[str, Any]:
+    limit = max_positions(model, args)
+    prompt = filled(args.prompt, args.tokens, limit)
+    rng = np.random.default_rng(args.seed)
+    rows, results = [], []
+    for b in args.batches:
+        prompts = [rng.integers(0, model.args.vocab_size, prompt).tolist() for _ in range(b)]
+        generate(model, "muser-kv", [p[:args.prefill_step + 8] for p in prompts], args)
+        generate(model, "mlx-lm", [p[:args.prefill_step + 8] for p in prompts], args)  # warm
+        H.settle()
+
+        def runs(s: str, _i: int, p=prompts) -> Dict[str, float]:
+            return generate(model, s, p, args)
+
+        blocks = H.alternate(args.blocks, runs, systems=tuple(args.systems), first=b)
+        cell = {s: {k: [x[k] for x in blocks[s]] for k in ("prefill_s", "decode_tok_s", "peak")}
+                for s in args.systems}
+        for s in args.systems:
+            rows.append([b, prompt, s, " / ".join(f"{x:.2f}" for x in cell[s]["prefill_s"]),
+                         " / ".join(f"{x:.1f}" for x in cell[s]["decode_tok_s"]),
+                         max(cell[s]["peak"]) / H.GIB])
+        if len(args.systems) == 2:
+            ours, theirs = cell["muser-kv"], cell["mlx-lm"]
+            rows.append([b, prompt, "muser / mlx-lm",
+                         f"{H.median(theirs['prefill_s']) / H.median(ours['prefill_s']):.3f}x",
+                         f"{H.median(ours['decode_tok_s']) / H.median(theirs['decode_tok_s']):.3f}x",
+                         float("nan")])
+        results.append({"batch": b, "prompt": prompt, "systems": cell})
+    print()
+    H.table(["B", "prompt", "system", "prefill+first s (by run)", "decode tok/s (by run)",
+             "peak GiB"], rows,
+            note="BatchGenerator over B prompts (prefill_batch_size = completion_batch_size = B): "
+                 "prefill to every sequence's first token, aggregate decode tok/s of the rest; "
+                 "peak above what was held before, muser-kv's preallocated planes included; "
+                 "ratios of the medians (above 1: muser-kv faster)")
+    return {"benchmark": "batched_generator", "args": vars(args), "results": results}
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    what = "BatchGenerator end to end" if args.generator else "batched decode against the floor"
+    H.print_header(f"{what}: aggregate tok/s, muser-kv's batch vs mlx-lm's batch caches, "
+                   f"{args.family}", args)
+    model = build(args)
+    print(H.describe(model))
+    payload = generator_main(args, model) if args.generator else decode_main(args, model)
     H.write_json(args.json, payload)
     return payload
 

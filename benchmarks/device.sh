@@ -6,6 +6,8 @@
 #   bash benchmarks/device.sh decode     # decode f16 + bf16, aligned + unaligned max_context
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
 #   bash benchmarks/device.sh batched    # batched decode, B = 1, 2, 4, 8 at 8k and 32k
+#   bash benchmarks/device.sh floor      # batched decode at 131072 against the floor, B = 1..16, bf16
+#   bash benchmarks/device.sh profile    # one batched decode step profiled at 131072, B = 1..32, bf16
 #   bash benchmarks/device.sh sessions   # save / load against raw disk, rollback
 #   bash benchmarks/device.sh returning  # TTFT of a returning 32k chat through the server's prompt cache
 #   bash benchmarks/device.sh disk       # save / load against raw disk only (sessions.py section 1)
@@ -37,6 +39,14 @@ e2e)
   ;;
 batched)
   b batched 560 benchmarks/batched.py --json "$out/batched.json"
+  ;;
+floor)
+  b floor 580 benchmarks/batched.py --contexts 131072 --batches 1,2,4,8,16 --dtype bfloat16 \
+    --blocks 3 --json "$out/floor.json"
+  ;;
+profile)
+  b profile 580 benchmarks/profile_step.py --context 131072 --batches 1,2,4,8,16,32 \
+    --dtype bfloat16 --json "$out/profile.json"
   ;;
 sessions)
   b sessions 300 benchmarks/sessions.py --repeats 1 --rollback-repeats 3 --json "$out/sessions.json"

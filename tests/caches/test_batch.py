@@ -42,9 +42,18 @@ def rows(n, seed, batch=1):
 
 
 def as_mask(mask, b, n, rows_):
+    """Sequence ``b``'s ``[n, rows_]`` bool visibility from any form a batch hands."""
     if mask is None:
         return np.ones((n, rows_), bool)
-    return np.broadcast_to(np.array(mask)[b, 0], (n, rows_))
+    if isinstance(mask, str):
+        assert mask == "causal"
+        return np.arange(rows_)[None] <= (rows_ - n + np.arange(n))[:, None]
+    a = np.array(mask) if mask.dtype == mx.bool_ else np.array(mask.astype(mx.float32))
+    if a.dtype != bool:  # the additive form: 0 where a key is seen, -inf where not
+        assert set(np.unique(a)) <= {0.0, -np.inf}, np.unique(a)
+        a = a == 0
+    a = a.reshape((1,) * (4 - a.ndim) + a.shape)
+    return np.broadcast_to(a[min(b, a.shape[0] - 1), 0], (n, rows_))
 
 
 class Sequence:
@@ -176,6 +185,66 @@ def test_batch_decode_writes_the_planes_in_place():
             del out
         assert (address(batch.planes.k), address(batch.planes.v)) == before
         assert memoryview(batch.planes.k).strides == order
+
+
+def form(mask):
+    """What attention is handed: "none", "causal", "additive" (in the planes'
+    float16) or "bool"."""
+    if mask is None or isinstance(mask, str):
+        return mask or "none"
+    if mask.dtype == mx.bool_:
+        return "bool"
+    assert mask.dtype == mx.float16, mask.dtype
+    return "additive"
+
+
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+def test_a_batch_hands_no_mask_where_every_sequence_sees_every_row(kind):
+    """Level sequences (a ring not full yet, a full one, a plane), or rings
+    that are all full at different positions: decode gets no mask, a chunk at
+    most "causal"; unequal ones the additive form, never the bool one."""
+    window = WINDOW if kind is LayerKind.SLIDING else None
+    cases = {(3, 3, 3): "none", (20, 20): "none", (5, 6): "additive", (0, 4): "additive"}
+    if kind is LayerKind.SLIDING:
+        cases[(9, 20, 31)] = "none"  # every ring full: every row read is live
+    for prefills, want in cases.items():
+        batch = BatchKVCache.merge([Sequence(kind, p, seed=p).cache for p in prefills])
+        assert form(batch.make_mask(1, window_size=window)) == want, prefills
+        assert form(batch.make_mask(1, window_size=window, return_array=True)) == "bool"
+    level = BatchKVCache.merge([Sequence(kind, 3, seed=i).cache for i in range(2)])
+    assert form(level.make_mask(4, window_size=window)) == "causal"  # inside the window
+    apart = BatchKVCache.merge([Sequence(kind, p, seed=p).cache for p in (3, 5)])
+    assert form(apart.make_mask(4, window_size=window)) == "additive"
+    apart.prepare(lengths=[4, 1], right_padding=[0, 3])
+    assert form(apart.make_mask(4, window_size=window)) == "additive"
+
+
+def test_a_batched_decode_step_hands_each_layer_kind_one_mask(model, monkeypatch):
+    """Through mlx-lm's model: equal lengths hand every layer no mask; unequal
+    ones hand one additive mask per layer kind, shared by its layers."""
+    handed = []
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def spy(q, k, v, *, scale, mask=None, **kw):
+        handed.append(mask)
+        return sdpa(q, k, v, scale=scale, mask=mask, **kw)
+
+    rng = np.random.default_rng(3)
+    for lengths, masks in (((21, 21, 21), 0), ((21, 7, 30), 2)):
+        caches = []
+        for n in lengths:
+            cache = muser_kv.make_prompt_cache(model, max_context=128)
+            model(mx.array(rng.integers(0, 255, (1, n)), mx.uint32), cache=cache)
+            caches.append(cache)
+        batch = [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        handed.clear()
+        mx.eval(model(mx.zeros((len(lengths), 1), mx.uint32), cache=batch))
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
+        assert len(handed) == len(batch)
+        arrays = {id(m): m for m in handed if m is not None}
+        assert len(arrays) == masks and all(form(m) != "bool" for m in arrays.values()), lengths
+        assert (masks == 0) == all(m is None for m in handed)
 
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
