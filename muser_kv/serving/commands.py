@@ -17,6 +17,11 @@ attributes of that mlx-lm module are swapped (and restored afterwards):
   otherwise. With ``--draft-model``, every model muser-kv serves is installed with
   ``num_draft_tokens=--num-draft-tokens``, so each rollback
   ``speculative_generate_step`` asks for is exact past the wrap;
+* with ``--kv-store DIR|redis://HOST:PORT``, ``stream_generate`` first asks the
+  KV store for the deepest stored point of the prompt (a run of the same long
+  prompt again, a chat resumed with its history) and prefills only the rest;
+  it puts the prompt less its last token (where a regenerate lands) and the
+  finished answer (``KVStore``, ``docs/store.md``);
 * with ``--session FILE``, ``stream_generate`` is mlx-lm's followed by a save of
   the model's cache to FILE once a response is complete (after every chat turn,
   at the end of a generation); if FILE exists, the first cache mlx-lm asks the
@@ -41,7 +46,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from muser_kv.caches.base import ContextOverflow
+from muser_kv.caches.base import ContextOverflow, MuseKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import UnsupportedModel
 from muser_kv.serving.install import context_for, install
@@ -49,6 +54,7 @@ from muser_kv.sessions.format import SnapshotError
 from muser_kv.sessions.reading import read_session
 from muser_kv.sessions.save import save_session
 from muser_kv.sessions.snapshot import SessionSnapshot, restore_into
+from muser_kv.sessions.store import KVStore
 
 #: muser-kv subcommand -> the mlx-lm module whose ``main()`` it runs
 COMMANDS: Dict[str, str] = {"generate": "mlx_lm.generate", "chat": "mlx_lm.chat",
@@ -97,6 +103,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     ours.add_argument("--session", metavar="FILE", default=None,
                       help="a muser-kv session file: resumed from if it exists, written "
                            "(atomically) after every chat turn / at the end of a generation")
+    ours.add_argument("--kv-store", metavar="DIR|redis://HOST:PORT", default=None,
+                      help="a KV store: the prompt's deepest stored point is rebuilt instead "
+                           "of prefilled; prompts and answers are put (docs/store.md)")
+    ours.add_argument("--kv-store-bytes", type=_count(0), default=None, metavar="N",
+                      help="the --kv-store tier's bound in bytes (default: unbounded)")
     return parser
 
 
@@ -119,6 +130,10 @@ def _refuse_changed_meanings(ns: argparse.Namespace) -> None:
     if draft is not None and ns.num_draft_tokens < 1:
         raise CommandError(f"--num-draft-tokens must be >= 1 with --draft-model, got "
                            f"{ns.num_draft_tokens}")
+    if ns.kv_store is not None and (ns.session is not None
+                                    or getattr(ns, "prompt_cache_file", None) is not None):
+        raise CommandError("--kv-store and --session / --prompt-cache-file both give the "
+                           "history: pass one of them")
     if ns.session is not None:
         if getattr(ns, "prompt_cache_file", None) is not None:
             raise CommandError("--session and --prompt-cache-file both give the history: "
@@ -234,6 +249,74 @@ def _saving(stream_generate: Callable[..., Iterator[Any]],
     return stream_and_save
 
 
+class StoredPrompts:
+    """``--kv-store``: ``stream_generate`` over a ``KVStore``. A list the store
+    rebuilt, or one whose every token went through here, is known token for
+    token (``held``); a list of unknown contents (restored by mlx-lm from
+    elsewhere) is passed through untouched. With logits processors (which see
+    the prompt's tokens) the prompt is handed to mlx-lm whole, as it is when
+    nothing is reused, and only the finished answer is put."""
+
+    def __init__(self, location: str, store_bytes: Optional[int]):
+        self.store = KVStore(location, store_bytes=store_bytes, write_behind=False)
+        self.held: Dict[int, List[int]] = {}
+
+    def wrap(self, stream_generate: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        def stream(model: Any, tokenizer: Any, prompt: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            cache: List[Any] = kwargs.get("prompt_cache") or []
+            plain = (bool(cache) and all(isinstance(c, MuseKVCache) for c in cache) and not args
+                     and kwargs.get("draft_model") is None
+                     and kwargs.get("input_embeddings") is None)
+            history = self.held.get(id(cache), []) if plain else []
+            if not plain or {c.offset for c in cache} != {len(history)}:
+                yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)
+                return
+            tokens = history + _token_ids(tokenizer, prompt)
+            n = len(history)
+            if n == 0:
+                n, _ = self.store.longest_prefix(tokens, model, into=cache)
+                if n:
+                    print(f"muser-kv: {n} of the prompt's {len(tokens)} tokens rebuilt from "
+                          "the KV store", file=sys.stderr, flush=True)
+            rest = tokens[n:]
+            if len(rest) > 1 and not kwargs.get("logits_processors"):
+                _prefill(model, cache, rest[:-1], kwargs.get("prefill_step_size", 2048))
+                self.store.put(tokens[:-1], cache, model)
+                rest = rest[-1:]
+            made: List[int] = []
+            for response in stream_generate(model, tokenizer, rest, **kwargs):
+                made.append(int(response.token))
+                yield response
+            held = (tokens + made)[:cache[0].offset]
+            self.held[id(cache)] = held
+            self.store.put(held, cache, model)
+        stream.__doc__ = stream_generate.__doc__
+        return stream
+
+
+def _token_ids(tokenizer: Any, prompt: Any) -> List[int]:
+    """The ids ``stream_generate`` makes of ``prompt`` (mlx-lm 0.32.2's rule)."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    return [int(t) for t in prompt]
+
+
+def _prefill(model: Any, cache: List[Any], tokens: List[int], step: int) -> None:
+    """``tokens`` through ``model`` in ``step``-token chunks, as ``generate_step``
+    prefills, on its stream."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        for at in range(0, len(tokens), step):
+            model(mx.array(tokens[at:at + step])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            mx.clear_cache()
+
+
 def _one_process(*args: Any, **kwargs: Any) -> Any:
     raise CommandError("muser-kv chat runs in one process: a sharded model's KV heads per "
                        "rank are not the geometry its args describe")
@@ -268,11 +351,18 @@ def run(command: str, argv: Sequence[str]) -> int:
                                  load=Loader(module.load, ns, session))
     if session is not None:
         swaps["stream_generate"] = _saving(module.stream_generate, session)
+    stored = StoredPrompts(ns.kv_store, ns.kv_store_bytes) if ns.kv_store is not None else None
+    if stored is not None:
+        swaps["stream_generate"] = stored.wrap(module.stream_generate)
     if hasattr(module, "sharded_load"):
         swaps["sharded_load"] = _one_process
-    with _swapped(module, **swaps):
-        sys.argv = [parser.prog, *argv]
-        module.main()
+    try:
+        with _swapped(module, **swaps):
+            sys.argv = [parser.prog, *argv]
+            module.main()
+    finally:
+        if stored is not None:
+            stored.store.close()
     return 0
 
 

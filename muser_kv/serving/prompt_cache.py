@@ -42,12 +42,18 @@ Every reuse is exact: the tokens an entry is keyed by are the tokens its caches
 hold, a trim is taken only within every layer's exact depth, and a trim that
 refuses anyway (a broken depth) is logged and answered with a fresh prefill,
 never with a failed request.
+
+**Behind it, a KV store** (``attach``; ``muser_kv.KVStore``): every list
+inserted is also put into the store, and a prompt the entries reuse less of
+than the store can rebuild (a regenerate, an edited message, a branch, an entry
+evicted, a server restarted over the same directory or sharing one Redis) is
+answered from the store. A store that fails is a log line and a fresh prefill.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mlx_lm.models.cache import (
@@ -58,6 +64,7 @@ from mlx_lm.models.cache import (
 )
 
 from muser_kv.caches.base import MuseKVCache
+from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -209,10 +216,19 @@ class ExactPromptCache(LRUPromptCache):
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         super().__init__(max_size, max_bytes)
         self._trie = ExactPromptTrie()
+        self.store: Optional[KVStore] = None
+        self._model_for: Callable[[Any], Any] = lambda key: None
+
+    def attach(self, store: Optional[KVStore], model_for: Callable[[Any], Any]) -> None:
+        """Put every inserted list into ``store`` and ask it where the entries fall
+        short. ``model_for(key)`` is the model a model key's lists are of, or
+        ``None`` where the store must stay out (a list carrying a draft model's
+        caches beside the main model's)."""
+        self.store, self._model_for = store, model_for
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
         try:
-            return super().fetch_nearest_cache(model, tokens)
+            cache, rest = super().fetch_nearest_cache(model, tokens)
         except ValueError:
             if not self._trie._is_muser(model):
                 raise
@@ -220,7 +236,24 @@ class ExactPromptCache(LRUPromptCache):
             # wrong; the stored entry is untouched (the trim ran on a copy)
             log.exception("muser-kv prompt cache: a trim within the exact depth was refused; "
                           "prefilling this prompt afresh")
-            return None, tokens
+            cache, rest = None, tokens
+        reuse = len(tokens) - len(rest)
+        if self.store is None or reuse >= len(tokens) - 1:
+            return cache, rest
+        owner = self._model_for(model)
+        if owner is None:
+            return cache, rest
+        try:
+            n, rebuilt = self.store.longest_prefix(tokens, owner)
+        except Exception:
+            log.exception("muser-kv prompt cache: the KV store failed a lookup; reusing %d "
+                          "tokens from memory", reuse)
+            return cache, rest
+        if n > reuse:
+            log.info("muser-kv prompt cache: rebuilt %d tokens from the KV store (the entries "
+                     "reuse %d)", n, reuse)
+            return rebuilt, list(tokens[n:])
+        return cache, rest
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], *,
                      cache_type: str = "assistant") -> None:
@@ -235,3 +268,13 @@ class ExactPromptCache(LRUPromptCache):
                 return
             tokens = tokens[:held]
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        store = self.store
+        owner = self._model_for(model) if store is not None else None
+        if store is None or owner is None or held is None or not all(
+                isinstance(c, MuseKVCache) for c in prompt_cache):
+            return
+        try:
+            store.put(tokens, prompt_cache, owner)
+        except Exception:
+            log.exception("muser-kv prompt cache: the KV store failed a put of %d tokens",
+                          len(tokens))

@@ -59,6 +59,8 @@ from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
 from muser_kv.serving.install import context_for, install, installed
 from muser_kv.serving.prompt_cache import ExactPromptCache
+from muser_kv.sessions.store import KVStore
+from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--plane-dtype", choices=("float16", "bfloat16"), default=None,
                    help="the planes' dtype (default: the model's attention dtype, bf16 for a "
                         "bf16 model, else f16)")
+    g.add_argument("--kv-store", default=None, metavar="DIR|redis://HOST:PORT",
+                   help="a KV store tier behind the prompt cache: a directory (kept across "
+                        "restarts) or a Redis server (shared between servers); the memory tier "
+                        "is always there (docs/store.md)")
+    g.add_argument("--kv-store-bytes", type=_non_negative, default=None,
+                   help="the --kv-store tier's bound in bytes, least recently used out "
+                        "(default: unbounded)")
+    g.add_argument("--kv-store-memory", type=_non_negative, default=DEFAULT_MEMORY_BYTES,
+                   help="the KV store's memory tier bound in bytes (default "
+                        f"{DEFAULT_MEMORY_BYTES}; 0 with no --kv-store: no store)")
 
 
 def _check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
@@ -423,6 +435,21 @@ class MuseResponseGenerator(server.ResponseGenerator):
     thread nothing; the generation thread's check holds whatever the handler saw."""
 
     model_provider: MuseModelProvider
+
+    def __init__(self, model_provider: MuseModelProvider, prompt_cache: Any):
+        super().__init__(model_provider, prompt_cache)
+        a = model_provider.cli_args
+        if isinstance(prompt_cache, ExactPromptCache) and (a.kv_store or a.kv_store_memory):
+            prompt_cache.attach(KVStore(a.kv_store, memory_bytes=a.kv_store_memory,
+                                        store_bytes=a.kv_store_bytes), self._store_model)
+
+    def _store_model(self, key: Any) -> Any:
+        """The model whose lists the store keeps under ``key``: the loaded one,
+        with no draft model (a draft's caches ride in the same list)."""
+        p = self.model_provider
+        if p.model is None or p.draft_model is not None or p.model_key != key:
+            return None
+        return p.model
 
     def generate(self, request: Any, generation_args: Any,
                  progress_callback: Optional[Callable[[int, int], None]] = None) -> Any:
