@@ -408,7 +408,7 @@ def test_redis_killed_mid_use_misses_fast_and_recovers(redis_server, caplog):
         redis_server.kill()
         time.sleep(0.1)
         slowest = 0.0
-        for i in range(30):
+        for _ in range(30):
             start = time.monotonic()
             assert t.get(key(1)) is None and not t.put(key(3), blob(3)) and not t.contains(key(1))
             slowest = max(slowest, time.monotonic() - start)
@@ -501,7 +501,7 @@ def cli(*args):
     return out.stdout
 
 
-def test_cli_store_stats_and_gc(tmp_path, redis_server):
+def test_cli_store_stats_and_gc(tmp_path):
     t = DirectoryTier(tmp_path / "s", max_bytes=10_000)
     for i in range(4):
         assert t.put(key(i), blob(i))
@@ -514,10 +514,19 @@ def test_cli_store_stats_and_gc(tmp_path, redis_server):
     out = cli("gc", str(tmp_path / "s"), "--max-bytes", "2500")
     assert "evicted 2 chunk(s), 2,000 bytes" in out and "now 2 chunk(s), 2,000 bytes" in out
     assert [DirectoryTier(tmp_path / "s").contains(key(i)) for i in range(4)] == [True, False, False, True]
+
+
+
+def test_cli_store_on_redis(redis_server, capsys):
+    from muser_kv.serving.cli import main
+
     r = RedisTier(redis_server.url)
     assert r.put(key(1), blob(1))
     r.close()
-    out = cli("stats", redis_server.url)
-    assert "chunks: 1" in out and "capacity: unbounded" in out
-    out = cli("gc", redis_server.url, "--max-bytes", "0")
-    assert "evicted 1 chunk(s)" in out
+    assert main(["store", "stats", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert "chunks: 1" in out and "capacity: unbounded" in out and "no lookups yet" in out
+    assert main(["store", "gc", redis_server.url]) == 0
+    assert "no bound" in capsys.readouterr().out
+    assert main(["store", "gc", redis_server.url, "--max-bytes", "0"]) == 0
+    assert "evicted 1 chunk(s)" in capsys.readouterr().out

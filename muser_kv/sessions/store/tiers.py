@@ -433,6 +433,7 @@ class DirectoryTier(BlobTier):
                        self.path, key, e)
             return None
         with f:
+            st: Optional[os.stat_result] = None
             try:
                 st = os.fstat(f.fileno())
                 head = f.read(frame_size(key))
@@ -466,11 +467,11 @@ class DirectoryTier(BlobTier):
         self._maybe_flush()
         return payload
 
-    def _discard_if_same(self, key: str, path: Path, st: os.stat_result) -> None:
+    def _discard_if_same(self, key: str, path: Path, st: Optional[os.stat_result]) -> None:
         """Delete the corrupt file ``st`` unless another put has replaced it since."""
         try:
             now = os.stat(path)
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            if st is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
                 os.unlink(path)
         except OSError:
             pass
@@ -860,7 +861,11 @@ class RedisTier(BlobTier):
         for i in order:
             if total <= bound:
                 break
-            if self._call("gc", lambda c, k=keys[i]: c.delete(k)) is _FAILED:
+
+            def evict(c: Any, k: bytes = keys[i]) -> Any:
+                return c.delete(k)
+
+            if self._call("gc", evict) is _FAILED:
                 break
             total -= sizes[i]
             evicted += 1
