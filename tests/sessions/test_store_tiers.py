@@ -474,6 +474,16 @@ def test_redis_bound_is_the_servers_lru_and_gc_evicts_to_max_bytes(redis_server)
     t.close()
 
 
+def test_redis_refuses_a_value_too_large_without_going_down(redis_server, monkeypatch, caplog):
+    monkeypatch.setattr(tiers, "REDIS_MAX_VALUE", 2000)
+    t = RedisTier(redis_server.url)
+    with caplog.at_level(logging.WARNING, "muser_kv.store"):
+        assert not t.put(key(1), blob(1, 3000))
+    assert len(store_warnings(caplog)) == 1 and "larger than a Redis value" in caplog.text
+    assert t.put(key(2), blob(2)) and t.get(key(2)) == blob(2) and not t.contains(key(1))
+    t.close()
+
+
 def test_redis_counters_are_shared(redis_server):
     a, b = (RedisTier(redis_server.url) for _ in range(2))
     assert a.put(key(1), blob(1)) and b.get(key(1)) == blob(1) and a.get(key(2)) is None

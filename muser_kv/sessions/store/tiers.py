@@ -61,6 +61,9 @@ FLUSH_INTERVAL_S = 2.0
 #: A directory tier at its bound rescans the directory (to see other processes'
 #: chunks and reads) at most this often; ``stats`` and ``gc`` always rescan.
 RESCAN_INTERVAL_S = 2.0
+#: Redis's default ``proto-max-bulk-len``: a longer value would make the server drop
+#: the connection (which would read as an outage), so such a put is refused here.
+REDIS_MAX_VALUE = 512 << 20
 STORE_FORMAT = "muser-kv-store"
 STORE_VERSION = 1
 
@@ -771,6 +774,11 @@ class RedisTier(BlobTier):
             return False
         if present:
             return True
+        if payload.nbytes + frame_size(key) > REDIS_MAX_VALUE:
+            self._counts.add(errors=1)
+            self._warn("put:size", "redis %s: chunk %s of %d bytes is larger than a Redis value may be "
+                       "(%d bytes with its frame): not stored", self.url, key, payload.nbytes, REDIS_MAX_VALUE)
+            return False
         value = frame_header(key, payload) + payload
         done = self._call("put", lambda c: c.set(self._k(key), value, nx=True))
         self._maybe_flush()
