@@ -442,7 +442,7 @@ def test_redis_hung_costs_one_timeout_per_backoff(redis_server):
         rest = time.monotonic() - start
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    assert 0.15 < first < 0.5 and rest < 0.1, (first, rest)
+    assert 0.15 < first < 1.0 and rest < 0.25, (first, rest)  # one timeout, then none
     time.sleep(1.0)
     assert t.get(key(1)) == blob(1)
     t.close()
