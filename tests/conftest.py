@@ -87,3 +87,24 @@ def local_muse_model(tmp_path_factory) -> Path:
     from local_model import write_local_model
 
     return write_local_model(tmp_path_factory.mktemp("muse_glimmer"))
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory):
+    """A real ``redis-server`` on a free loopback port for one test
+    (tests/servers.py, ``RedisServer``: ``.url``, ``.kill()``, ``.restart()``).
+    Without ``redis-server`` or the redis package it skips on a developer's
+    machine and fails where MUSER_KV_REQUIRE_REDIS is set (CI)."""
+    from servers import REQUIRE_REDIS_ENV, RedisMissing, RedisServer
+
+    try:
+        import redis  # noqa: F401
+        server = RedisServer(tmp_path_factory.mktemp("redis"))
+    except (ImportError, RedisMissing) as e:
+        if os.environ.get(REQUIRE_REDIS_ENV):
+            pytest.fail(f"{e} ({REQUIRE_REDIS_ENV} is set: CI must run the Redis tests)", pytrace=False)
+        pytest.skip(str(e))
+    try:
+        yield server
+    finally:
+        server.stop()

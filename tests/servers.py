@@ -93,3 +93,77 @@ class Server:
 def words(ids: Sequence[int]) -> str:
     """Token ids as the local tokenizer's words (``t{id}``)."""
     return " ".join(f"t{i}" for i in ids)
+
+
+#: Set by .ci/run: there a missing ``redis-server`` fails the Redis tests instead of skipping them.
+REQUIRE_REDIS_ENV = "MUSER_KV_REQUIRE_REDIS"
+
+
+class RedisMissing(RuntimeError):
+    """No ``redis-server`` on PATH (Debian: ``apt-get install -y redis-server``)."""
+
+
+class RedisServer:
+    """Debian's ``redis-server`` on a free loopback port, no persistence, its
+    files in ``workdir``: ``url``, ``kill()`` (SIGKILL, as a crash),
+    ``restart()`` (a fresh, empty server on the same port), ``stop()``."""
+
+    def __init__(self, workdir: Path, *flags: str):
+        import shutil
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RedisMissing("redis-server is not installed (apt-get install -y redis-server)")
+        self.exe = exe
+        self.workdir = Path(workdir)
+        self.flags = flags
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: "subprocess.Popen[bytes] | None" = None
+        self.start()
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.workdir / "redis.log", "ab")
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no", *self.flags],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"redis-server exited {self.proc.returncode}:\n"
+                                     f"{(self.workdir / 'redis.log').read_text()[-2000:]}")
+            if self.ping():
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise AssertionError(f"redis-server not answering on port {self.port} after 10 s")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()

@@ -1,4 +1,4 @@
-"""The ``muser-kv`` command: footprint, inspect, selftest, and mlx-lm's generate,
+"""The ``muser-kv`` command: footprint, inspect, selftest, store, and mlx-lm's generate,
 chat, cache-prompt (``muser_kv.commands``) and server (``muser_kv.serve``) on
 muser-kv caches."""
 
@@ -172,6 +172,47 @@ def cmd_selftest(ns: argparse.Namespace) -> int:
     return selftest(ns.backend)
 
 
+def _store_bytes(n: Optional[int]) -> str:
+    return "unbounded" if n is None else f"{n:,} bytes"
+
+
+def cmd_store(ns: argparse.Namespace) -> int:
+    """``stats``: a tier's chunks, bytes, bound and hit rate; ``gc``: evict to the bound."""
+    from muser_kv.sessions.store.tiers import open_tier
+
+    tier = open_tier(ns.location)
+    try:
+        before = tier.stats()
+        if ns.action == "stats":
+            print(f"location: {ns.location} ({before.name})")
+            print(f"chunks: {before.chunks:,}")
+            print(f"bytes: {before.bytes:,}")
+            print(f"capacity: {_store_bytes(before.capacity)}")
+            rate = before.hit_rate
+            print("hit rate: " + ("no lookups yet" if rate is None else
+                                  f"{rate:.1%} ({before.hits:,} hits, {before.misses:,} misses)"))
+            print(f"errors: {before.errors:,}")
+            return 0
+        bound = ns.max_bytes if ns.max_bytes is not None else before.capacity
+        if bound is None:
+            print(f"{ns.location}: no bound (pass --max-bytes N): nothing evicted")
+            return 0
+        evicted = tier.gc(bound)
+        after = tier.stats()
+        print(f"evicted {evicted:,} chunk(s), {max(before.bytes - after.bytes, 0):,} bytes; "
+              f"now {after.chunks:,} chunk(s), {after.bytes:,} bytes (bound {_store_bytes(bound)})")
+        return 0
+    finally:
+        tier.close()
+
+
+def _byte_count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a byte count >= 0, got {text}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="muser-kv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--backend", choices=("metal", "cuda"),
                     help="the kernel backend to test (default: the one this MLX has)")
     st.set_defaults(func=cmd_selftest)
+    store = sub.add_parser("store", help="a KV store's tier (a directory or redis://HOST:PORT[/db]): "
+                                         "stats, or gc to its bound")
+    store_sub = store.add_subparsers(dest="action", required=True)
+    for action, text in (("stats", "print chunks, bytes, capacity and hit rate"),
+                         ("gc", "evict least recently used chunks to the bound and print what went")):
+        a = store_sub.add_parser(action, help=text)
+        a.add_argument("location", help="a store directory or redis://HOST:PORT[/db]")
+        if action == "gc":
+            a.add_argument("--max-bytes", type=_byte_count, metavar="N",
+                           help="the bound to evict to (default: the tier's own)")
+        a.set_defaults(func=cmd_store)
     from muser_kv.serving.commands import COMMANDS
     for name, module in COMMANDS.items():  # listed here; main() hands their argv over whole
         sub.add_parser(name, add_help=False,
