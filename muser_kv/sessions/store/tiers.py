@@ -206,8 +206,10 @@ class BlobTier(ABC):
         """The blob, or None: absent, corrupt, truncated, or the tier failed."""
 
     @abstractmethod
-    def put(self, key: str, blob: bytes) -> bool:
-        """True: stored whole (or already present: then a lookup, not a write); False: failed."""
+    def put(self, key: str, blob: bytes, replace: bool = False) -> bool:
+        """True: stored whole (or already present: then a lookup, not a write,
+        unless ``replace``: the one object that changes, a chunk's index of put
+        points); False: failed."""
 
     @abstractmethod
     def contains(self, key: str) -> bool:
@@ -483,7 +485,7 @@ class DirectoryTier(BlobTier):
             if n is not None:
                 self._bytes -= n
 
-    def put(self, key: str, blob: bytes) -> bool:
+    def put(self, key: str, blob: bytes, replace: bool = False) -> bool:
         check_key(key)
         payload = _payload_view(blob)
         n = payload.nbytes
@@ -495,6 +497,8 @@ class DirectoryTier(BlobTier):
         except OSError as e:
             return self._put_failed(key, e)
         else:
+            if replace:
+                return self._write(key, path, payload, n)
             now = self._tick()
             try:
                 os.utime(path, ns=(now, now))
@@ -509,6 +513,9 @@ class DirectoryTier(BlobTier):
             self._warn("put:bound", "store directory %s: chunk %s of %d bytes is larger than the bound "
                        "(%d bytes): not stored", self.path, key, n, self.max_bytes)
             return False
+        return self._write(key, path, payload, n)
+
+    def _write(self, key: str, path: Path, payload: memoryview, n: int) -> bool:
         self._reserve(n)
         tmp = path.parent / f".{key}.{os.getpid()}-{secrets.token_hex(8)}.tmp"
         try:
@@ -535,8 +542,7 @@ class DirectoryTier(BlobTier):
             return self._put_failed(key, e)
         with self._lock:
             self._reserved -= n
-            if key not in self._index:
-                self._bytes += n
+            self._bytes += n - self._index.get(key, 0)
             self._index[key] = n
             self._index.move_to_end(key)
         self._maybe_flush()
@@ -766,10 +772,10 @@ class RedisTier(BlobTier):
         self._maybe_flush()
         return payload
 
-    def put(self, key: str, blob: bytes) -> bool:
+    def put(self, key: str, blob: bytes, replace: bool = False) -> bool:
         check_key(key)
         payload = _payload_view(blob)
-        present = self._call("touch", lambda c: c.touch(self._k(key)))
+        present = False if replace else self._call("touch", lambda c: c.touch(self._k(key)))
         if present is _FAILED:
             return False
         if present:
@@ -780,7 +786,7 @@ class RedisTier(BlobTier):
                        "(%d bytes with its frame): not stored", self.url, key, payload.nbytes, REDIS_MAX_VALUE)
             return False
         value = frame_header(key, payload) + payload
-        done = self._call("put", lambda c: c.set(self._k(key), value, nx=True))
+        done = self._call("put", lambda c: c.set(self._k(key), value, nx=not replace))
         self._maybe_flush()
         return done is not _FAILED  # None: another client set it first, one copy
 
