@@ -165,11 +165,18 @@ def _report(session: SessionFile) -> int:
     return 1 if bad else 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def cmd_selftest(ns: argparse.Namespace) -> int:
     """Every kernel on this machine's GPU against the reference path, bit for bit."""
     from muser_kv.serving.selftest import main as selftest
 
-    return selftest(ns.backend)
+    return selftest(ns.backend, jobs=ns.jobs)
 
 
 def _store_bytes(n: Optional[int]) -> str:
@@ -236,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "check it bitwise against the reference path")
     st.add_argument("--backend", choices=("metal", "cuda"),
                     help="the kernel backend to test (default: the one this MLX has)")
+    st.add_argument("--jobs", type=_positive, default=None,
+                    help="worker processes, each compiling its share of the kernel programs "
+                         "(default: one per CPU; 1: all in this process)")
     st.set_defaults(func=cmd_selftest)
     store = sub.add_parser("store", help="a KV store's tier (a directory or redis://HOST:PORT[/db]): "
                                          "stats, or gc to its bound")

@@ -10,15 +10,26 @@ f16 and bf16 planes, padded allocations, contiguous, transposed and offset
 inputs, and a head geometry small enough for MLX's `constant` memory. The
 reference path runs the same operations in plain MLX on the same device, so
 the device's own conversions apply to both sides. One line per kernel; any
-difference (or a kernel that fails to build or run) exits 1. An MLX with
+difference (or a kernel that fails to build or run) exits 1.
+
+MLX compiles one program per kernel and set of template values (types, head
+geometry, layout: 64 here), never per shape or grid, and on CUDA that compile
+(~1.3 s of NVRTC on the H200's host) is nearly all the time. So the cases are
+grouped by instantiation, each group evaluated at once (one compile) and
+compared after, and the groups are spread over worker processes (``--jobs``),
+each compiling its own share. An MLX with
 neither Metal nor CUDA has nothing to test: it says so and exits 0.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence, TextIO, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -132,12 +143,41 @@ def _difference(name: str, got: mx.array, expect: mx.array) -> Optional[str]:
             f"{int(a[first]):#06x}, reference {int(b[first]):#06x}")
 
 
-Check = Tuple[str, str, Callable[[], List[Tuple[str, mx.array, mx.array]]]]
+Results = List[Tuple[str, mx.array, mx.array]]
+#: One instantiation -- (kernel, kv_heads, head_dim, input type or "", plane type,
+#: layout): the template values, hence the one program MLX compiles, for its cases.
+Group = Tuple[str, int, int, str, str, str]
 
 
-def checks(gpu: KernelBackend, ref: ReferenceBackend) -> Iterator[Check]:
-    """(kernel, case label, run) for every case; ``run`` returns (what, kernel
-    result, reference result) triples."""
+@dataclass(frozen=True)
+class Case:
+    """One case: ``run`` returns (what, kernel result, reference result) triples,
+    unevaluated. ``index`` is its place in the fixed order failures are reported in."""
+
+    index: int
+    kernel: str
+    group: Group
+    label: str
+    run: Callable[[], Results]
+
+
+@dataclass
+class GroupResult:
+    """What one instantiation's cases gave; failures carry their case's index."""
+
+    kernel: str
+    cases: int = 0
+    elements: int = 0
+    failures: List[Tuple[int, str]] = field(default_factory=list)
+
+
+def cases(gpu: KernelBackend, ref: ReferenceBackend) -> List[Case]:
+    """Every case, in report order."""
+    out: List[Case] = []
+
+    def add(kernel: str, group: Group, label: str, run: Callable[[], Results]) -> None:
+        out.append(Case(len(out), kernel, group, label, run))
+
     for h, d in GEOMETRIES:
         for p in PLANE_DTYPES:
             for t in INPUT_DTYPES:
@@ -146,16 +186,71 @@ def checks(gpu: KernelBackend, ref: ReferenceBackend) -> Iterator[Check]:
                         kv_layout = INPUT_LAYOUTS[i % len(INPUT_LAYOUTS)]
                         label = (f"H={h} D={d} T={_name(t)} P={_name(p)} {layout} ring{case[:3]} "
                                  f"+{case[3]} {kv_layout}")
-                        yield "batch_store", label, _store(gpu, ref, h, d, t, p, layout, case, kv_layout)
+                        add("batch_store", ("batch_store", h, d, _name(t), _name(p), layout), label,
+                            _store(gpu, ref, h, d, t, p, layout, case, kv_layout))
                         for rows in ("exact", "padded"):
-                            yield ("stage", f"{label} rows {rows}",
-                                   _stage(gpu, ref, h, d, t, p, layout, case, kv_layout, rows))
+                            add("stage", ("stage", h, d, _name(t), _name(p), layout),
+                                f"{label} rows {rows}",
+                                _stage(gpu, ref, h, d, t, p, layout, case, kv_layout, rows))
             for layout in (TOKEN_MAJOR, HEAD_MAJOR):
                 for state in RING_STATES:
                     for rows in ("exact", "padded"):
                         label = f"H={h} D={d} P={_name(p)} {layout} ring{state} rows {rows}"
-                        yield "gather", label, _gather(gpu, ref, h, d, p, layout, state, rows)
-                        yield "install", label, _install(gpu, ref, h, d, p, layout, state, rows)
+                        for kernel, run in (("gather", _gather), ("install", _install)):
+                            add(kernel, (kernel, h, d, "", _name(p), layout), label,
+                                run(gpu, ref, h, d, p, layout, state, rows))
+    return out
+
+
+def groups(all_cases: Sequence[Case]) -> Dict[Group, List[Case]]:
+    """The cases by instantiation, in order of first appearance."""
+    out: Dict[Group, List[Case]] = {}
+    for case in all_cases:
+        out.setdefault(case.group, []).append(case)
+    return out
+
+
+def _error(case: Case, e: BaseException) -> Tuple[int, str]:
+    return case.index, f"{case.label}: {type(e).__name__}: {e}".splitlines()[0]
+
+
+def _flatten(results: Results) -> List[mx.array]:
+    return [a for _, got, expect in results for a in (got, expect)]
+
+
+def check_group(group_cases: Sequence[Case]) -> GroupResult:
+    """One instantiation's cases: all built, evaluated together (its kernel is
+    compiled once, at the first evaluation), then compared bit for bit. A case
+    that fails to build, or an evaluation that fails (a kernel that does not
+    compile or run), fails; a failed evaluation is retried case by case so that
+    each failure names its own case."""
+    result = GroupResult(group_cases[0].kernel, cases=len(group_cases))
+    built: List[Tuple[Case, Results]] = []
+    for case in group_cases:
+        try:
+            built.append((case, case.run()))
+        except Exception as e:  # a kernel that cannot even be called is a failure
+            result.failures.append(_error(case, e))
+    try:
+        mx.eval([a for _, results in built for a in _flatten(results)])
+    except Exception:
+        evaluated = []
+        for case, results in built:
+            try:
+                mx.eval(_flatten(results))
+            except Exception as e:
+                result.failures.append(_error(case, e))
+                continue
+            evaluated.append((case, results))
+        built = evaluated
+    for case, results in built:
+        for what, got, expect in results:
+            result.elements += got.size
+            diff = _difference(what, got, expect)
+            if diff:
+                result.failures.append((case.index, f"{case.label}: {diff}"))
+                break
+    return result
 
 
 def _ring(capacity: int, length: int, origin: int) -> Ring:
@@ -212,28 +307,134 @@ def _install(gpu, ref, h, d, p, layout, state, rows):
     return run
 
 
-def run_checks(gpu: KernelBackend, device: Union[mx.Device, mx.DeviceType],
-               ref: Optional[ReferenceBackend] = None) -> List[KernelReport]:
-    """Every case on ``device`` (the GPU, or the CPU for an emulated backend)."""
-    ref = ref or ReferenceBackend()
-    reports = {k: KernelReport(k) for k in KERNELS}
-    with mx.stream(device):
-        for kernel, label, run in checks(gpu, ref):
-            report = reports[kernel]
-            report.cases += 1
+def _merge(results: Sequence[GroupResult], selected: Sequence[str]) -> List[KernelReport]:
+    reports = {k: KernelReport(k) for k in selected}
+    failures: Dict[str, List[Tuple[int, str]]] = {k: [] for k in selected}
+    for r in results:
+        reports[r.kernel].cases += r.cases
+        reports[r.kernel].elements += r.elements
+        failures[r.kernel] += r.failures
+    for k, report in reports.items():
+        report.failures = [text for _, text in sorted(failures[k])]
+    return [reports[k] for k in selected]
+
+
+class _Progress:
+    """Cases done, on stderr: tqdm's bar where tqdm is installed (the ``lm``
+    extra), else one line per finished kernel instantiation."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        self.enabled, self.total, self.done = enabled, total, 0
+        if enabled:
             try:
-                results = run()
-                mx.eval([a for _, a, b in results] + [b for _, a, b in results])
-            except Exception as e:  # a kernel that does not build or run is a failure
-                report.failures.append(f"{label}: {type(e).__name__}: {e}".splitlines()[0])
-                continue
-            for what, got, expect in results:
-                report.elements += got.size
-                diff = _difference(what, got, expect)
-                if diff:
-                    report.failures.append(f"{label}: {diff}")
-                    break
-    return [reports[k] for k in KERNELS]
+                from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs shipped
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, unit="case", desc="selftest", file=sys.stderr,
+                            mininterval=0.5, leave=False)
+
+    def update(self, result: GroupResult, group: Group) -> None:
+        self.done += result.cases
+        if self.bar is not None:
+            self.bar.update(result.cases)
+        elif self.enabled:
+            print(f"selftest: {self.done}/{self.total} cases ({' '.join(map(str, group))})",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -- worker processes: each builds the case list itself and checks the
+# instantiations it is handed, so each kernel program is compiled in one process
+
+_WORKER: Dict[str, Dict[Group, List[Case]]] = {}
+
+
+def _worker_init(initializer: Optional[Callable[[], None]]) -> None:
+    if initializer is not None:
+        initializer()
+
+
+def _worker_check(backend: str, device: str, group: Group) -> GroupResult:
+    if backend not in _WORKER:
+        _WORKER[backend] = groups(cases(KernelBackend(backend), ReferenceBackend()))
+    with mx.stream(mx.gpu if device == "gpu" else mx.cpu):
+        return check_group(_WORKER[backend][group])
+
+
+def default_jobs() -> int:
+    """Worker processes for a parallel run: one per CPU this process may use
+    (each kernel program is compiled on one CPU; on CUDA that is most of the time)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return max(1, len(affinity(0)) if affinity else (os.cpu_count() or 1))
+
+
+def run_checks(gpu: KernelBackend, device: Union[mx.Device, mx.DeviceType],
+               ref: Optional[ReferenceBackend] = None, *, jobs: int = 1,
+               kernels_to_check: Sequence[str] = KERNELS, progress: bool = False,
+               initializer: Optional[Callable[[], None]] = None) -> List[KernelReport]:
+    """Every case of ``kernels_to_check`` on ``device`` (the GPU, or the CPU for an
+    emulated backend), one instantiation at a time; one report per kernel.
+
+    ``jobs > 1`` spreads the instantiations over that many fresh (spawned)
+    processes, which rebuild the backend by name (``initializer``, picklable,
+    runs first in each: the tests install the Metal emulator with it); ``gpu``
+    and ``ref`` must then be the plain backends, whatever a subclass would
+    change could not reach them."""
+    unknown = [k for k in kernels_to_check if k not in KERNELS]
+    if unknown or not kernels_to_check:
+        raise ValueError(f"kernels_to_check must name some of {KERNELS}, got {list(kernels_to_check)}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    selected = [k for k in KERNELS if k in kernels_to_check]
+    todo = {g: c for g, c in groups(cases(gpu, ref or ReferenceBackend())).items()
+            if g[0] in selected}
+    bar = _Progress(sum(len(c) for c in todo.values()), progress)
+    results: List[GroupResult] = []
+    try:
+        if jobs == 1:
+            with mx.stream(device):
+                for group, group_cases in todo.items():
+                    results.append(check_group(group_cases))
+                    bar.update(results[-1], group)
+        else:
+            results = _run_parallel(gpu, ref, device, todo, jobs, bar, initializer)
+    finally:
+        bar.close()
+    return _merge(results, selected)
+
+
+def _run_parallel(gpu: KernelBackend, ref: Optional[ReferenceBackend],
+                  device: Union[mx.Device, mx.DeviceType], todo: Dict[Group, List[Case]],
+                  jobs: int, bar: _Progress,
+                  initializer: Optional[Callable[[], None]]) -> List[GroupResult]:
+    if type(gpu) is not KernelBackend or (ref is not None and type(ref) is not ReferenceBackend):
+        raise ValueError(f"jobs > 1 rebuilds the backends by name in each worker: got "
+                         f"{type(gpu).__name__} and {type(ref).__name__}, expected KernelBackend "
+                         "and ReferenceBackend (or jobs=1)")
+    device_type = getattr(device, "type", device)
+    where = "gpu" if device_type == mx.gpu else "cpu"
+    results: List[GroupResult] = []
+    # spawn, not fork: a forked child of a process that has touched the GPU
+    # cannot use it
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
+                             mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_worker_init, initargs=(initializer,)) as pool:
+        futures = {pool.submit(_worker_check, gpu.name, where, g): g for g in todo}
+        for future in as_completed(futures):
+            group = futures[future]
+            try:
+                result = future.result()
+            except Exception as e:  # the worker itself failed: every case of it fails
+                result = GroupResult(group[0], cases=len(todo[group]), failures=[
+                    (c.index, f"{c.label}: worker failed: {type(e).__name__}: {e}".splitlines()[0])
+                    for c in todo[group]])
+            results.append(result)
+            bar.update(result, group)
+    return results
 
 
 def _device_name() -> str:
@@ -243,9 +444,13 @@ def _device_name() -> str:
         return "unknown device"
 
 
-def main(backend: Optional[str] = None, out: Optional[TextIO] = None) -> int:
-    """Print one line per kernel; 0 when all are bitwise equal to the reference,
-    1 on any difference, 0 with "nothing to test" when this MLX has no GPU backend."""
+def main(backend: Optional[str] = None, out: Optional[TextIO] = None,
+         jobs: Optional[int] = None) -> int:
+    """Print one line per kernel and the time taken; 0 when all are bitwise equal
+    to the reference, 1 on any difference, 0 with "nothing to test" when this MLX
+    has no GPU backend. ``jobs``: worker processes (default ``default_jobs()``;
+    1 checks in this process), progress on stderr."""
+    began = time.perf_counter()
     out = out or sys.stdout
     version = mx.__version__  # type: ignore[attr-defined]  # mlx's stubs omit mlx.core.__version__
     name = backend or kernels.detect()
@@ -259,21 +464,28 @@ def main(backend: Optional[str] = None, out: Optional[TextIO] = None) -> int:
         print(f"muser-kv selftest: backend {name!r} is not available in this MLX "
               f"(metal: {available['metal']}, cuda: {available['cuda']})", file=out)
         return 2
+    jobs = default_jobs() if jobs is None else jobs
     print(f"muser-kv selftest: mlx {version}, {name} kernels on {_device_name()} "
-          "against the reference path on the same GPU", file=out)
-    return summarize(run_checks(KernelBackend(name), mx.gpu), name, out)
+          f"against the reference path on the same GPU ({jobs} "
+          f"{'process' if jobs == 1 else 'processes'})", file=out, flush=True)
+    reports = run_checks(KernelBackend(name), mx.gpu, jobs=jobs, progress=True)
+    return summarize(reports, name, out, seconds=time.perf_counter() - began)
 
 
-def summarize(reports: Sequence[KernelReport], name: str, out: Optional[TextIO] = None) -> int:
-    """One line per kernel and the verdict; the exit status (0 or 1)."""
+def summarize(reports: Sequence[KernelReport], name: str, out: Optional[TextIO] = None,
+              seconds: Optional[float] = None) -> int:
+    """One line per kernel and the verdict (with the time taken, when given);
+    the exit status (0 or 1)."""
     out = out or sys.stdout
+    took = "" if seconds is None else f" in {seconds:.1f} s"
     for report in reports:
         print(report.line(), file=out)
     bad = [r.kernel for r in reports if not r.ok]
     if bad:
         verb = "differs" if len(bad) == 1 else "differ"
-        print(f"selftest FAILED: {', '.join(bad)} {verb} from the reference path", file=out)
+        print(f"selftest FAILED: {', '.join(bad)} {verb} from the reference path{took}",
+              file=out)
         return 1
     print(f"selftest passed: all {len(reports)} kernels bitwise equal to the reference path "
-          f"({name})", file=out)
+          f"({name}){took}", file=out)
     return 0

@@ -67,3 +67,47 @@ def test_a_broken_kernel_fails_the_selftest(emulator, monkeypatch):
     assert "key snapshot:" in lines[2] and "kernel 0x" in lines[2]
     assert all(line.split()[1] == "ok" for i, line in enumerate(lines[:4]) if i != 2)
     assert lines[-1] == "selftest FAILED: gather differs from the reference path"
+
+
+def test_one_wrong_case_fails_and_is_named(emulator, monkeypatch):
+    """Cases are evaluated and compared per instantiation, all at once: one wrong
+    case among its group's still fails alone, under its own label."""
+    monkeypatch.setattr(mx.fast, "metal_kernel", emulator)
+    wrong = 7  # the 7th gather call: the 7th gather case, in the report's order
+
+    class OneWrong(KernelBackend):
+        calls = 0
+
+        def gather(self, *args):
+            keys, values = super().gather(*args)
+            OneWrong.calls += 1
+            if OneWrong.calls == wrong:  # flip the lowest bit of the first row's keys
+                keys = mx.concatenate([(keys[:1].view(mx.uint16) ^ 1).view(keys.dtype), keys[1:]])
+            return keys, values
+
+    reports = selftest.run_checks(OneWrong("metal"), mx.cpu, kernels_to_check=("gather",))
+    label = [c.label for c in selftest.cases(KernelBackend("metal"), selftest.ReferenceBackend())
+             if c.kernel == "gather"][wrong - 1]
+    [report] = reports
+    assert report.kernel == "gather" and report.cases == 80
+    assert report.failures == [report.failures[0]] and report.failures[0].startswith(
+        f"{label}: key snapshot: "), report.failures
+    out = io.StringIO()
+    assert selftest.summarize(reports, "emulated metal", out) == 1
+    assert out.getvalue().splitlines()[0].startswith(f"gather       FAIL  1 of 80 cases differ; first: {label}")
+
+
+def test_worker_processes_give_the_same_reports(emulator, monkeypatch):
+    """--jobs: the instantiations spread over spawned processes (the emulator
+    installed in each) give the in-process reports."""
+    import metal_plugin
+
+    monkeypatch.setattr(mx.fast, "metal_kernel", emulator)
+    alone = selftest.run_checks(KernelBackend("metal"), mx.cpu, kernels_to_check=("install",))
+    spread = selftest.run_checks(KernelBackend("metal"), mx.cpu, jobs=2,
+                                 kernels_to_check=("install",), initializer=metal_plugin.install)
+    assert [(r.kernel, r.cases, r.elements, r.failures) for r in spread] == \
+        [(r.kernel, r.cases, r.elements, r.failures) for r in alone]
+    assert spread[0].ok and spread[0].cases == 80
+    with pytest.raises(ValueError, match="rebuilds the backends by name"):
+        selftest.run_checks(type("Sub", (KernelBackend,), {})("metal"), mx.cpu, jobs=2)
