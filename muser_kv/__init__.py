@@ -31,7 +31,7 @@ from muser_kv.core.geometry import (
 from muser_kv.core.planes import Planes
 from muser_kv.core.precision import attention_dtype, plane_dtype_for
 from muser_kv.core.ring import CacheDiscontinuity, Ring, Run
-from muser_kv.serving import prompt_files as _prompt_files
+from muser_kv.caches import prompt_files as _prompt_files
 from muser_kv.serving.install import Installed, install, installed, uninstall
 from muser_kv.serving.policy import (
     ChatShift,
@@ -97,6 +97,7 @@ __all__ = [
     "checkpoint",
     "make_cache_for",
     "make_prompt_cache",
+    "register_prompt_files",
     # sessions: files, restore, fingerprint, handoff
     "EncodingMismatch",
     "KVStore",
@@ -144,4 +145,6 @@ __all__ = [
     "uninstall",
 ]
 
-_prompt_files.register()  # mlx-lm's load_prompt_cache finds muser_kv.SlidingKVCache & co.
+_prompt_files.name_classes()  # what mlx-lm's save_prompt_cache writes: muser_kv.SlidingKVCache & co.
+_prompt_files.register_if_loaded()  # and where its load_prompt_cache finds them
+register_prompt_files = _prompt_files.register

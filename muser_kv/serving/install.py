@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
+from muser_kv.caches import prompt_files
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_cache_for
 from muser_kv.caches.speculative import DEFAULT_RETAIN
@@ -51,6 +52,7 @@ def install(model: Any, *, max_context: Optional[int] = None, retain: int = DEFA
     exact (with ``retain=0`` such a request is refused here). Raises
     ``UnsupportedModel`` for a model that is not one muser-kv serves (docs/models.md).
     """
+    prompt_files.register()  # the model's prompt-cache files hold muser-kv's classes
     retain = count(retain, "retain")
     if num_draft_tokens is not None:
         drafts = count(num_draft_tokens, "num_draft_tokens", minimum=1)

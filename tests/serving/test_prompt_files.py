@@ -4,6 +4,7 @@ whose next logits are bitwise the live cache's, rotation and retained rows
 intact; mlx-lm's own caches still load as mlx-lm's classes; a file is refused
 clearly where it cannot be restored exactly."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,27 @@ def test_without_muser_kv_imported_the_load_names_what_is_missing(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode != 0
     assert "KeyError: 'muser_kv.SlidingKVCache'" in out.stderr
+
+
+@pytest.mark.parametrize("order", ["mlx_lm first", "muser_kv first, then registered"])
+def test_a_file_loads_wherever_muser_kv_was_imported_and_its_import_pulls_in_no_mlx_lm(tmp_path, order):
+    """Importing muser_kv imports no mlx-lm (whose package imports transformers:
+    seconds); its classes reach mlx-lm's loader when muser_kv is imported after
+    mlx-lm, or when ``register_prompt_files()`` (or building a list, or
+    ``install``) runs after it."""
+    model = tiny_model(mx.float16)
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(str(path), muser_kv.make_prompt_cache(model, CONTEXT))
+    load = f"from mlx_lm.models.cache import load_prompt_cache; print(len(load_prompt_cache({str(path)!r})))"
+    if order == "mlx_lm first":
+        code = f"import mlx_lm.models.cache; import muser_kv; {load}"
+    else:
+        code = ("import sys, muser_kv; assert 'mlx_lm' not in sys.modules, 'mlx_lm imported'; "
+                f"muser_kv.register_prompt_files(); {load}")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(len(model.layers))
 
 
 def test_one_argument_from_state_refuses_what_is_not_a_cache_state(model):
