@@ -24,6 +24,9 @@ MAX_CONTEXT = 96
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                vocab_size=128)
 
+#: Step 3.5 names its K/V heads num_attention_groups
+_STEP_COMMON = {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}
+
 
 @dataclass(frozen=True)
 class Species:
@@ -77,6 +80,67 @@ ZOO: Dict[str, Species] = {
     "olmo3": Species("olmo3", dict(_COMMON, num_hidden_layers=8, head_dim=32, rms_norm_eps=1e-6,
                                    max_position_embeddings=MAX_CONTEXT, sliding_window=WINDOW,
                                    rope_theta=10000.0)),
+    # the modules below share the same RotatingKVCache / KVCache plans (docs/models.md)
+    "afmoe": Species("afmoe", dict(_COMMON, num_hidden_layers=4, head_dim=16,
+                                   max_position_embeddings=MAX_CONTEXT, sliding_window=WINDOW,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   num_dense_layers=1), quantize=True),
+    "exaone_moe": Species("exaone_moe", dict(_COMMON, num_hidden_layers=4, head_dim=16,
+                                             moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, num_shared_experts=1,
+                                             rms_norm_eps=1e-5, max_position_embeddings=MAX_CONTEXT,
+                                             sliding_window=WINDOW,
+                                             layer_types=["sliding_attention"] * 3
+                                             + ["full_attention"],
+                                             is_moe_layer=[False, True, True, True]),
+                          quantize=True),
+    "laguna": Species("laguna", dict(_COMMON, num_hidden_layers=4, head_dim=16,
+                                     max_position_embeddings=MAX_CONTEXT, sliding_window=WINDOW,
+                                     layer_types=["full_attention"] + ["sliding_attention"] * 3,
+                                     num_attention_heads_per_layer=[4, 8, 8, 8],
+                                     rope_parameters={
+                                         "full_attention": {"rope_theta": 1000000.0,
+                                                            "partial_rotary_factor": 0.5},
+                                         "sliding_attention": {"rope_theta": 10000.0}},
+                                     num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                      quantize=True),
+    "mellum": Species("mellum", dict(_COMMON, num_hidden_layers=4, head_dim=16,
+                                     rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                     max_position_embeddings=MAX_CONTEXT, sliding_window=WINDOW,
+                                     layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                     rope_parameters={"full_attention": {"rope_theta": 1e6},
+                                                      "sliding_attention": {"rope_theta": 1e4}},
+                                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                     norm_topk_prob=True), quantize=True),
+    "ministral3": Species("ministral3", dict(_COMMON, num_hidden_layers=4, head_dim=16,
+                                             rms_norm_eps=1e-5, max_position_embeddings=MAX_CONTEXT,
+                                             sliding_window=WINDOW,
+                                             layer_types=["sliding_attention"] * 3
+                                             + ["full_attention"],
+                                             # positions past 16 scale the queries (llama 4's
+                                             # attention scaling): the tests reach them
+                                             rope_parameters={"rope_type": "default",
+                                                              "rope_theta": 1e6,
+                                                              "llama_4_scaling_beta": 0.1,
+                                                              "original_max_position_embeddings": 16})),
+    "spark2_5": Species("spark2_5", dict(_COMMON, num_hidden_layers=4, head_dim=16,
+                                         max_position_embeddings=MAX_CONTEXT, sliding_window=WINDOW,
+                                         rope_parameters={
+                                             "full_attention": {"rope_theta": 1e6,
+                                                                "partial_rotary_factor": 0.5},
+                                             "sliding_attention": {"rope_theta": 1e4}})),
+    "step3p5": Species("step3p5", dict(_STEP_COMMON, num_hidden_layers=4, head_dim=16,
+                                       num_attention_groups=2, max_position_embeddings=MAX_CONTEXT,
+                                       sliding_window=WINDOW,
+                                       layer_types=["full_attention"] + ["sliding_attention"] * 3,
+                                       # the sliding layers' own heads: other K/V heads per kind
+                                       attention_other_setting={"num_attention_heads": 8,
+                                                                "num_attention_groups": 4},
+                                       moe_num_experts=4, moe_top_k=2, moe_intermediate_size=32,
+                                       share_expert_dim=32, moe_layers_enum="2,3",
+                                       swiglu_limits=[0, 0, 7.0, 7.0]), quantize=True),
 }
 
 
