@@ -226,11 +226,41 @@ FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
 FAMILY_CONTEXT = {"gemma3-27b": 131072, "gpt-oss-20b": 131072}
 
 
-def build_family(name: str, dtype: str, seed: int = 0):
-    """A ``FAMILIES`` model with random weights (seeded), cast to ``dtype``, evaluated."""
+def overrides(text: str) -> Dict[str, Any]:
+    """An argparse type: ``key=value,...`` -> ``{key: value}``, each value read as
+    JSON where it parses (``64``, ``1e-6``, ``null``, ``["a","b"]``), else as a
+    string; commas inside brackets or braces belong to the value."""
+    out: Dict[str, Any] = {}
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    for part in filter(None, parts):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value, got {part!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def build_family(name: str, dtype: str, seed: int = 0,
+                 override: Optional[Dict[str, Any]] = None):
+    """A ``FAMILIES`` model with random weights (seeded), cast to ``dtype``, evaluated.
+    ``override``: ModelArgs fields in place of the family's (a smaller model of the
+    same code, for a CPU check); a ``num_hidden_layers`` that leaves the family's
+    ``layer_types`` alone keeps its first entries, the family's pattern."""
     import importlib
 
     module, fields = FAMILIES[name]
+    fields = {**fields, **(override or {})}
+    if "layer_types" in fields and "layer_types" not in (override or {}):
+        fields["layer_types"] = fields["layer_types"][:fields["num_hidden_layers"]]
     lib = importlib.import_module(f"mlx_lm.models.{module}")
     mx.random.seed(seed)
     model = lib.Model(lib.ModelArgs(model_type=module, **fields))

@@ -2,7 +2,12 @@
 
 mlx-lm's server prompt-cache logic is driven in-process, call for call as
 ``mlx_lm/server.py`` 0.32.2 makes it (no HTTP, no tokenizer: token ids), on one
-Muse Glimmer (``_harness.build_model``), with muser-kv's caches and
+Muse Glimmer (``_harness.build_model``) or, with ``--family gemma3-27b`` or
+``gpt-oss-20b``, that checkpoint's shapes with random weights
+(``_harness.FAMILIES``; ``--family-override key=value,...`` puts ModelArgs
+fields in place of the family's: a smaller model of the same code, for a CPU
+check; a smaller ``num_hidden_layers`` keeps the family's first ``layer_types``),
+with muser-kv's caches and
 ``ExactPromptCache`` (``muser_kv.install(model)``: ``muser-kv serve``) against
 mlx-lm's (``model.make_cache()``) and ``LRUPromptCache``; greedy, ``--answer``
 tokens per turn, on both server paths:
@@ -31,9 +36,26 @@ and fall back the same way beyond it. Printed: the median TTFT per cell, what
 the prompt cache supplied per turn, mlx-lm / muser-kv (above 1: muser-kv faster).
 
     bash benchmarks/device.sh returning                         # H200: 32k history, real geometry
+    python3 benchmarks/returning_chat.py --family gemma3-27b --divergences 0,4,150    # H200
+    python3 benchmarks/returning_chat.py --family gpt-oss-20b --divergences 0,4,150   # H200
     PYTHONPATH=. .venv/bin/python benchmarks/returning_chat.py --layers 4 --hidden 64 \\
         --intermediate 128 --vocab 512 --heads 4 --window 128 --max-position 4096 \\
         --history 600 --answer 24 --divergences 0,4,20 --user 16 --prefill-step 256   # CPU
+    PYTHONPATH=. .venv/bin/python benchmarks/returning_chat.py --family gemma3-27b \\
+        --family-override hidden_size=64,intermediate_size=128,num_hidden_layers=6 \\
+        --family-override num_attention_heads=4,num_key_value_heads=2,head_dim=16 \\
+        --family-override query_pre_attn_scalar=16,sliding_window=64,vocab_size=512 \\
+        --family-override max_position_embeddings=4096 --history 400 --answer 160 \\
+        --divergences 0,4,150 --user 16 --repeats 1 --prefill-step 128      # CPU smoke check
+    PYTHONPATH=. .venv/bin/python benchmarks/returning_chat.py --family gpt-oss-20b \\
+        --dtype float32 --family-override hidden_size=64,intermediate_size=64 \\
+        --family-override num_hidden_layers=4,num_local_experts=4,num_experts_per_tok=2 \\
+        --family-override num_attention_heads=4,num_key_value_heads=2,head_dim=16 \\
+        --family-override sliding_window=64,vocab_size=512 --history 400 --answer 160 \\
+        --divergences 0,4,150 --user 16 --repeats 1 --prefill-step 128      # CPU smoke check
+
+(GPT-OSS on the CPU in float32: MLX's CPU ``gather_mm``, which its experts run,
+takes f32 only.)
 """
 
 from __future__ import annotations
@@ -50,7 +72,7 @@ import muser_kv
 from muser_kv.serving.prompt_cache import ExactPromptCache
 
 PATHS = ("batched", "sequential")
-KEY = ("muse-glimmer", None, None)  # the server's model key: (model, adapter, draft)
+GLIMMER = "muse-glimmer"
 
 
 def parse_args(argv=None):
@@ -70,9 +92,23 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=int, default=None,
                    help="muser-kv's --max-context (default: the conversation's length rounded "
                         "up to 256, what a server for it would be given)")
+    p.add_argument("--family", choices=[GLIMMER, *H.FAMILIES], default=GLIMMER,
+                   help="the model: Muse Glimmer at the geometry flags (default), or a family at "
+                        "its real checkpoint's shapes (the geometry flags then unused)")
+    p.add_argument("--family-override", type=H.overrides, action="append", default=[],
+                   metavar="KEY=VALUE,...",
+                   help="ModelArgs fields in place of the family's (values read as JSON where "
+                        "they parse), e.g. hidden_size=64,num_hidden_layers=4; may be repeated")
     H.add_prefill_flags(p)  # the warm-up: a conversation, one returning turn, per system and path
     H.add_flags(p, dtype="bfloat16", blocks=("repeats", 2, "returning turns per conversation"))
+    warmup_given = p.parse_args(argv).warmup is not None
     args = H.parse(p, argv)
+    args.family_override = {k: v for part in args.family_override for k, v in part.items()}
+    if args.family_override and args.family == GLIMMER:
+        p.error("--family-override needs --family (Muse Glimmer takes the geometry flags)")
+    if args.family != GLIMMER and not warmup_given:  # the default warm-up, on the family's window
+        window = {**H.FAMILIES[args.family][1], **args.family_override}["sliding_window"]
+        args.warmup = window + 2 * args.prefill_step
     if not all(0 <= d < args.answer for d in args.divergences):
         p.error(f"every divergence must be in [0, --answer) = [0, {args.answer})")
     return args
@@ -84,6 +120,7 @@ class Server:
 
     def __init__(self, system: str, path: str, model, args, max_context: int):
         self.system, self.path, self.model, self.args = system, path, model, args
+        self.key = (args.family, None, None)  # the server's model key: (model, adapter, draft)
         muser_kv.uninstall(model)
         if system == "muser-kv":
             muser_kv.install(model, max_context=max_context, retain=args.retain)
@@ -101,7 +138,7 @@ class Server:
     def request(self, prompt: List[int]) -> Tuple[float, int, List[int]]:
         """(time to first token, prompt tokens reused, the answer)."""
         t0 = H.now()
-        cache, rest = self.lru.fetch_nearest_cache(KEY, prompt)
+        cache, rest = self.lru.fetch_nearest_cache(self.key, prompt)
         reused = len(prompt) - len(rest)
         if self.batch is None:
             return self._single(t0, prompt, cache, rest, reused)
@@ -115,7 +152,7 @@ class Server:
         answer = [int(next(gen)[0])]
         ttft = H.now() - t0
         answer += [int(t) for t, _ in gen]
-        self.lru.insert_cache(KEY, prompt + answer, cache)
+        self.lru.insert_cache(self.key, prompt + answer, cache)
         return ttft, reused, answer
 
     def _batched(self, t0, prompt, cache, reused):
@@ -130,13 +167,13 @@ class Server:
             ends = [r.uid for r in prompt_responses
                     if r.end_of_segment and not r.end_of_prompt and segment_types]
             for _, (c, key) in bg.extract_cache(ends).items():
-                self.lru.insert_cache(KEY, key[:], c, cache_type=segment_types.pop())
+                self.lru.insert_cache(self.key, key[:], c, cache_type=segment_types.pop())
             for r in gen_responses:
                 if ttft is None:
                     ttft = H.now() - t0
                 answer.append(int(r.token))
                 if r.finish_reason is not None:
-                    self.lru.insert_cache(KEY, r.all_tokens[:], r.prompt_cache,
+                    self.lru.insert_cache(self.key, r.all_tokens[:], r.prompt_cache,
                                           cache_type="assistant")
                     return ttft, reused, answer
 
@@ -176,17 +213,24 @@ def serve(system: str, path: str, model, args, max_context: int, history: List[i
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     length = args.history + args.repeats * (args.answer + args.user) + args.answer
-    max_context = args.max_context or -(-length // 256) * 256
-    H.print_header("returning chat: time to first token on mlx-lm's server, muser-kv vs mlx-lm",
-                   args, extra=f"conversations up to {length:,} tokens; muser-kv max_context "
-                               f"{max_context:,}")
+    warm_length = args.warmup + args.answer + args.user + args.answer  # one returning turn
+    max_context = args.max_context or -(-max(length, warm_length) // 256) * 256
+    H.print_header(f"returning chat: time to first token on mlx-lm's server, {args.family}, "
+                   "muser-kv vs mlx-lm", args,
+                   extra=f"conversations up to {length:,} tokens; muser-kv max_context "
+                         f"{max_context:,}")
     t = H.now()
-    model = H.build_model(args)
+    if args.family == GLIMMER:
+        model = H.build_model(args)
+    else:
+        model = H.build_family(args.family, args.dtype, args.seed, args.family_override)
     vocab = model.args.vocab_size
     print(f"{H.describe(model)}; built in {H.now() - t:.1f} s")
-    if max_context > model.args.max_position_embeddings:
+    limit = (getattr(model.args, "max_position_embeddings", None)
+             or H.FAMILY_CONTEXT.get(args.family))
+    if max_context > limit:
         raise SystemExit(f"the conversation needs max_context {max_context:,}, past the model's "
-                         f"max_position_embeddings {model.args.max_position_embeddings:,}")
+                         f"context {limit:,}")
     rng = np.random.default_rng(args.seed)
     history = [int(x) for x in rng.integers(0, vocab, args.history)]
     users = [[int(x) for x in rng.integers(0, vocab, args.user)] for _ in range(args.repeats)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
 from muser_kv.core.counts import count, optional_count
-from muser_kv.core.probe import handed_kv, own_caches
+from muser_kv.core.probe import cache_uses, own_caches
 
 #: Bytes per stored element: the live planes are f16 or bf16 on every backend.
 PLANE_ITEMSIZE = 2
@@ -213,10 +213,10 @@ class MuseGeometry:
         (chunked attention, recurrent state), attention-sink rows, no sliding
         layer, two windows, K/V shapes that differ within a kind."""
         name = type(model).__name__
-        args = getattr(model, "args", None)
+        args = _model_args(model)
         if args is None:
             raise UnsupportedModel(
-                f"muser-kv needs an mlx-lm model with .args, got {name}: it "
+                f"muser-kv needs an mlx-lm model with .args (or .config), got {name}: it "
                 "serves models with sliding-window and global attention layers "
                 f"(layer_types {' / '.join(LAYER_TYPES)})")
         what = f"{name} ({_args_name(args)})"
@@ -259,7 +259,7 @@ class MuseGeometry:
             raise UnsupportedModel(f"{what}: sliding layers of windows {windows}; muser-kv "
                                    "serves one window per model")
         kinds = tuple(LayerKind.SLIDING if c.kind == "sliding" else LayerKind.GLOBAL for c in own)
-        dims = _handed_dims(model, what, kinds)
+        dims = _handed_dims(model, what, kinds, windows[0])
         limit = _model_int(fields, "max_position_embeddings")
         max_context = optional_count(max_context, "max_context", minimum=1)
         if max_context is None:
@@ -401,9 +401,16 @@ def _text_args(args: Any) -> Any:
     return text if text is not None and getattr(args, "num_attention_heads", None) is None else args
 
 
+def _model_args(model: Any) -> Any:
+    """An mlx-lm model's args: ``model.args``, or ``model.config`` where the
+    module names them so (PLaMo 3)."""
+    args = getattr(model, "args", None)
+    return getattr(model, "config", None) if args is None else args
+
+
 def context_limit(model: Any) -> int | None:
     """The model's ``max_position_embeddings``, where its args carry one."""
-    return _model_int(_text_args(getattr(model, "args", None)), "max_position_embeddings")
+    return _model_int(_text_args(_model_args(model)), "max_position_embeddings")
 
 
 def _why(kind: str) -> str:
@@ -416,18 +423,35 @@ def _why(kind: str) -> str:
     return ""
 
 
-def _handed_dims(model: Any, what: str, kinds: Tuple[LayerKind, ...]
+def _handed_dims(model: Any, what: str, kinds: Tuple[LayerKind, ...], window: int
                  ) -> Dict[LayerKind, Tuple[int, int]]:
     """``(kv_heads, head_dim)`` per layer kind, from the K/V the model hands its
-    caches in a lazy forward (``probe.handed_kv``); one per kind, or refused."""
+    caches in a lazy forward (``probe.cache_uses``); one per kind, or refused.
+    Refused too: a forward that masks a sliding layer to another span than its
+    ring holds, or reads one layer's cache from another (KV sharing through
+    ``keys_and_values()``): a muser-kv cache hands its rows, and the mask that
+    describes them, to the layer that writes it, in ``update_and_fetch``."""
     try:
-        handed = handed_kv(model, len(kinds))
+        uses = cache_uses(model, len(kinds))
     except Exception as e:  # the forward itself cannot run here
         raise UnsupportedModel(
             f"{what}: a lazy one-token forward, to read the K/V each layer hands its cache, "
             f"failed on this device ({type(e).__name__}: {e})") from e
     dims: Dict[LayerKind, Tuple[int, int]] = {}
-    for i, (kind, h) in enumerate(zip(kinds, handed)):
+    for i, (kind, use) in enumerate(zip(kinds, uses)):
+        if use.read_elsewhere:
+            raise UnsupportedModel(
+                f"{what}: another layer reads layer {i}'s cache through keys_and_values() (KV "
+                "sharing inside the model's forward); muser-kv's caches hand their rows only to "
+                "the layer that writes them, through update_and_fetch")
+        asked = sorted({w for w in use.mask_windows if w is not None and w != window})
+        if kind is LayerKind.SLIDING and asked:
+            raise UnsupportedModel(
+                f"{what}: the model masks layer {i} to a window of {asked[0]} rows, but its own "
+                f"make_cache() gives that layer a RotatingKVCache of {window}: mlx-lm's attention "
+                f"span then depends on how a prompt is chunked (a chunk's queries see up to "
+                f"{asked[0]} rows, a decoded token {window}), which no ring reproduces exactly")
+        h = use.handed
         if h is None:
             raise UnsupportedModel(f"{what}: layer {i}'s cache was handed no keys in a forward")
         if len(h.keys) != 4 or h.keys != h.values:

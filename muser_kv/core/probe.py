@@ -13,6 +13,10 @@ A layer plan is never taken from a hand-kept table or guessed from a config:
 * **each cache's K/V heads, head_dim and dtype**: the shapes of the keys and
   values the model hands each cache in a lazy forward of one token, recorded
   and passed through, never evaluated (no kernel runs: host time only).
+* **how the forward uses each cache beyond that**: the window of every mask it
+  asks the cache for (a model may mask a sliding layer to another span than
+  its own ring holds), and whether another layer reads the cache's rows
+  (``keys_and_values()``: KV sharing inside the model's forward).
 
 The classes are named, not imported: core imports no mlx-lm.
 """
@@ -69,6 +73,18 @@ class HandedKV:
     dtype: Any
 
 
+@dataclass(frozen=True)
+class CacheUse:
+    """What a model's forward did with one cache."""
+
+    #: the keys and values it was handed; ``None``: none
+    handed: Optional[HandedKV]
+    #: the ``window_size`` of every ``make_mask`` it was asked for, in order
+    mask_windows: Tuple[Optional[int], ...]
+    #: ``keys_and_values()`` calls: another layer reading the rows it holds
+    read_elsewhere: int
+
+
 class _Recorder:
     """Stands in for one cache in a lazy forward: records what it is handed and
     hands it back (attention then runs, lazily, over exactly that)."""
@@ -77,20 +93,30 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.handed: Optional[HandedKV] = None
+        self.last: Optional[Tuple[mx.array, mx.array]] = None
+        self.mask_windows: List[Optional[int]] = []
+        self.read_elsewhere = 0
 
-    def make_mask(self, *args: Any, **kwargs: Any) -> None:
+    def make_mask(self, N: int, window_size: Optional[int] = None, **kwargs: Any) -> None:
+        self.mask_windows.append(window_size)
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         if self.handed is None:
             self.handed = HandedKV(tuple(keys.shape), tuple(values.shape), keys.dtype)
+        self.last = (keys, values)
         return keys, values
 
+    def keys_and_values(self) -> Tuple[mx.array, mx.array]:
+        if self.last is None:
+            raise RuntimeError("keys_and_values() on a cache that was handed nothing")
+        self.read_elsewhere += 1
+        return self.last
 
-def handed_kv(model: Any, count: int) -> List[Optional[HandedKV]]:
-    """What each of ``count`` caches is handed in a lazy one-token forward
-    (``None`` for a cache handed nothing). An error of the forward itself (a
-    kernel this device lacks, say) propagates."""
+
+def cache_uses(model: Any, count: int) -> List[CacheUse]:
+    """What a lazy one-token forward does with each of ``count`` caches. An
+    error of the forward itself (a kernel this device lacks, say) propagates."""
     recorders = [_Recorder() for _ in range(count)]
     model(mx.array([[0]], dtype=mx.int32), cache=recorders)
-    return [r.handed for r in recorders]
+    return [CacheUse(r.handed, tuple(r.mask_windows), r.read_elsewhere) for r in recorders]

@@ -21,7 +21,7 @@ import pytest
 from metal_plugin import EMULATOR_ENV
 from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-from model_zoo import MAX_CONTEXT, WINDOW, ZOO, tiny
+from model_zoo import MAX_CONTEXT, REFUSED, WINDOW, ZOO, tiny
 from oracle import bits16
 
 import muser_kv
@@ -261,6 +261,25 @@ def test_muse_spark_is_read_but_needs_mlx_lms_metal_kernel_to_run():
         muser_kv.make_prompt_cache(model, MAX_CONTEXT)
 
 
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_model_muser_kv_cannot_serve_exactly_is_refused_naming_why(name):
+    """``model_zoo.REFUSED``: tiny configs of modules whose forward does what a
+    muser-kv cache cannot answer exactly (another layer reading a cache's rows,
+    a sliding mask wider than the layer's own ring, K and V of other widths).
+    mlx-lm's own caches run each one (the config is a working model);
+    ``make_prompt_cache`` and ``install`` refuse it, naming why, and leave the
+    model as it was."""
+    species, why = REFUSED[name]
+    model = tiny(name, mx.bfloat16)
+    own = type(model).make_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=own), model(mx.array([[3]]), cache=own))
+    with pytest.raises(muser_kv.UnsupportedModel, match=why):
+        muser_kv.make_prompt_cache(model, MAX_CONTEXT)
+    with pytest.raises(muser_kv.UnsupportedModel, match=why):
+        muser_kv.install(model, max_context=MAX_CONTEXT)
+    assert "make_cache" not in vars(model)
+
+
 def test_a_model_that_runs_layers_twice_is_refused():
     """IQuest Loop Coder's make_cache() gives every layer a second, looped cache."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -323,6 +342,8 @@ def test_every_mlx_lm_module_with_a_rotating_cache_is_in_the_models_table():
     assert not missing, f"docs/models.md does not say what muser-kv does with {missing}"
     for name in ZOO:  # every zoo model is a served row
         assert f"`{ZOO[name].module}` | served" in table or f"`{ZOO[name].module}` | plan read" in table
+    for name in REFUSED:  # and every model the zoo shows refused, a refused one
+        assert f"`{REFUSED[name][0].module}` | refused" in table
 
 
 @pytest.fixture(scope="module")
