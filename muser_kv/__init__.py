@@ -9,6 +9,7 @@ import-linter in CI): ``core`` <- ``caches`` <- ``sessions`` <- ``serving``.
 Every public name is here, in one ``__all__``.
 """
 
+from muser_kv.caches import prompt_files as _prompt_files
 from muser_kv.caches.base import ContextOverflow, MuseKVCache
 from muser_kv.caches.cachelist import CacheList, CacheListMismatch, CacheOutOfStep
 from muser_kv.caches.factory import make_cache_for, make_prompt_cache
@@ -31,7 +32,6 @@ from muser_kv.core.geometry import (
 from muser_kv.core.planes import Planes
 from muser_kv.core.precision import attention_dtype, plane_dtype_for
 from muser_kv.core.ring import CacheDiscontinuity, Ring, Run
-from muser_kv.caches import prompt_files as _prompt_files
 from muser_kv.serving.install import Installed, install, installed, uninstall
 from muser_kv.serving.policy import (
     ChatShift,
