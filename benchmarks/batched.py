@@ -126,7 +126,8 @@ def batch(model, system: str, fill: int, max_context: int, b: int, args) -> List
     """One batch per layer of ``b`` sequences, each filled to ``fill`` tokens of
     the same random K/V through the batch's own ``update_and_fetch``."""
     if system == "muser-kv":
-        single = muser_kv.make_prompt_cache(model, max_context=max_context)
+        single = muser_kv.make_prompt_cache(model, max_context=max_context,
+                                            sliding_layout=args.sliding_layout)
         caches: List[Any] = [BatchKVCache.merge([c] * b, slots=b) for c in single]
         del single
     else:
