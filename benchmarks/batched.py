@@ -127,7 +127,7 @@ def batch(model, system: str, fill: int, max_context: int, b: int, args) -> List
     the same random K/V through the batch's own ``update_and_fetch``."""
     if system == "muser-kv":
         single = muser_kv.make_prompt_cache(model, max_context=max_context,
-                                            sliding_layout=args.sliding_layout)
+                                            sliding_layout=getattr(args, "sliding_layout", "token_major"))
         caches: List[Any] = [BatchKVCache.merge([c] * b, slots=b) for c in single]
         del single
     else:

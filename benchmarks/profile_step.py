@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="runs per component, the median (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--fill-chunk", type=int, default=4096)
+    p.add_argument("--sliding-layout", choices=["token_major", "head_major"], default="token_major",
+                   help="the sliding rings' layout (default token_major)")
     p.add_argument("--family", choices=["muse-glimmer", *H.FAMILIES], default="muse-glimmer",
                    help="the model: Muse Glimmer at the geometry flags (default), or a family")
     H.add_flags(p)

@@ -37,7 +37,7 @@ import mlx.core as mx
 from muser_kv.caches import cachelist
 from muser_kv.core import kernels
 from muser_kv.core.counts import count
-from muser_kv.core.geometry import LayerKind
+from muser_kv.core.geometry import ROW_GRANULE, LayerKind, sized_rows
 from muser_kv.core.kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Trim, Write
@@ -117,6 +117,9 @@ class MuseKVCache(ABC):
         self._checkpoints: Optional["weakref.WeakSet"] = None  # open checkpoints over it
         #: slots a batch merged from this cache preallocates (``batch.py``)
         self.batch_slots = 1
+        #: whether planes made for this sequence alone (an install, an extract
+        #: from a batch) are sized for its rows and grow (``Planes.growing``)
+        self.growing = planes.growing
 
     # -- identity -------------------------------------------------------------------
 
@@ -343,9 +346,20 @@ class MuseKVCache(ABC):
         except ValueError as e:
             raise ValueError(f"MuseKVCache.from_state: bad meta_state {meta!r} ({e})") from None
         keys, values = parts[0], parts[1]
+        expected = min(max_context, window) if kind is LayerKind.SLIDING else max_context
+        if capacity != expected:
+            raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {expected}")
+        ring = Ring(capacity, length, ol, op, layer)
+        dtype = keys.dtype if keys.dtype in PLANE_DTYPES else PLANE_DTYPE
         planes = Planes(kv_heads=heads, head_dim=dim, capacity=capacity, layout=layout,
-                        dtype=keys.dtype if keys.dtype in PLANE_DTYPES else PLANE_DTYPE,
-                        allocate=False)
+                        dtype=dtype, allocate=False)
+        # a global plane saved while it was growing holds fewer rows than the
+        # preallocated size: it is restored growing, at that allocation
+        rows = keys.shape[1] if layout == kernels.HEAD_MAJOR and keys.ndim == 3 else planes.rows
+        if (kind is LayerKind.GLOBAL and ring.extent <= rows < planes.rows
+                and rows % ROW_GRANULE == 0):
+            planes = Planes(kv_heads=heads, head_dim=dim, capacity=capacity, layout=layout,
+                            dtype=dtype, allocate=False, growing=True, rows=rows)
         physical = planes.memory_shape[1:]
         for name, x in (("keys", keys), ("values", values)):
             if (x.dtype not in PLANE_DTYPES or x.dtype != keys.dtype
@@ -353,10 +367,6 @@ class MuseKVCache(ABC):
                 raise ValueError(
                     f"layer {layer}: state {name} must be float16 or bfloat16 {physical} "
                     f"(keys and values alike), got {x.dtype} {tuple(x.shape)}")
-        expected = min(max_context, window) if kind is LayerKind.SLIDING else max_context
-        if capacity != expected:
-            raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {expected}")
-        ring = Ring(capacity, length, ol, op, layer)
         regime = REGIMES[kind]
         held = regime._check_state_retained(retained, ring, keys.dtype, heads * dim, retain)
         planes.set(keys.reshape(planes.memory_shape), values.reshape(planes.memory_shape))
@@ -405,9 +415,16 @@ class MuseKVCache(ABC):
                 raise ValueError(f"{where}: installed {name} must be {shape}, got {tuple(x.shape)}")
         ring = self.install_ring(start, n)
         flat = (n, self.kv_dim)
-        one = self.planes.memory_shape[1:]
+        one = self.install_shape(ring)
         k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring, one)
         self._installed(ring, k.reshape(one), v.reshape(one))
+
+    def install_shape(self, ring: Ring) -> Tuple[int, ...]:
+        """The one-slot memory shape (``memory_shape[1:]``) of the planes an
+        install leaving ``ring`` builds: sized for its rows for a growing
+        sequence (``Planes.rows_for``), the preallocated size otherwise."""
+        rows = sized_rows(ring.extent, self.capacity) if self.growing else self.planes.limit
+        return self.planes.memory_shape_for(rows)[1:]
 
     def install_ring(self, start: int, n: int) -> Ring:
         """The ring an install of ``n`` rows from ``start`` leaves (its live runs
@@ -425,9 +442,9 @@ class MuseKVCache(ABC):
     def install_planes(self, ring: Ring, keys: mx.array, values: mx.array) -> None:
         """Adopt planes already holding ``ring``'s rows where its live runs put
         them and zeros elsewhere (``install_ring``'s ring; one slot in memory
-        order, ``memory_shape[1:]``): what ``install`` builds, made by a caller
+        order, ``install_shape(ring)``): what ``install`` builds, made by a caller
         that wrote the rows straight into them (``load_session``)."""
-        one = self.planes.memory_shape[1:]
+        one = self.install_shape(ring)
         for name, x in (("keys", keys), ("values", values)):
             if x.dtype != self.dtype or tuple(x.shape) != one:
                 raise ValueError(f"KV cache for layer {self.layer}: installed {name} planes must "
@@ -436,11 +453,14 @@ class MuseKVCache(ABC):
 
     def _installed(self, ring: Ring, k: mx.array, v: mx.array) -> None:
         if self.planes.slots == 1:
-            self.planes.set(k.reshape(self.planes.memory_shape), v.reshape(self.planes.memory_shape))
+            shape = (1,) + tuple(k.shape)
+            self.planes.set(k.reshape(shape), v.reshape(shape))
         else:
             fresh = Planes(kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=self.capacity,
-                           layout=self.layout, dtype=self.dtype, allocate=False)
-            fresh.set(k.reshape(fresh.memory_shape), v.reshape(fresh.memory_shape))
+                           layout=self.layout, dtype=self.dtype, allocate=False,
+                           growing=self.planes.growing or self.growing)
+            fresh.set(k.reshape((1,) + tuple(k.shape)), v.reshape((1,) + tuple(v.shape)))
+            self.planes.reserve(ring.extent)
             self.planes.copy_slot(self.slot, fresh)
         self.ring.assign(ring)
         self.replaced()
@@ -449,11 +469,11 @@ class MuseKVCache(ABC):
     def hold(self) -> Any:
         """What ``release`` needs to put this cache back as it is now (the arrays
         are values: holding them costs nothing until the planes are rewritten)."""
-        return self.planes.k, self.planes.v, self.ring.copy()
+        return self.planes.k, self.planes.v, self.planes.rows, self.ring.copy()
 
     def release(self, held: Any) -> None:
         """Put back what ``hold`` took (an install that failed part-way)."""
-        self.planes.k, self.planes.v, ring = held
+        self.planes.k, self.planes.v, self.planes.rows, ring = held
         self.ring.assign(ring)
         self.replaced()
 

@@ -29,6 +29,11 @@ What a step costs, and what it copies:
   (every sequence copied once); ``make_prompt_cache(..., batch_slots=N)``
   preallocates ``N`` slots when the caches are merged, so that never happens.
 
+A global layer's batch planes grow as its sequences' planes do (``Planes.reserve``):
+every slot holds the rows of the longest sequence, doubling before the write that
+needs more. They are preallocated when any merged sequence's are. A sequence
+extracted from a batch gets planes of its own regime, sized for its rows.
+
 mlx-lm's left padding (``prepare(left_padding=...)``) is not taken: its own
 ``BatchGenerator`` right-pads, and a left-padded batch is refused before
 anything changes.
@@ -47,7 +52,7 @@ from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.masks import additive_mask, causal_mask
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.core import kernels
-from muser_kv.core.geometry import LayerKind, MuseGeometry
+from muser_kv.core.geometry import LayerKind, MuseGeometry, sized_rows
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Run
 
@@ -65,6 +70,7 @@ def _bound(source: MuseKVCache, planes: Planes, slot: int) -> MuseKVCache:
         return ring
     cache = GlobalKVCache(planes, **kw)
     cache.ring.assign(source.ring)
+    cache.growing = source.growing
     return cache
 
 
@@ -112,9 +118,11 @@ class BatchKVCache:
                 raise ValueError(f"merge: cache {i} (kind, layout, dtype, kv_heads, head_dim, window, "
                                  f"max_context, capacity, retain) = {mine}, expected {want}")
         size = max(len(caches), slots or 0, max(getattr(c, "batch_slots", 1) for c in caches))
+        growing = all(c.growing for c in caches)
         planes = Planes(kv_heads=first.kv_heads, head_dim=first.head_dim,
                         capacity=first.capacity, layout=first.layout, dtype=first.dtype,
-                        slots=size)
+                        slots=size, growing=growing,
+                        rows=_rows(growing, max(c.ring.extent for c in caches), first.capacity))
         seqs = []
         for b, c in enumerate(caches):
             if not c.empty():
@@ -217,6 +225,8 @@ class BatchKVCache:
         held: List[mx.array] = []
         rows, slots = [], []
         active = self.active or [True] * len(self.seqs)
+        if self.kind is LayerKind.GLOBAL:  # room for every ring's extent after its token
+            self.planes.reserve(max(s.ring.len + on for s, on in zip(self.seqs, active)))
         for b, (s, on) in enumerate(zip(self.seqs, active)):
             if not on:
                 continue
@@ -261,13 +271,14 @@ class BatchKVCache:
         n = keys.shape[2]
         held: List[mx.array] = []
         if self.kind is LayerKind.GLOBAL:
-            rows = max(s.ring.len for s in self.seqs) + n
+            rows = min(max(s.ring.len for s in self.seqs) + n, self.planes.limit)
+            self.planes.reserve(rows)  # the rows the read spans, padding included
             for b, (s, r) in enumerate(zip(self.seqs, real)):
                 if r:
                     plan = s.ring.write(s.ring.end, r)
                     s._store(keys[b:b + 1, :, :r], values[b:b + 1, :, :r], plan)
                     s.ring.assign(plan.after)
-            return self.planes.prefix(min(rows, self.planes.rows), slots=len(self.seqs))
+            return self.planes.prefix(rows, slots=len(self.seqs))
         # sliding: the staging shadow of every sequence, right-aligned
         width = max(s.ring.len for s in self.seqs)
         dtype = self.planes.dtype
@@ -342,7 +353,7 @@ class BatchKVCache:
         level = len(set(lens)) == 1
         i = mx.arange(N).reshape(1, N, 1)
         if self.kind is LayerKind.GLOBAL:
-            rows = min(max(lens) + N, self.planes.rows)
+            rows = min(max(lens) + N, self.planes.limit)
             if level and rows == lens[0] + N:
                 if window_size is None:
                     return causal_mask(N, lens[0])[None, None] if return_array else "causal"
@@ -434,13 +445,14 @@ class BatchKVCache:
         """Admit ``other``'s sequences after this batch's: their rows are copied into
         free slots (larger planes, every sequence copied once, if none are left)."""
         if not isinstance(other, BatchKVCache) or (other.kind, other.planes.layout,
-                                                   other.planes.dtype, other.planes.rows) != (
-                self.kind, self.planes.layout, self.planes.dtype, self.planes.rows):
+                                                   other.planes.dtype, other.planes.limit) != (
+                self.kind, self.planes.layout, self.planes.dtype, self.planes.limit):
             raise ValueError("extend: the other batch has another kind, layout, dtype or geometry")
         start = len(self.seqs)
         need = start + len(other.seqs)
         if need > self.planes.slots:
             self._grow(max(need, 2 * self.planes.slots))
+        self.planes.reserve(max(s.ring.extent for s in other.seqs))
         for i, s in enumerate(other.seqs):
             self.planes.copy_slot(start + i, other.planes, s.slot)
             self.seqs.append(_bound(s, self.planes, start + i))
@@ -453,7 +465,8 @@ class BatchKVCache:
     def _grow(self, slots: int) -> None:
         old = self.planes
         planes = Planes(kv_heads=old.kv_heads, head_dim=old.head_dim, capacity=old.capacity,
-                        layout=old.layout, dtype=old.dtype, slots=slots)
+                        layout=old.layout, dtype=old.dtype, slots=slots, growing=old.growing,
+                        rows=old.rows)
         for b, s in enumerate(self.seqs):
             planes.copy_slot(b, old, b)
             s.planes = planes
@@ -466,7 +479,8 @@ class BatchKVCache:
         are copied (and evaluated) now, so nothing lazy holds the batch's planes."""
         s = self.seqs[int(idx)]
         planes = Planes(kv_heads=s.kv_heads, head_dim=s.head_dim, capacity=s.capacity,
-                        layout=s.layout, dtype=s.dtype)
+                        layout=s.layout, dtype=s.dtype, growing=s.growing,
+                        rows=_rows(s.growing, s.ring.extent, s.capacity))
         planes.copy_slot(0, self.planes, s.slot)
         out = _bound(s, planes, 0)
         mx.eval(planes.k, planes.v)
@@ -549,6 +563,12 @@ def _offsets(positions: Tuple[int, ...]) -> mx.array:
             _OFFSETS.clear()
         out = _OFFSETS[positions] = mx.array(positions, dtype=mx.int32)
     return out
+
+
+def _rows(growing: bool, extent: int, capacity: int) -> Optional[int]:
+    """The allocation of new planes for rows ``[0, extent)``: sized for them
+    when growing, else the preallocated size (``None``)."""
+    return sized_rows(extent, capacity) if growing else None
 
 
 def _token_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -30,12 +30,19 @@ def make_prompt_cache(
     sliding_layout: str = "token_major",
     plane_dtype: DtypeLike = None,
     batch_slots: int = 1,
+    preallocate: bool = False,
 ) -> List[MuseKVCache]:
     """One cache per layer of an mlx-lm Muse model, sized from its args.
 
-    ``max_context`` defaults to the model's ``max_position_embeddings``; the
-    planes are allocated (zero-filled) now, at the footprint formula's rows
-    rounded up to a multiple of 256 (``footprint`` reports exactly that).
+    ``max_context`` defaults to the model's ``max_position_embeddings``. Every
+    sliding ring is allocated (zero-filled) now, at the footprint formula's rows
+    rounded up to a multiple of 256. Global planes grow with the sequence: 256
+    rows at first, doubling before the write that needs more, never past
+    ``max_context`` rounded up to 256 (one bitwise copy per doubling; at most
+    twice the live rows, rounded up to 256). ``preallocate=True`` allocates them
+    whole now instead, the seeds' planes: what a fixed-slot deployment wants
+    (its memory is known at start and never grows), and what ``footprint``
+    reports.
     ``retain`` is how many overwritten rows each sliding ring keeps, i.e. how
     deep ``trim`` and speculative rollback are exact past the wrap (0 turns the
     retention and its one extra copy per token off). ``sliding_layout`` picks the
@@ -53,22 +60,24 @@ def make_prompt_cache(
     """
     geometry = MuseGeometry.from_model(model, max_context)
     return make_cache_for(geometry, retain, sliding_layout, plane_dtype_for(model, plane_dtype),
-                          model=model, batch_slots=batch_slots)
+                          model=model, batch_slots=batch_slots, preallocate=preallocate)
 
 
 def make_cache_for(
     geometry: MuseGeometry, retain: int = DEFAULT_RETAIN, sliding_layout: str = "token_major",
     plane_dtype: DtypeLike = PLANE_DTYPE, *, model: Any = None, batch_slots: int = 1,
-    allocate: bool = True,
+    allocate: bool = True, preallocate: bool = False,
 ) -> List[MuseKVCache]:
     """One cache per layer of ``geometry``, with planes of ``plane_dtype``, bound
     into one list (``muser_kv.cachelist``); ``model``, when given, is the model
     the list serves (a session saved from it records that model's fingerprint).
     ``allocate=False`` leaves the planes unallocated, for a caller that installs
     every layer before anyone else sees the list (``load_session``): their
-    zeros would be replaced unread."""
+    zeros would be replaced unread. ``preallocate`` is ``make_prompt_cache``'s."""
     if not isinstance(geometry, MuseGeometry):
         raise TypeError(f"make_cache_for needs a MuseGeometry, got {type(geometry).__name__}")
+    if not isinstance(preallocate, bool):
+        raise TypeError(f"preallocate must be True or False, got {preallocate!r}")
     retain = count(retain, "retain")
     batch_slots = count(batch_slots, "batch_slots", minimum=1)
     if sliding_layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):
@@ -87,7 +96,7 @@ def make_cache_for(
         else:
             planes = Planes(kv_heads=heads, head_dim=dim,
                             capacity=capacity, layout=kernels.HEAD_MAJOR, dtype=dtype,
-                            allocate=allocate)
+                            allocate=allocate, growing=not preallocate)
             caches.append(GlobalKVCache(planes, window=geometry.window,
                                         max_context=geometry.max_context, layer=i))
     for c in caches:

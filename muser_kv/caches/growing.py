@@ -5,6 +5,13 @@ position ``p`` lives at row ``p`` (the ring of ``max_context`` rows never wraps
 inside its bounds), a write is one slice update per plane, the read is rows
 ``[0, offset)``, and a trim rewinds the offset (the rows past it are never read
 again, and a later write overwrites them).
+
+The allocation is the planes' business (``Planes``): preallocated to
+``max_context`` rows (rounded up to 256), or growing, doubling from 256 rows
+before the write that needs more (``Planes.reserve``: one bitwise copy per
+doubling, never past the preallocated size). A read returns rows ``[0,
+offset)`` either way, so a growth is invisible to attention; the decode path
+pays one comparison for it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from muser_kv.core.ring import Ring, Trim
 
 
 class GlobalKVCache(MuseKVCache):
-    """A growing head-major plane of ``max_context`` rows (allocated rounded up to 256)."""
+    """A head-major plane of ``max_context`` rows: preallocated (rounded up to
+    256) or growing (``Planes.growing``)."""
 
     kind = LayerKind.GLOBAL
 
@@ -54,6 +62,8 @@ class GlobalKVCache(MuseKVCache):
             planes = self.planes
             if dtype != planes.dtype:
                 keys, values = self._plane_rows(keys, values)
+            if ring.len >= planes.rows:  # the ring's extent after this token (it never wraps)
+                planes.reserve(ring.len + 1)
             row = ring.append(ring.end)
             if planes.slots == 1:  # Planes.put_one and .prefix, inlined (the hot path)
                 planes.k[:, :, row:row + 1, :] = keys
@@ -64,6 +74,7 @@ class GlobalKVCache(MuseKVCache):
         n = self.check_input(keys, values)
         self.check_write(n)
         plan = ring.write(ring.end, n)
+        self.planes.reserve(plan.after.extent)
         self._store(keys, values, plan)
         ring.assign(plan.after)
         return self.planes.prefix(ring.len, self.slot)

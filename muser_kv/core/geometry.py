@@ -38,6 +38,29 @@ def allocated_rows(rows: int) -> int:
     return -(-rows // ROW_GRANULE) * ROW_GRANULE
 
 
+def sized_rows(live: int, capacity: int) -> int:
+    """The rows a growing plane allocates to hold ``live`` rows from scratch (a
+    load, a merge, an extract): ``live`` rounded up to ``ROW_GRANULE`` (one
+    granule at least), never more than the preallocated ``allocated_rows(capacity)``."""
+    return min(allocated_rows(max(live, 1)), allocated_rows(capacity))
+
+
+def grown_rows(rows: int, needed: int, capacity: int) -> int:
+    """The rows a growing plane of ``rows`` rows moves to when it must hold
+    ``needed``: ``rows`` doubled until it holds them, never more than the
+    preallocated ``allocated_rows(capacity)``. Doubling keeps the allocation
+    within 2x of the live rows (rounded up to ``ROW_GRANULE``) and costs one
+    bitwise copy per doubling, so decode never concatenates per token."""
+    limit = allocated_rows(capacity)
+    if needed > limit:
+        raise ValueError(f"a plane of capacity {capacity} holds at most {limit} rows, "
+                         f"asked for {needed}")
+    out = max(rows, ROW_GRANULE)
+    while out < needed:
+        out *= 2
+    return min(out, limit)
+
+
 class LayerKind(str, enum.Enum):
     """The two storage regimes a Muse layer can need."""
 

@@ -177,7 +177,8 @@ class ReferenceBackend:
 
     def install(self, rows_keys: mx.array, rows_values: mx.array, layout: str, ring: Ring,
                 shape: Tuple[int, ...]) -> Pair:
-        """A fresh plane of ``shape`` (rows >= the ring's capacity) in the rows'
+        """A fresh plane of ``shape`` (rows >= the ring's extent: a preallocated
+        plane's capacity rounded up, or a growing plane's allocation) in the rows'
         type, holding ``[n, H*D]`` logical rows at rotation ``ring.origin_physical``
         and zeros elsewhere. Built in physical order from its pieces, so every
         byte is written once (a zero-filled plane placed into is written twice)."""

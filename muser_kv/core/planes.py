@@ -9,9 +9,16 @@ through every slice update, so the memory order never changes, and a decode
 step costs what mlx-lm's caches cost: one update per plane, and no op at all to
 read a whole plane of one sequence.
 
-``R`` is the allocation: the ring's capacity rounded up to a multiple of 256
-(``geometry.ROW_GRANULE``), the row stride MLX's CUDA attention needs for its
-fast path. Rows past the capacity are zero and never read or written.
+``R`` is the allocation, always a multiple of 256 (``geometry.ROW_GRANULE``),
+the row stride MLX's CUDA attention needs for its fast path. Preallocated
+planes (the seeds' planes; ``growing=False``) allocate the ring's capacity
+rounded up to 256 once, and rows past the capacity are zero and never read or
+written. Growing planes (``growing=True``: a global layer's plane where a
+server holds many short chats) start small and double (``reserve``: one
+bitwise copy into larger zero-filled planes, before the write that needs the
+rows), never past the preallocated size, so they hold at most twice their
+live rows rounded up to 256. Nothing but the allocation differs: the rows a
+read returns, and so every bit attention computes, are the same in both.
 
 Every write goes through MLX's own updates (slice update, scatter), which reuse
 a donatable buffer (O(rows)) and copy it otherwise; either way MLX tracks the
@@ -30,7 +37,7 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 
 from muser_kv.core import kernels
-from muser_kv.core.geometry import allocated_rows
+from muser_kv.core.geometry import ROW_GRANULE, allocated_rows, grown_rows, sized_rows
 from muser_kv.core.ring import Run
 
 Pair = Tuple[mx.array, mx.array]
@@ -40,14 +47,23 @@ class Planes:
     """K and V of ``slots`` sequences: ``[slots, kv_heads, rows, head_dim]`` each."""
 
     def __init__(self, *, kv_heads: int, head_dim: int, capacity: int, layout: str,
-                 dtype: mx.Dtype, slots: int = 1, allocate: bool = True):
+                 dtype: mx.Dtype, slots: int = 1, allocate: bool = True, growing: bool = False,
+                 rows: Optional[int] = None):
+        """``rows`` is the allocation (default: the preallocated size, or one
+        granule for growing planes); preallocated planes take no other."""
         if layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):
             raise ValueError(f"layout must be token_major or head_major, got {layout!r}")
         if dtype not in kernels.PLANE_DTYPES:
             raise TypeError(f"plane dtype must be float16 or bfloat16, got {dtype}")
+        if not isinstance(growing, bool):
+            raise TypeError(f"growing must be a bool, got {growing!r}")
         self.kv_heads, self.head_dim, self.capacity = kv_heads, head_dim, capacity
         self.layout, self.dtype, self.slots = layout, dtype, slots
-        self.rows = allocated_rows(capacity)
+        self.growing = growing
+        #: the most rows these planes ever allocate: the preallocated size
+        self.limit = allocated_rows(capacity)
+        self.rows = self._check_rows(
+            rows if rows is not None else sized_rows(0, capacity) if growing else self.limit)
         self.k: mx.array
         self.v: mx.array
         if allocate:
@@ -63,13 +79,33 @@ class Planes:
     @property
     def memory_shape(self) -> Tuple[int, ...]:
         """The arrays' memory order: ``[S, R, H*D]`` token-major, ``[S, H, R, D]`` head-major."""
+        return self.memory_shape_for(self.rows)
+
+    def memory_shape_for(self, rows: int) -> Tuple[int, ...]:
+        """``memory_shape`` at an allocation of ``rows`` rows."""
         if self.layout == kernels.TOKEN_MAJOR:
-            return (self.slots, self.rows, self.kv_dim)
-        return (self.slots, self.kv_heads, self.rows, self.head_dim)
+            return (self.slots, rows, self.kv_dim)
+        return (self.slots, self.kv_heads, rows, self.head_dim)
 
     @property
     def attention_shape(self) -> Tuple[int, ...]:
         return (self.slots, self.kv_heads, self.rows, self.head_dim)
+
+    def rows_for(self, extent: int) -> int:
+        """The allocation that holds physical rows ``[0, extent)`` made from
+        scratch (an install, a merge, an extract): sized for them on growing
+        planes, the preallocated size otherwise."""
+        return sized_rows(extent, self.capacity) if self.growing else self.limit
+
+    def _check_rows(self, rows: int) -> int:
+        if (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1
+                or rows % ROW_GRANULE or rows > self.limit
+                or (not self.growing and rows != self.limit)):
+            raise ValueError(
+                f"planes of capacity {self.capacity} allocate "
+                f"{'a multiple of %d rows up to ' % ROW_GRANULE if self.growing else ''}"
+                f"{self.limit} rows, got {rows!r}")
+        return rows
 
     @property
     def nbytes(self) -> int:
@@ -84,22 +120,56 @@ class Planes:
         """Adopt planes given in memory order (``memory_shape``) or as attention
         reads them (``attention_shape``), of this dtype; any strides (a broadcast
         or strided array would give the first store a buffer in some other memory
-        order, so it is made contiguous in this layout's order first)."""
-        self.k, self.v = self._adopt(k), self._adopt(v)
+        order, so it is made contiguous in this layout's order first). Growing
+        planes take any allocation they may have (``rows`` follows it)."""
+        rows = self._rows_of(k)
+        if self._rows_of(v) != rows:
+            raise ValueError(f"keys and values planes differ: {tuple(k.shape)} and {tuple(v.shape)}")
+        self.k, self.v = self._adopt(k, rows), self._adopt(v, rows)
+        self.rows = rows
 
-    def _adopt(self, x: mx.array) -> mx.array:
+    def _rows_of(self, x: mx.array) -> int:
         shape = tuple(x.shape)
-        if x.dtype != self.dtype or shape not in (self.memory_shape, self.attention_shape):
+        rows = shape[1] if len(shape) == 3 else shape[2] if len(shape) == 4 else -1
+        if (x.dtype != self.dtype or rows < 1
+                or shape not in (self.memory_shape_for(rows),
+                                 (self.slots, self.kv_heads, rows, self.head_dim))):
             raise ValueError(f"planes must be {self.dtype} {self.memory_shape} (memory order) or "
                              f"{self.attention_shape}, got {x.dtype} {shape}")
+        return self._check_rows(rows)
+
+    def _adopt(self, x: mx.array, rows: int) -> mx.array:
         token_major = self.layout == kernels.TOKEN_MAJOR
-        if shape == self.attention_shape and token_major:
+        if x.ndim == 4 and token_major:
             x = x.transpose(0, 2, 1, 3)  # to memory order, so contiguous keeps the layout
         x = mx.contiguous(x)
         if token_major:
-            return x.reshape(self.slots, self.rows, self.kv_heads,
-                             self.head_dim).transpose(0, 2, 1, 3)
+            return x.reshape(self.slots, rows, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         return x
+
+    def reserve(self, extent: int) -> None:
+        """Hold physical rows ``[0, extent)``: growing planes too small for them
+        double (``grown_rows``) into new zero-filled planes holding these rows
+        bit for bit, one copy per plane; planes that hold them already are left
+        as they are (preallocated planes always do, up to their capacity). Call
+        it before the write that needs the rows, so no write is ever half done."""
+        if extent <= self.rows:
+            return
+        if not self.growing:
+            raise ValueError(f"preallocated planes of {self.rows} rows cannot hold {extent}")
+        rows = grown_rows(self.rows, extent, self.capacity)
+        token_major = self.layout == kernels.TOKEN_MAJOR
+        grown = []
+        for plane in (self.k, self.v):
+            if token_major:  # memory order [S, R, H, D]: the rows are axis 1
+                plane = plane.transpose(0, 2, 1, 3)
+                pad = (self.slots, rows - self.rows, self.kv_heads, self.head_dim)
+                grown.append(mx.concatenate([plane, mx.zeros(pad, self.dtype)], axis=1)
+                             .reshape(self.slots, rows, self.kv_dim))
+            else:
+                pad = (self.slots, self.kv_heads, rows - self.rows, self.head_dim)
+                grown.append(mx.concatenate([plane, mx.zeros(pad, self.dtype)], axis=2))
+        self.set(*grown)
 
     def physical(self, slot: int = 0) -> Pair:
         """Slot ``slot``'s rows as the kernels index them: ``[R, H*D]`` token-major,
@@ -208,14 +278,21 @@ class Planes:
 
     def copy_slot(self, dst: int, src: "Planes", src_slot: int = 0) -> None:
         """Copy the whole of ``src``'s slot ``src_slot`` into slot ``dst`` (planes of
-        one geometry): one sequence's rows, one slice update per plane. A copy
-        within these planes is made separately first, so the update can still
-        reuse this buffer (an update whose source is a view of its own target
-        would make MLX copy the whole planes)."""
-        if (src.layout, src.dtype, src.rows, src.kv_heads, src.head_dim) != (
-                self.layout, self.dtype, self.rows, self.kv_heads, self.head_dim):
+        one geometry): one sequence's rows, one slice update per plane. Planes of
+        another allocation (growing planes) give their first ``rows`` rows, padded
+        with zeros to this allocation; the caller has reserved room for every
+        live row. A copy within these planes is made separately first, so the
+        update can still reuse this buffer (an update whose source is a view of
+        its own target would make MLX copy the whole planes)."""
+        if (src.layout, src.dtype, src.kv_heads, src.head_dim) != (
+                self.layout, self.dtype, self.kv_heads, self.head_dim):
             raise ValueError("copy_slot needs planes of one geometry, layout and dtype")
         k, v = src.k[src_slot:src_slot + 1], src.v[src_slot:src_slot + 1]
+        if src.rows > self.rows:
+            k, v = k[:, :, :self.rows, :], v[:, :, :self.rows, :]
+        elif src.rows < self.rows:
+            pad = mx.zeros((1, self.kv_heads, self.rows - src.rows, self.head_dim), self.dtype)
+            k, v = mx.concatenate([k, pad], axis=2), mx.concatenate([v, pad], axis=2)
         if self.slots == 1:
             # MLX answers an update covering the whole array with the update
             # itself, strides and all: adopt it in this layout's memory order

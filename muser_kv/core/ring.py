@@ -147,6 +147,13 @@ class Ring:
         """True once any row has been overwritten (the window has slid)."""
         return self.origin_logical > 0
 
+    @property
+    def extent(self) -> int:
+        """One past the highest physical row holding a live row: the rows a plane
+        must allocate to hold this ring (``len`` until the live rows wrap
+        around the capacity; a growing plane's ring never does)."""
+        return min(self.capacity, self.origin_physical + self.len)
+
     def physical(self, logical: int) -> int:
         """The physical row holding live logical position ``logical``."""
         if not self.origin_logical <= logical < self.end:

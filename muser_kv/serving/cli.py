@@ -66,6 +66,9 @@ def cmd_footprint(ns: argparse.Namespace) -> int:
         f"  kv({fp.context:,}) / kv({g.window:,}) = {ratio:.2f}x "
         f"(naive {fp.context:,}/{g.window:,} = {naive:.2f}x)"
     )
+    print("  (preallocated planes: SlotPool, make_prompt_cache(..., preallocate=True); by "
+          "default a global plane grows with its sequence, to at most twice its live rows "
+          "rounded up to 256, never past these figures)")
     if ns.plot:
         _plot(g, ns.context, ns.plot)
         print(f"plot written to {ns.plot}")

@@ -42,7 +42,8 @@ class Installed:
 
 def install(model: Any, *, max_context: Optional[int] = None, retain: int = DEFAULT_RETAIN,
             plane_dtype: DtypeLike = None, sliding_layout: str = "token_major",
-            num_draft_tokens: Optional[int] = None, batch_slots: int = 1) -> Any:
+            num_draft_tokens: Optional[int] = None, batch_slots: int = 1,
+            preallocate: bool = False) -> Any:
     """Make ``model.make_cache()`` (and so every mlx-lm code path) build
     muser-kv caches; returns ``model``.
 
@@ -52,6 +53,8 @@ def install(model: Any, *, max_context: Optional[int] = None, retain: int = DEFA
     exact (with ``retain=0`` such a request is refused here). Raises
     ``UnsupportedModel`` for a model that is not one muser-kv serves (docs/models.md).
     """
+    if not isinstance(preallocate, bool):
+        raise TypeError(f"preallocate must be True or False, got {preallocate!r}")
     prompt_files.register()  # the model's prompt-cache files hold muser-kv's classes
     retain = count(retain, "retain")
     if num_draft_tokens is not None:
@@ -69,7 +72,7 @@ def install(model: Any, *, max_context: Optional[int] = None, retain: int = DEFA
 
     def make_cache() -> List[MuseKVCache]:
         return make_cache_for(geometry, retain, sliding_layout, dtype, model=model,
-                              batch_slots=batch_slots)
+                              batch_slots=batch_slots, preallocate=preallocate)
 
     model.make_cache = make_cache
     setattr(model, _MARK, Installed(geometry.max_context, retain, dtype, sliding_layout,

@@ -1,5 +1,6 @@
 """Context policy: what a request keeps when it outgrows ``max_context``
-(seeds Ch 23.7). Pure logic on token ids; no MLX, no tokenizer.
+(seeds Ch 23.7), and what a server admits into its KV memory (``KVBudget``).
+Pure logic on token ids and byte counts; no arrays, no tokenizer.
 
 The engine never shifts: a cache refuses a write past ``max_context``
 (``ContextOverflow``). Deciding what survives is the server's job, and it keeps
@@ -26,6 +27,8 @@ import hashlib
 import operator
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Tuple
+
+from muser_kv.core.geometry import LayerKind, MuseGeometry, allocated_rows
 
 #: The roles a message may carry.
 ROLES = ("system", "user", "assistant", "tool")
@@ -299,3 +302,89 @@ def turn_digest(turn: Sequence[Message]) -> bytes:
         h.update(f"{m.role}\0{int(m.image)}\0{len(m.tokens)}\0".encode())
         h.update(b"".join(t.to_bytes(8, "little") for t in m.tokens))
     return h.digest()
+
+
+# -- KV memory: what a server admits --------------------------------------------
+
+
+@dataclass(frozen=True)
+class SequencePlanes:
+    """What one sequence's planes may cost a batching server (growing global
+    planes; ``muser-kv serve --kv-memory``), from the geometry's integers.
+
+    A sequence that writes ``P`` positions (its prompt plus ``max_tokens``)
+    holds its sliding rings whole and global planes that grow to hold ``P``
+    rows. In mlx-lm's batches, every slot of a global layer's planes holds the
+    rows of the longest sequence, and a right-padded prompt chunk reads up to
+    ``min(prefill_step, P)`` rows past the longest one's prompt; a growth
+    doubles, so it allocates less than twice what it must hold. ``bytes`` is
+    that bound for one slot (the transient of a growth, old and new planes for
+    one step, is not counted)."""
+
+    ring_bytes: int  #: every sliding ring of one sequence, K and V
+    row_bytes: int  #: one row of every global plane, K and V
+    max_context: int
+    prefill_step: int
+
+    @classmethod
+    def of(cls, geometry: MuseGeometry, prefill_step: int) -> "SequencePlanes":
+        rings = sum(geometry.allocated(i) * geometry.kind_row_bytes(LayerKind.SLIDING)
+                    for i in range(geometry.num_layers)
+                    if geometry.layer_kind(i) is LayerKind.SLIDING)
+        return cls(rings, geometry.global_layers * geometry.kind_row_bytes(LayerKind.GLOBAL),
+                   geometry.max_context, prefill_step)
+
+    def rows(self, positions: int) -> int:
+        """The most rows a global plane holding ``positions`` positions allocates
+        in a batch whose longest sequence writes as many."""
+        reach = min(self.max_context, positions + min(self.prefill_step, positions))
+        # a growth doubles while the plane is short of what it must hold, so it
+        # ends below twice that (a plane sized from scratch holds what it must)
+        return min(allocated_rows(self.max_context), allocated_rows(max(2 * reach - 1, 1)))
+
+    def bytes(self, positions: int) -> int:
+        """One slot's planes, for a batch whose longest sequence writes ``positions``."""
+        return self.ring_bytes + self.row_bytes * self.rows(positions)
+
+
+class KVMemoryExceeded(ValueError):
+    """A request whose planes alone would need more than the server's KV budget."""
+
+
+class KVBudget:
+    """The admission rule of a server with ``--kv-memory BYTES``: admitted
+    sequences (each by the positions it may write) cost ``len(admitted)`` slots
+    at the planes of the longest (``SequencePlanes.bytes``), and a sequence is
+    admitted only while that stays within the budget; the rest wait, in order.
+    Plain integers; the caller holds the lock (one generation thread)."""
+
+    def __init__(self, budget: int, planes: SequencePlanes):
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"a KV budget must be a positive int of bytes, got {budget!r}")
+        self.budget, self.planes = budget, planes
+        self.admitted: dict = {}
+
+    def cost(self, positions: Iterable[int]) -> int:
+        held = list(positions)
+        return len(held) * self.planes.bytes(max(held)) if held else 0
+
+    @property
+    def held(self) -> int:
+        return self.cost(self.admitted.values())
+
+    def check(self, positions: int) -> None:
+        """Raise ``KVMemoryExceeded`` for a sequence that could never be admitted."""
+        need = self.cost([positions])
+        if need > self.budget:
+            raise KVMemoryExceeded(
+                f"this request's KV planes need {need:,} bytes ({positions} positions: its "
+                f"prompt and max_tokens), more than this server's --kv-memory {self.budget:,}")
+
+    def fits(self, positions: int) -> bool:
+        return self.cost(list(self.admitted.values()) + [positions]) <= self.budget
+
+    def admit(self, key: object, positions: int) -> None:
+        self.admitted[key] = positions
+
+    def release(self, key: object) -> None:
+        self.admitted.pop(key, None)

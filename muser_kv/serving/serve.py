@@ -8,8 +8,8 @@ here and nowhere else (``substituted``), and put back afterwards:
 =====================  ======================================================
 ``argparse``           the same module, whose ``ArgumentParser`` also takes
                        muser-kv's flags (``--max-context``, ``--retain``,
-                       ``--plane-dtype``) and refuses ``--kv-bits`` and
-                       ``--retain 0`` with a draft model
+                       ``--plane-dtype``, ``--kv-memory``) and refuses
+                       ``--kv-bits`` and ``--retain 0`` with a draft model
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
                        ``muser_kv.install`` on every model it loads, and the
                        loaded model's ``Limits`` published for the handler
@@ -17,7 +17,9 @@ here and nowhere else (``substituted``), and put back afterwards:
 ``ResponseGenerator``  ``MuseResponseGenerator``: mlx-lm's generation thread,
                        admitting each request where it tokenizes it (``admit``:
                        a prompt that cannot fit is refused, ``max_tokens`` is
-                       cut so that no write passes ``max_context``)
+                       cut so that no write passes ``max_context``), and with
+                       ``--kv-memory`` taking a request off the queue only
+                       while its planes fit the budget (``KVBudget``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
                        (mlx-lm's handler; a body field of the wrong type, and
                        a request whose ``num_draft_tokens`` is deeper than the
@@ -36,6 +38,14 @@ mlx-lm 0.32.2's private ``mlx_lm.utils._download`` and ``_get_classes``).
 A refusal (``RequestRefused``) is one line with HTTP 400, whether the handler
 raises it or the generation thread does; either way the request fails alone
 and the server keeps serving.
+
+Each request's global planes grow with it (``make_prompt_cache``'s default), so
+memory follows the chats' lengths. ``--kv-memory BYTES`` bounds it: a request
+waits in the queue, in order, until the planes of every admitted sequence and
+its own fit (``policy.KVBudget``: every batch slot at the longest sequence's
+planes, as mlx-lm's batches hold them), and one whose planes alone exceed the
+budget is refused with 400. Prompt-cache entries are evicted, oldest first, to
+keep them within what the admitted sequences leave.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ import json
 import logging
 import math
 import sys
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -58,6 +69,7 @@ from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
 from muser_kv.serving.install import context_for, install, installed
+from muser_kv.serving.policy import KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.prompt_cache import ExactPromptCache
 from muser_kv.sessions.store import KVStore
 from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
@@ -104,9 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """muser-kv's flags, as one group of the server's parser."""
     g = parser.add_argument_group("muser-kv caches")
     g.add_argument("--max-context", type=_positive, default=None,
-                   help="positions each sequence's caches hold, preallocated (default: the "
-                        "model's max_position_embeddings); every prompt-cache entry holds "
-                        "this many rows per global layer")
+                   help="positions each sequence's caches hold (default: the model's "
+                        "max_position_embeddings); global planes grow to it as a sequence "
+                        "does")
     g.add_argument("--retain", type=_non_negative, default=DEFAULT_RETAIN,
                    help="overwritten rows each sliding ring keeps: how many tokens a cache "
                         "past the wrap can trim exactly, for prompt-cache reuse and "
@@ -125,6 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-store-memory", type=_non_negative, default=DEFAULT_MEMORY_BYTES,
                    help="the KV store's memory tier bound in bytes (default "
                         f"{DEFAULT_MEMORY_BYTES}; 0 with no --kv-store: no store)")
+    g.add_argument("--kv-memory", type=_positive, default=None, metavar="BYTES",
+                   help="bytes of KV planes the server may hold: a request waits until the "
+                        "planes of the sequences it joins and its own fit (every batch slot "
+                        "at the longest sequence's planes), one whose planes alone do not "
+                        "fit is refused, and prompt-cache entries are evicted to stay within "
+                        "it (default: no bound)")
 
 
 def _check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
@@ -197,6 +215,8 @@ class Limits:
     tokenizer: Any
     max_context: int  #: positions every cache of a request holds (model and Muse draft)
     vocab_size: int  #: the width of the model's logits
+    #: what a sequence's planes cost (model and Muse draft), for ``--kv-memory``
+    planes: Optional[SequencePlanes] = None
 
 
 def admit(limits: Limits, prompt_tokens: int, args: Any) -> int:
@@ -229,6 +249,25 @@ def admit(limits: Limits, prompt_tokens: int, args: Any) -> int:
     return min(args.max_tokens, context - n)
 
 
+def sequence_planes(models: Sequence[Any], prefill_step: int) -> Optional[SequencePlanes]:
+    """What one sequence's planes cost, over every model whose caches are
+    muser-kv's (``install``ed): ``None`` when none is."""
+    parts = [SequencePlanes.of(MuseGeometry.from_model(m, i.max_context), prefill_step)
+             for m, i in ((m, installed(m)) for m in models if m is not None) if i is not None]
+    if not parts:
+        return None
+    return SequencePlanes(sum(p.ring_bytes for p in parts), sum(p.row_bytes for p in parts),
+                          min(p.max_context for p in parts), prefill_step)
+
+
+def check_budget(budget: int, planes: SequencePlanes) -> None:
+    """Refuse a ``--kv-memory`` below one sequence's planes at their smallest."""
+    least = planes.bytes(1)
+    if budget < least:
+        raise ServeRefused(f"--kv-memory {budget:,} is less than one sequence's KV planes at "
+                           f"their smallest ({least:,} bytes): no request could be admitted")
+
+
 class MuseModelProvider(server.ModelProvider):
     """mlx-lm's ``ModelProvider``: every model it loads gets muser-kv's caches
     (``install``). The model must be one muser-kv serves (``UnsupportedModel``
@@ -242,7 +281,10 @@ class MuseModelProvider(server.ModelProvider):
         super().__init__(cli_args)
         self.limits: Optional[Limits] = None  #: the loaded model's; ``None`` while none is
         if cli_args.model is not None:
-            check_model(cli_args.model, cli_args.max_context)
+            geometry = check_model(cli_args.model, cli_args.max_context)
+            budget = getattr(cli_args, "kv_memory", None)
+            if budget is not None and geometry is not None:
+                check_budget(budget, SequencePlanes.of(geometry, cli_args.prefill_step_size))
 
     def reset(self) -> None:
         self.limits = None
@@ -286,15 +328,20 @@ class MuseModelProvider(server.ModelProvider):
             contexts = [i.max_context for i in map(installed, (self.model, self.draft_model))
                         if i is not None]
             loaded: Any = self  # what mlx-lm's load set (its __init__ types them None)
+            planes = sequence_planes((self.model, self.draft_model),
+                                     self.cli_args.prefill_step_size)
+            budget = getattr(self.cli_args, "kv_memory", None)
+            if budget is not None and planes is not None:
+                check_budget(budget, planes)
             self.limits = Limits(loaded.model_key, loaded.tokenizer, min(contexts),
-                                 int(loaded.model.args.vocab_size))
+                                 int(loaded.model.args.vocab_size), planes)
         except Exception:
             self.reset()  # no model is left serving without muser-kv's caches
             raise
         # mlx-lm decided batchability on its own caches; these are muser-kv's,
         # which all merge (muser_kv.batch): mlx-lm's other rule, no draft model,
-        # is what remains. Decided without building a cache (its planes are
-        # preallocated: at 131k a cache list is 1.8 GB).
+        # is what remains. Decided without building a cache (one with
+        # preallocated planes is 1.8 GB at 131k).
         self.is_batchable = self.draft_model is None and all(
             hasattr(cls, "merge") for cls in (SlidingKVCache, GlobalKVCache))
 
@@ -424,6 +471,26 @@ def check_body(body: Dict[str, Any], chat: bool) -> None:
         check_messages(body["messages"])
 
 
+class _Answers:
+    """A request's response queue as the generation thread uses it: its last
+    answer (``None``, or an exception) gives back its KV reservation; the
+    ``GenerationContext`` it is sent is kept (a client that went away stops it)."""
+
+    def __init__(self, queue: Any, release: Callable[[], None]):
+        self._queue, self._release = queue, release
+        self.ctx: Any = None
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        self._queue.put(item, *args, **kwargs)
+        if item is None or isinstance(item, BaseException):
+            self._release()
+        elif isinstance(item, server.GenerationContext):
+            self.ctx = item
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
 class MuseResponseGenerator(server.ResponseGenerator):
     """mlx-lm's generation thread, admitting each request (``admit``) where
     mlx-lm tokenizes it: ``_tokenize``, on the batched and the one-at-a-time
@@ -437,11 +504,21 @@ class MuseResponseGenerator(server.ResponseGenerator):
     model_provider: MuseModelProvider
 
     def __init__(self, model_provider: MuseModelProvider, prompt_cache: Any):
-        super().__init__(model_provider, prompt_cache)
+        # set before mlx-lm's __init__ starts the generation thread, which reads them
+        self._kv_memory: Optional[int] = getattr(model_provider.cli_args, "kv_memory", None)
+        self._kv: Optional[KVBudget] = None
+        self._waiting: Any = None  # the queue's head, until its planes fit
+        self._answers: Dict[int, _Answers] = {}
+        self._alone: Optional[int] = None  # a request for another model: it runs alone
+        self._admissions = 0
+        if self._kv_memory is not None and mx_distributed_size() > 1:
+            raise ServeRefused("--kv-memory admits requests on one process; it does not "
+                               "run distributed")
         a = model_provider.cli_args
         if isinstance(prompt_cache, ExactPromptCache) and (a.kv_store or a.kv_store_memory):
             prompt_cache.attach(KVStore(a.kv_store, memory_bytes=a.kv_store_memory,
                                         store_bytes=a.kv_store_bytes), self._store_model)
+        super().__init__(model_provider, prompt_cache)
 
     def _store_model(self, key: Any) -> Any:
         """The model whose lists the store keeps under ``key``: the loaded one,
@@ -451,15 +528,106 @@ class MuseResponseGenerator(server.ResponseGenerator):
             return None
         return p.model
 
+    def _positions(self, request: Any, args: Any) -> Optional[int]:
+        """The positions ``request`` may write (its prompt and ``max_tokens``, as
+        ``admit`` cuts it), when it is for the model ``limits`` describes (its
+        prompt tokenized as mlx-lm will); ``None`` otherwise."""
+        limits, names = self.model_provider.limits, args.model
+        if limits is None or limits.key != self.model_provider.model_key_for(
+                names.model, names.adapter, names.draft):
+            return None
+        prompt, *_ = server.ResponseGenerator._tokenize(self, limits.tokenizer,
+                                                        copy.deepcopy(request), args)
+        return len(prompt) + admit(limits, len(prompt), args)
+
     def generate(self, request: Any, generation_args: Any,
                  progress_callback: Optional[Callable[[int, int], None]] = None) -> Any:
-        limits, names = self.model_provider.limits, generation_args.model
-        if limits is not None and limits.key == self.model_provider.model_key_for(
-                names.model, names.adapter, names.draft):
-            prompt, *_ = super()._tokenize(limits.tokenizer, copy.deepcopy(request),
-                                           generation_args)
-            admit(limits, len(prompt), generation_args)
+        positions = self._positions(request, generation_args)
+        limits = self.model_provider.limits
+        if positions is not None and limits is not None and limits.planes is not None \
+                and self._kv_memory is not None:
+            try:
+                KVBudget(self._kv_memory, limits.planes).check(positions)
+            except KVMemoryExceeded as e:
+                raise RequestRefused(str(e)) from None
         return super().generate(request, generation_args, progress_callback)
+
+    def _next_request(self, timeout: Optional[float] = None) -> Any:
+        """mlx-lm's next request, under ``--kv-memory``: the queue's head is taken
+        only once its planes and those of every admitted sequence fit the budget
+        (until then the generation thread serves the batch it has); one whose
+        planes alone exceed it is refused. Prompt-cache entries are evicted,
+        oldest first, to stay within what the admitted sequences leave."""
+        if self._kv_memory is None:
+            return super()._next_request(timeout)
+        kv = self._budget()
+        if kv is not None:
+            for key, answers in list(self._answers.items()):
+                if answers.ctx is not None and answers.ctx._should_stop:
+                    self._release(key)
+            self.prompt_cache.trim_to(n_bytes=kv.budget - kv.held)
+        item = self._waiting
+        if item is None:
+            item = super()._next_request(timeout)
+            if item is None:
+                return None
+        self._waiting = None
+        rqueue, request, args = item
+        try:
+            positions = self._positions(request, args)
+        except Exception:  # mlx-lm's own tokenization refuses it, in the loop
+            return item
+        if kv is None or positions is None:
+            # another model than the one the budget was sized for: it runs alone
+            if self._answers:
+                return self._wait(item, timeout)
+            return self._admitted(item, kv, None)
+        try:
+            kv.check(positions)
+        except KVMemoryExceeded as e:
+            rqueue.put(RequestRefused(str(e)))
+            return None
+        if self._alone is not None or not kv.fits(positions):
+            log.info("muser-kv serve: a request of %d positions waits for KV memory (%d "
+                     "sequences hold %d of %d bytes)", positions, len(kv.admitted), kv.held,
+                     kv.budget)
+            return self._wait(item, timeout)
+        self.prompt_cache.trim_to(n_bytes=kv.budget - kv.cost(
+            list(kv.admitted.values()) + [positions]))
+        return self._admitted(item, kv, positions)
+
+    def _budget(self) -> Optional[KVBudget]:
+        limits = self.model_provider.limits
+        if limits is None or limits.planes is None or self._kv_memory is None:
+            return None
+        if self._kv is None or self._kv.planes != limits.planes:
+            self._kv = KVBudget(self._kv_memory, limits.planes)
+        return self._kv
+
+    def _wait(self, item: Any, timeout: Optional[float]) -> Any:
+        self._waiting = item
+        if timeout:
+            time.sleep(min(timeout, 0.01))
+        return None
+
+    def _admitted(self, item: Any, kv: Optional[KVBudget], positions: Optional[int]) -> Any:
+        rqueue, request, args = item
+        self._admissions += 1
+        key = self._admissions
+        if kv is not None and positions is not None:
+            kv.admit(key, positions)
+        else:
+            self._alone = key
+        answers = _Answers(rqueue, lambda: self._release(key))
+        self._answers[key] = answers
+        return answers, request, args
+
+    def _release(self, key: int) -> None:
+        self._answers.pop(key, None)
+        if self._alone == key:
+            self._alone = None
+        if self._kv is not None:
+            self._kv.release(key)
 
     def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
         tokenized = super()._tokenize(tokenizer, request, args)
@@ -498,6 +666,12 @@ class MuseAPIHandler(server.APIHandler):
         if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
             status_code = 400
         super()._set_completion_headers(status_code)
+
+
+def mx_distributed_size() -> int:
+    import mlx.core as mx
+
+    return mx.distributed.init().size()
 
 
 def _serving_with(run_http_server: Any) -> Any:

@@ -43,15 +43,14 @@ def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[i
         rings.append(ring)
         runs = tuple(ring.live_runs())
         for name in tensor_names(layer):
-            planes[name] = (_allocators().zeros(c.planes.memory_shape[1:], c.dtype), c.layout,
-                            runs)
+            planes[name] = (_allocators().zeros(c.install_shape(ring), c.dtype), c.layout, runs)
     return rings, {name: Placement(plane.result(), layout, runs)
                    for name, (plane, layout, runs) in planes.items()}
 
 
 def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, *,
                  convert: bool = False, plane_dtype: DtypeLike = None,
-                 allow_other_model: bool = False) -> List[Any]:
+                 allow_other_model: bool = False, preallocate: bool = False) -> List[Any]:
     """A new cache list for ``model`` holding the session in ``path``, restored
     bit for bit, or an exception (never a partially restored cache).
 
@@ -62,6 +61,9 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     The session must come from ``model`` itself (by fingerprint: its config and
     a sample of its weights); a file from another model, or one that records no
     model, is refused (``ModelMismatch``) unless ``allow_other_model=True``.
+    Global planes are sized for the rows they hold and grow from there, as
+    ``make_prompt_cache``'s do; ``preallocate=True`` gives them the whole
+    ``max_context`` now, as ``make_prompt_cache(..., preallocate=True)`` does.
 
     Everything the header decides (geometry, model, encoding) is checked before
     the first tensor is read; each layer is installed, into a list no one else
@@ -99,7 +101,7 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
             raise _encoding_mismatch(h.encoding, encoding)
         # planes unallocated: each layer's install makes its own
         cache = make_cache_for(target, plane_dtype=dtype,
-                               model=model, allocate=False)
+                               model=model, allocate=False, preallocate=preallocate)
         # every layer's start and shapes, from the table, before a byte is read
         rows = [_check_entries(geometry, h.encoding, h.position, layer, h.starts[layer],
                                reader.entries) for layer in range(len(cache))]

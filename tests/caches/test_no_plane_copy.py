@@ -35,7 +35,7 @@ def decode_peak_extra(model, cache, tokens=24):
 
 
 def test_pipelined_decode_peak_is_the_planes(model):
-    cache = muser_kv.make_prompt_cache(model)
+    cache = muser_kv.make_prompt_cache(model, preallocate=True)
     extra = decode_peak_extra(model, cache)
     plane = cache[3].keys.nbytes
     assert plane == 32 * 2**20
@@ -59,7 +59,7 @@ class Holder:
 
 
 def test_negative_control_a_held_view_forces_copies(model):
-    cache = muser_kv.make_prompt_cache(model)
+    cache = muser_kv.make_prompt_cache(model, preallocate=True)
     cache[3] = Holder(cache[3])
     extra = decode_peak_extra(model, cache, tokens=6)
     assert extra >= cache[3].keys.nbytes

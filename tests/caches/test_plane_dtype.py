@@ -327,7 +327,7 @@ def test_bf16_session_round_trip_and_encoding_refusals(models, tmp_path, capsys)
 
 def test_unaligned_max_context_allocates_granules_and_overflows_exactly(models):
     model = tiny_model(mx.float16, max_position_embeddings=1024)
-    cache = muser_kv.make_prompt_cache(model, max_context=1000)
+    cache = muser_kv.make_prompt_cache(model, max_context=1000, preallocate=True)
     geometry = muser_kv.MuseGeometry.from_model_args(model.args, 1000)
     for c in cache:
         rows = c.keys.shape[0] if c.layout == "token_major" else c.keys.shape[1]

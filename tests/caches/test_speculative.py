@@ -138,7 +138,7 @@ def test_rows_retained_from_a_chunk_hold_no_shadow():
     result exists nothing still holds the shadow (left lazy, each ring's copy
     kept its whole [window + B, H*D] shadow alive: 2 MiB per ring here)."""
     geo = muser_kv.MuseGeometry(num_layers=4, window=2048, max_context=4096)
-    cache = muser_kv.make_cache_for(geo)
+    cache = muser_kv.make_cache_for(geo, preallocate=True)  # (a growth would hold memory too)
     h, d = geo.kv_heads, geo.head_dim
     fill = mx.random.normal((1, h, 2048, d)).astype(mx.float16)
     for c in cache:
