@@ -264,6 +264,10 @@ class StoredPrompts:
     def wrap(self, stream_generate: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
         def stream(model: Any, tokenizer: Any, prompt: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
             cache: List[Any] = kwargs.get("prompt_cache") or []
+            if (not cache and kwargs.get("prompt_cache") is None and not args
+                    and kwargs.get("draft_model") is None):  # mlx-lm would build it: build it here
+                cache = model.make_cache()
+                kwargs["prompt_cache"] = cache
             plain = (bool(cache) and all(isinstance(c, MuseKVCache) for c in cache) and not args
                      and kwargs.get("draft_model") is None
                      and kwargs.get("input_embeddings") is None)

@@ -121,6 +121,25 @@ def test_generate_resumes_a_session_file(local_muse_model, tmp_path, capsys):
     assert "session saved to" in capsys.readouterr().err
 
 
+def test_generate_with_a_kv_store_rebuilds_the_prompt_the_second_time(local_muse_model, tmp_path,
+                                                                      capsys):
+    """The first run prefills the prompt less its last token and puts it; the
+    second rebuilds it from the directory (one token left to prefill) and
+    prints the same text: the same state, the same greedy tokens."""
+    store = tmp_path / "store"
+    assert muser_kv_main(generate_args(local_muse_model, "--kv-store", str(store))) == 0
+    first = capsys.readouterr()
+    assert "rebuilt from the KV store" not in first.err
+    assert muser_kv_main(generate_args(local_muse_model, "--kv-store", str(store))) == 0
+    second = capsys.readouterr()
+    assert f"{PROMPT_TOKENS - 1} of the prompt's {PROMPT_TOKENS} tokens rebuilt" in second.err
+    assert generated(second.out) == generated(first.out)
+    assert len(generated(first.out).split()) == 40
+    assert muser_kv_main(generate_args(local_muse_model, "--kv-store", str(store),
+                                       "--session", str(tmp_path / "s.safetensors"))) == 1
+    assert "--kv-store and --session" in capsys.readouterr().err
+
+
 # -- chat -----------------------------------------------------------------------------------
 
 
