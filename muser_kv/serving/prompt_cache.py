@@ -244,7 +244,7 @@ class ExactPromptCache(LRUPromptCache):
         if owner is None:
             return cache, rest
         try:
-            n, rebuilt = self.store.longest_prefix(tokens, owner)
+            n, rebuilt = self.store.longest_prefix(tokens, owner, beyond=reuse)
         except Exception:
             log.exception("muser-kv prompt cache: the KV store failed a lookup; reusing %d "
                           "tokens from memory", reuse)

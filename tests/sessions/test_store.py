@@ -168,6 +168,25 @@ def test_the_deepest_rebuildable_position_is_found_and_a_miss_is_a_fresh_list():
     assert n == 300
 
 
+def test_positions_a_caller_already_has_are_not_rebuilt(monkeypatch):
+    """``beyond``: the server's prompt cache already reuses that many tokens; the
+    store installs nothing unless it can go deeper (a returning turn the
+    entries serve costs lookups, not a rebuild)."""
+    model = PLANS["glimmer-w8"](mx.float16)
+    store = KVStore()
+    tokens = tokens_for(12)
+    converse(model, tokens, store)
+    installs = []
+    real = muser_kv.SessionSnapshot.install
+    monkeypatch.setattr(muser_kv.SessionSnapshot, "install",
+                        lambda self, *a, **k: (installs.append(self.position), real(self, *a, **k)))
+    for beyond, want in ((0, 703), (600, 703), (702, 0), (703, 0), (900, 0)):
+        n, cache = store.longest_prefix(tokens[:704], model, into=new_list(model), beyond=beyond)
+        assert n == want, f"beyond {beyond}: {n}, expected {want}"
+        assert {c.offset for c in cache} == {n}
+    assert installs == [703, 703]
+
+
 def test_two_conversations_sharing_three_chunks_store_them_once():
     model = PLANS["glimmer-w8"](mx.bfloat16)
     store = KVStore()

@@ -337,12 +337,14 @@ class KVStore:
 
     # -- lookup ------------------------------------------------------------------------
 
-    def longest_prefix(self, tokens: Sequence[int], model: Any,
-                       into: Optional[List[Any]] = None) -> Tuple[int, List[Any]]:
+    def longest_prefix(self, tokens: Sequence[int], model: Any, into: Optional[List[Any]] = None,
+                       beyond: int = 0) -> Tuple[int, List[Any]]:
         """``(n, cache)``: the deepest position ``n <= len(tokens) - 1`` this store
         can rebuild for ``tokens``, and a list holding exactly the state the live
         list had there (``into``, an empty list of ``model``'s, or a fresh one).
-        A miss is ``(0, the empty list)``; the caller prefills ``tokens[n:]``."""
+        A miss is ``(0, the empty list)``; the caller prefills ``tokens[n:]``.
+        Positions up to ``beyond`` are not rebuilt (a caller that can reuse that
+        many tokens already): none deeper is a miss, at the cost of lookups only."""
         tokens = _tokens(tokens)
         cache = into if into is not None else fresh_list(model)
         entries = _entries(cache)
@@ -365,16 +367,18 @@ class KVStore:
             else:
                 hi = mid - 1
         for level in range(lo, -1, -1):
-            tails = self._index(names[level], scope)
             base = CHUNK * level
+            if base + CHUNK - 1 <= beyond:  # every position of this level and below
+                break
+            tails = self._index(names[level], scope)
             for r in sorted(tails, reverse=True):
-                if r == 0 or base + r > limit:
+                if r == 0 or base + r > limit or base + r <= beyond:
                     continue
                 point = self._get(chunks.object_key("P", names[level], tokens[base:base + r]), scope)
                 if isinstance(point, Point) and self._rebuild(cache, entries, scope, fingerprint,
                                                               names, base + r, point):
                     return self._hit(base + r, cache)
-            if level:
+            if level and base > beyond:
                 point = (self._get(chunks.object_key("P", names[level], ()), scope)
                          if 0 in tails else None)
                 if self._rebuild(cache, entries, scope, fingerprint, names, base,
