@@ -282,7 +282,8 @@ def part1(model, args, rng) -> List[Dict[str, Any]]:
                                     "ttft_s": ttft, "reused": reused, "entry_reuse": own,
                                     "from_store": from_store,
                                     "rebuild_s": calls[-1][1] if from_store else None,
-                                    "store_lookups": len(calls), "reply": reply})
+                                    "store_lookups": len(calls),
+                                    "store_lookup_s": sum(c[1] for c in calls), "reply": reply})
             close(server)
             if store is not None:
                 results[-1]["store_tiers"] = [vars(x) for x in store.stats().tiers]
