@@ -545,7 +545,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     model = H.build_model(args)
     print(f"{H.describe(model)}; built in {H.now() - t:.1f} s")
     limit = model.args.max_position_embeddings
-    need = max([h + args.user + args.reply + 1 for h in args.history] + [args.chat + 1])
+    need = max([h + args.user + args.reply + 1 for h in args.history]
+               + ([args.chat + 1] if 2 in args.parts else []))
     if need > limit:
         raise SystemExit(f"the longest request needs {need:,} tokens, past the model's context "
                          f"{limit:,}")
