@@ -14,6 +14,8 @@
 #   bash benchmarks/device.sh resume     # 130k session: load + first token against re-prefill, real geometry
 #   bash benchmarks/device.sh store      # one in-place store op per layer vs two slice updates; race check
 #   bash benchmarks/device.sh determinism  # the same decode step twice: SDPA, then the real model
+#   bash benchmarks/device.sh reuse      # KV store: regenerate / edit / branch at 32k and 130k
+#   bash benchmarks/device.sh reuse23    # KV store: memory of 100 stored chats; a restart at 32k
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -59,6 +61,14 @@ disk)
   ;;
 resume)
   b resume 560 benchmarks/resume.py --dtype "${2:-bfloat16}" --json "$out/resume_${2:-bfloat16}.json"
+  ;;
+reuse)
+  b store_reuse 580 benchmarks/store_reuse.py --parts 1 --history 32768,130000 \
+    --json "$out/store_reuse_1.json"
+  ;;
+reuse23)
+  b store_reuse 580 benchmarks/store_reuse.py --parts 2,3 --history 32768 \
+    --json "$out/store_reuse_23.json"
   ;;
 determinism)
   b determinism 300 benchmarks/determinism.py --model --json "$out/determinism.json"

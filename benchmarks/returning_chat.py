@@ -60,7 +60,7 @@ takes f32 only.)
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import _harness as H
 import mlx.core as mx
@@ -135,29 +135,32 @@ class Server:
             self.batch.close()
         muser_kv.uninstall(self.model)
 
-    def request(self, prompt: List[int]) -> Tuple[float, int, List[int]]:
-        """(time to first token, prompt tokens reused, the answer)."""
+    def request(self, prompt: List[int],
+                max_tokens: Optional[int] = None) -> Tuple[float, int, List[int]]:
+        """(time to first token, prompt tokens reused, the answer of ``max_tokens``
+        tokens, default ``--answer``)."""
         t0 = H.now()
         cache, rest = self.lru.fetch_nearest_cache(self.key, prompt)
         reused = len(prompt) - len(rest)
+        tokens = self.args.answer if max_tokens is None else max_tokens
         if self.batch is None:
-            return self._single(t0, prompt, cache, rest, reused)
-        return self._batched(t0, prompt, cache, reused)
+            return self._single(t0, prompt, cache, rest, reused, tokens)
+        return self._batched(t0, prompt, cache, reused, tokens)
 
-    def _single(self, t0, prompt, cache, rest, reused):
+    def _single(self, t0, prompt, cache, rest, reused, max_tokens):
         if cache is None:
             cache = make_prompt_cache(self.model)
         gen = generate_step(mx.array(rest), self.model, prompt_cache=cache,
-                            max_tokens=self.args.answer, prefill_step_size=self.args.prefill_step)
+                            max_tokens=max_tokens, prefill_step_size=self.args.prefill_step)
         answer = [int(next(gen)[0])]
         ttft = H.now() - t0
         answer += [int(t) for t, _ in gen]
         self.lru.insert_cache(self.key, prompt + answer, cache)
         return ttft, reused, answer
 
-    def _batched(self, t0, prompt, cache, reused):
+    def _batched(self, t0, prompt, cache, reused, max_tokens):
         bg = self.batch
-        (uid,) = bg.insert_segments(segments=[[prompt[reused:]]], max_tokens=[self.args.answer],
+        (uid,) = bg.insert_segments(segments=[[prompt[reused:]]], max_tokens=[max_tokens],
                                     caches=[cache], all_tokens=[prompt[:reused]])
         del cache
         segment_types = ["assistant"]  # a text request's one segment (server.py _tokenize)
