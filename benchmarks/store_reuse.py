@@ -161,9 +161,9 @@ class Rebuilds:
         self.calls: List[Tuple[int, float]] = []
         lookup = store.longest_prefix
 
-        def timed(tokens, model, into=None):
+        def timed(tokens, model, into=None, **kwargs):
             t0 = H.now()
-            n, cache = lookup(tokens, model, into)
+            n, cache = lookup(tokens, model, into, **kwargs)
             mx.eval([a for c in cache for a in (c.planes.k, c.planes.v)])
             self.calls.append((n, H.now() - t0))
             return n, cache
