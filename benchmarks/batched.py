@@ -86,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per block (default 16)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--fill-chunk", type=int, default=4096)
+    p.add_argument("--sliding-layout", choices=["token_major", "head_major"], default="token_major",
+                   help="the sliding rings' layout (default token_major; muser-kv serve: head_major)")
     p.add_argument("--floor-repeats", type=int, default=3,
                    help="floor passes per block, the median (default 3)")
     p.add_argument("--family", choices=["muse-glimmer", *H.FAMILIES], default="muse-glimmer",
@@ -131,7 +133,7 @@ def batch(model, system: str, fill: int, max_context: int, b: int, args) -> List
     the same random K/V through the batch's own ``update_and_fetch``."""
     if system == "muser-kv":
         single = muser_kv.make_prompt_cache(model, max_context=max_context,
-                                            sliding_layout=getattr(args, "sliding_layout", "token_major"))
+                                            sliding_layout=args.sliding_layout)
         caches: List[Any] = [BatchKVCache.merge([c] * b, slots=b) for c in single]
         del single
     else:
