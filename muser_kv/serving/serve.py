@@ -8,12 +8,15 @@ here and nowhere else (``substituted``), and put back afterwards:
 =====================  ======================================================
 ``argparse``           the same module, whose ``ArgumentParser`` also takes
                        muser-kv's flags (``--max-context``, ``--retain``,
-                       ``--plane-dtype``, ``--kv-memory``) and refuses
+                       ``--plane-dtype``, ``--sliding-layout``,
+                       ``--kv-memory``, ``--kv-store*``) and refuses
                        ``--kv-bits`` and ``--retain 0`` with a draft model
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
                        ``muser_kv.install`` on every model it loads, and the
                        loaded model's ``Limits`` published for the handler
-``LRUPromptCache``     ``ExactPromptCache`` (``muser_kv.serving.prompt_cache``)
+``LRUPromptCache``     ``ExactPromptCache`` (``muser_kv.serving.prompt_cache``),
+                       with a ``KVStore`` attached (the memory tier, and
+                       ``--kv-store``'s directory or Redis)
 ``ResponseGenerator``  ``MuseResponseGenerator``: mlx-lm's generation thread,
                        admitting each request where it tokenizes it (``admit``:
                        a prompt that cannot fit is refused, ``max_tokens`` is
