@@ -22,7 +22,7 @@ from model_zoo import ZOO
 
 import muser_kv
 from muser_kv import KVStore
-from muser_kv.sessions.store import CHUNK
+from muser_kv.sessions.store import CHUNK, chunks
 
 CONTEXT = 1024
 #: positions the producer passes through: every chunk boundary, and the put
@@ -325,3 +325,33 @@ def test_threads_putting_and_rebuilding_each_see_whole_states():
     for th in threads:
         th.join()
     assert not errors, errors
+
+
+def test_a_new_store_over_the_same_directory_rebuilds_and_passes_over_what_is_not_its_key(
+        tmp_path, caplog):
+    """The directory tier: a store opened anew (a restart) rebuilds every put point
+    bit for bit from disk; an object whose bytes the tier verifies but which is not
+    what its key promises (another point's bytes) is passed over with a log line,
+    and the lookup falls back to a shallower point, still exact."""
+    model = PLANS["glimmer-w8"](mx.bfloat16)
+    tokens = tokens_for(13)
+    first = KVStore(tmp_path / "store")
+    states, _ = converse(model, tokens, first)
+    first.close()
+    again = KVStore(tmp_path / "store", memory_bytes=0)  # every read from the directory
+    for n in PUTS:
+        got, cache = again.longest_prefix(tokens[:n + 1], model, into=new_list(model))
+        assert got == n
+        assert_same(state(cache), states[n])
+    # the point at 900 replaced by the bytes of the point at 703
+    scope = again._scope(new_list(model), model)[0]
+    names = chunks.chain(scope, tokens, 900 // CHUNK)
+    point_900 = chunks.object_key("P", names[3], tokens[768:900])
+    point_703 = chunks.object_key("P", names[2], tokens[512:703])
+    tier = again.tiers[0]
+    assert tier.put(point_900, tier.get(point_703), replace=True)
+    got, cache = again.longest_prefix(tokens[:901], model, into=new_list(model))
+    assert got == 703
+    assert_same(state(cache), states[703])
+    assert "holds another point" in caplog.text
+    again.close()

@@ -148,18 +148,10 @@ class KVStore:
         if obj is not None:
             return obj
         for tier in self.tiers:
-            blob = tier.get(key)
-            if blob is None:
-                continue
-            try:
-                obj = chunks.decode(blob, scope.encoding)
-            except chunks.ChunkFormatError as e:
-                log.warning("KV store: %s tier: object %s is not what its key says (%s); dropped",
-                            tier.name, key, e)
-                tier.delete(key)
-                continue
-            self.memory.put(key, obj)
-            return obj
+            obj = _read(tier, key, scope.encoding)
+            if obj is not None:
+                self.memory.put(key, obj)
+                return obj
         return None
 
     def _has(self, key: str) -> bool:
@@ -195,16 +187,11 @@ class KVStore:
     def _write(self, key: str, obj: Any, encoding: str) -> None:
         for tier in self.tiers:
             if isinstance(obj, Index):
-                old = tier.get(key)
-                if old is not None:
-                    try:
-                        have = chunks.decode(old, encoding)
-                        if isinstance(have, Index):
-                            if obj.tails <= have.tails:
-                                continue
-                            obj = Index(obj.tails | have.tails)
-                    except chunks.ChunkFormatError:
-                        pass
+                have = _read(tier, key, encoding)
+                if isinstance(have, Index):
+                    if obj.tails <= have.tails:
+                        continue
+                    obj = Index(obj.tails | have.tails)
                 tier.put(key, chunks.encode(obj, encoding), replace=True)
             elif not tier.contains(key):
                 tier.put(key, chunks.encode(obj, encoding))
@@ -323,14 +310,7 @@ class KVStore:
         if isinstance(have, Index):
             tails |= have.tails
         for tier in self.tiers:
-            blob = tier.get(key)
-            if blob is None:
-                continue
-            try:
-                obj = chunks.decode(blob, scope.encoding)
-            except chunks.ChunkFormatError:
-                tier.delete(key)
-                continue
+            obj = _read(tier, key, scope.encoding)
             if isinstance(obj, Index):
                 tails |= obj.tails
         return frozenset(tails)
@@ -374,15 +354,16 @@ class KVStore:
             for r in sorted(tails, reverse=True):
                 if r == 0 or base + r > limit or base + r <= beyond:
                     continue
-                point = self._get(chunks.object_key("P", names[level], tokens[base:base + r]), scope)
-                if isinstance(point, Point) and self._rebuild(cache, entries, scope, fingerprint,
+                tail = tokens[base:base + r]
+                point = self._get(chunks.object_key("P", names[level], tail), scope)
+                if _is_point(point, tail) and self._rebuild(cache, entries, scope, fingerprint,
                                                               names, base + r, point):
                     return self._hit(base + r, cache)
             if level and base > beyond:
                 point = (self._get(chunks.object_key("P", names[level], ()), scope)
                          if 0 in tails else None)
                 if self._rebuild(cache, entries, scope, fingerprint, names, base,
-                                 point if isinstance(point, Point) else None):
+                                 point if _is_point(point, []) else None):
                     return self._hit(base, cache)
         return 0, cache
 
@@ -409,9 +390,10 @@ class KVStore:
             for r in sorted(tails):
                 if base + r > len(tokens) or (r == 0 and not level):
                     continue
-                point = self._get(chunks.object_key("P", names[level], tokens[base:base + r]), scope)
-                if isinstance(point, Point) and self._rows_for(entries, scope, names, base + r,
-                                                               point) is not None:
+                tail = tokens[base:base + r]
+                point = self._get(chunks.object_key("P", names[level], tail), scope)
+                if _is_point(point, tail) and self._rows_for(entries, scope, names, base + r,
+                                                             point) is not None:
                     found.append(base + r)
             if level and base not in found and self._rows_for(entries, scope, names, base,
                                                               None) is not None:
@@ -491,6 +473,29 @@ def fresh_list(model: Any) -> List[Any]:
     if own and all(isinstance(c, MuseKVCache) for c in own):
         return list(own)
     return make_prompt_cache(model)
+
+
+def _is_point(obj: Any, tail: Sequence[int]) -> bool:
+    """Whether a stored object is the point its key promises (its tail tokens)."""
+    ok = isinstance(obj, Point) and list(obj.tail) == list(tail)
+    if not ok and obj is not None:
+        log.warning("KV store: an object under a point's key holds another point; passed over")
+    return ok
+
+
+def _read(tier: Any, key: str, encoding: str) -> Any:
+    """The object a byte tier holds under ``key``, or ``None``: absent, or not
+    what its key says (then dropped from the tier, with a log line)."""
+    blob = tier.get(key)
+    if blob is None:
+        return None
+    try:
+        return chunks.decode(blob, encoding)
+    except chunks.ChunkFormatError as e:
+        log.warning("KV store: %s tier: object %s is not what its key says (%s); dropped",
+                    tier.name, key, e)
+        tier.delete(key)
+        return None
 
 
 def _entries(cache: Sequence[Any]) -> List[MuseKVCache]:
