@@ -131,3 +131,29 @@ def test_lists_with_a_draft_models_caches_stay_out_of_the_store(model):
     p = ids(300, 6)
     pcache.insert_cache(KEY, p, _list(model, p))
     assert store.stats().puts == 0
+
+
+def test_a_full_disk_under_the_store_leaves_every_request_served(model, tmp_path, monkeypatch):
+    """ENOSPC on the store's directory: its puts fail (a log line), the memory
+    tier still serves this process, and a restarted one (nothing on disk)
+    prefills afresh: no request fails, none is answered from a torn chunk."""
+    import errno
+    import os
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = KVStore(str(tmp_path / "store"), write_behind=False)
+    pcache = setup(model, store)
+    p = ids(700, 7)
+    monkeypatch.setattr(os, "fsync", full)
+    pcache.insert_cache(KEY, p, _list(model, p))
+    pcache.trim_to(n_sequences=0)
+    reused, _, _ = served(model, pcache, p + [1])
+    assert reused == 700  # the memory tier
+    monkeypatch.undo()
+    store.close()
+    restarted = KVStore(str(tmp_path / "store"))
+    reused, _, _ = served(model, setup(model, restarted), p + [1])
+    assert reused == 0
+    assert restarted.stats().tiers[1].chunks == 0
