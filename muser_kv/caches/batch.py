@@ -47,10 +47,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import mlx.core as mx
 
 from muser_kv.caches import base, cachelist
-from muser_kv.caches.base import ContextOverflow, Mask, MuseKVCache, evaluated_with
+from muser_kv.caches.base import Mask, MuseKVCache
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.masks import additive_mask, batch_chunk_mask, batch_decode_mask
 from muser_kv.caches.sliding import SlidingKVCache
+from muser_kv.caches.writes import ContextOverflow, evaluated_with
 from muser_kv.core import kernels
 from muser_kv.core.geometry import LayerKind, MuseGeometry, sized_rows
 from muser_kv.core.planes import Planes
