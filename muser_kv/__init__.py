@@ -10,7 +10,7 @@ Every public name is here, in one ``__all__``.
 """
 
 from muser_kv.caches import prompt_files as _prompt_files
-from muser_kv.caches.base import ContextOverflow, MuseKVCache
+from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.cachelist import CacheList, CacheListMismatch, CacheOutOfStep
 from muser_kv.caches.factory import make_cache_for, make_prompt_cache
 from muser_kv.caches.growing import GlobalKVCache
@@ -22,6 +22,7 @@ from muser_kv.caches.speculative import (
     SpeculativeCheckpoint,
     checkpoint,
 )
+from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core.geometry import (
     Footprint,
     LayerKind,

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Un
 import mlx.core as mx
 
 from muser_kv.caches import cachelist
+from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core import kernels
 from muser_kv.core.counts import count
 from muser_kv.core.geometry import ROW_GRANULE, LayerKind, sized_rows
@@ -52,28 +53,6 @@ INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
 _ONE = 1
 
 _Cache = TypeVar("_Cache", bound="MuseKVCache")
-
-
-class ContextOverflow(ValueError):
-    """A write past the cache's ``max_context``. The cache never shifts on its
-    own; deciding what to keep is the context policy's job."""
-
-    def __init__(self, layer: int, end: int, max_context: int):
-        self.layer = layer
-        self.end = end
-        self.max_context = max_context
-        super().__init__(
-            f"KV cache for layer {layer}: writing up to position {end} exceeds "
-            f"max_context {max_context}"
-        )
-
-
-def evaluated_with(kv: Pair, copy: mx.array) -> Pair:
-    """``kv`` with ``copy`` made part of what evaluating it computes (``mx.depends``:
-    an edge, no kernel). A copy left lazy would keep what it reads (the plane
-    before the store, or a whole staging shadow) alive, and hold the plane at
-    the next store, where MLX would then copy it instead of donating it."""
-    return tuple(mx.depends(list(kv), [copy]))
 
 
 class MuseKVCache(ABC):

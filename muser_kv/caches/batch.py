@@ -47,14 +47,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import mlx.core as mx
 
 from muser_kv.caches import base, cachelist
-from muser_kv.caches.base import ContextOverflow, Mask, MuseKVCache, evaluated_with
+from muser_kv.caches.base import Mask, MuseKVCache
 from muser_kv.caches.growing import GlobalKVCache
-from muser_kv.caches.masks import additive_mask, causal_mask
+from muser_kv.caches.masks import additive_mask, batch_chunk_mask, batch_decode_mask
 from muser_kv.caches.sliding import SlidingKVCache
+from muser_kv.caches.writes import ContextOverflow, evaluated_with
 from muser_kv.core import kernels
 from muser_kv.core.geometry import LayerKind, MuseGeometry, sized_rows
 from muser_kv.core.planes import Planes
-from muser_kv.core.ring import Ring, Run
 
 Pair = Tuple[mx.array, mx.array]
 
@@ -338,85 +338,14 @@ class BatchKVCache:
             raise ValueError(f"layer {self.layer}: sliding cache built for window {self._window}, "
                              f"asked for a mask with window {window_size}")
         if N == 1 and self._remaining is None:
-            mask = self._decode_mask(window_size, return_array)
+            mask: Mask = batch_decode_mask(self.kind, [s.ring for s in self.seqs], self.active,
+                                           window_size, return_array)
         else:
-            mask = self._chunk_mask(N, window_size, return_array)
+            mask = batch_chunk_mask(self.kind, [s.ring.len for s in self.seqs], N, window_size,
+                                    self._window, self.planes.limit, return_array)
         if mask is None or isinstance(mask, str) or return_array:
             return mask
         return additive_mask(mask, self.planes.dtype)
-
-    def _chunk_mask(self, N: int, window_size: Optional[int], return_array: bool) -> Mask:
-        """A chunk of ``N`` tokens each (padding included): ``[B or 1, 1, N, L]``
-        bool, or ``"causal"`` where that is what it says."""
-        B = len(self.seqs)
-        lens = [s.ring.len for s in self.seqs]
-        level = len(set(lens)) == 1
-        i = mx.arange(N).reshape(1, N, 1)
-        if self.kind is LayerKind.GLOBAL:
-            rows = min(max(lens) + N, self.planes.limit)
-            if level and rows == lens[0] + N:
-                if window_size is None:
-                    return causal_mask(N, lens[0])[None, None] if return_array else "causal"
-                return causal_mask(N, lens[0], window_size)[None, None]
-            j = mx.arange(rows).reshape(1, 1, rows)
-            at = mx.array(lens, dtype=mx.int32).reshape(B, 1, 1)
-            mask = j <= at + i
-            if window_size is not None:
-                mask = mask & (at + i - j < window_size)
-            return mask[:, None]
-        # sliding: the staging shadow, old rows right-aligned to the longest ring
-        width = max(lens)
-        if level:
-            if not return_array and width + N <= self._window:  # the window never binds
-                return "causal"
-            return causal_mask(N, width, self._window)[None, None]
-        pad = mx.array([width - n for n in lens], dtype=mx.int32).reshape(B, 1, 1)
-        j = mx.arange(width + N).reshape(1, 1, width + N)
-        rel = j - width  # the chunk's token index; negative for old rows
-        mask = (j >= pad) & (rel <= i) & (i - rel < self._window)
-        return mask[:, None]
-
-    def _decode_mask(self, window_size: Optional[int], return_array: bool) -> Mask:
-        """One token each: ``[B, 1, 1, L]`` bool, or ``None`` when every sequence
-        sees every row it is handed. A ring row is valid once its sequence holds
-        it (every row of a full ring); a plane row below the sequence's length."""
-        B = len(self.seqs)
-        active = self.active or [True] * B
-        # rows each sequence holds after the write (a placeholder sees at least one)
-        after = [s.ring.len + 1 if on else max(1, s.ring.len) for s, on in zip(self.seqs, active)]
-        if self.kind is LayerKind.GLOBAL:
-            rows = max(after)
-            if len(set(after)) == 1 and (window_size is None or rows <= window_size) \
-                    and not return_array:
-                return None
-            j = mx.arange(rows).reshape(1, rows)
-            valid = j < mx.array(after, dtype=mx.int32).reshape(B, 1)
-            if window_size is not None:
-                valid = valid & (mx.array(after).reshape(B, 1) - 1 - j < window_size)
-            return valid.reshape(B, 1, 1, rows)
-        rows = self._rows_after_decode()
-        # each ring's live rows once the token is written (a placeholder: the
-        # rows it holds, at least its origin row), as the ring's physical runs
-        runs = [_runs_after_decode(s.ring, on) for s, on in zip(self.seqs, active)]
-        if not return_array and all(sum(r.length for r in rs) == rows for rs in runs):
-            return None  # every sequence holds every row read: full rings, or level ones
-        first = [rs[0] for rs in runs]
-        second = [rs[1] if len(rs) > 1 else Run(0, 0, 0) for rs in runs]
-        j = mx.arange(rows, dtype=mx.int32).reshape(1, rows)
-        inside = []
-        for part in (first, second):
-            lo = mx.array([r.physical for r in part], dtype=mx.int32).reshape(B, 1)
-            hi = lo + mx.array([r.length for r in part], dtype=mx.int32).reshape(B, 1)
-            inside.append((j >= lo) & (j < hi))
-        return (inside[0] | inside[1]).reshape(B, 1, 1, rows)
-
-    def _rows_after_decode(self) -> int:
-        capacity = self.seqs[0].ring.capacity
-        active = self.active or [True] * len(self.seqs)
-        if all(s.ring.origin_physical == 0 for s in self.seqs):
-            longest = max(max(1, s.ring.len + (1 if on else 0)) for s, on in zip(self.seqs, active))
-            return min(longest, capacity)
-        return capacity
 
     # -- batch membership ---------------------------------------------------------------
 
@@ -615,17 +544,6 @@ def _rings(seqs: List[MuseKVCache]) -> List[SlidingKVCache]:
     """A sliding layer's sequences as the rings they are: every sequence of a
     batch is of the batch's kind (``merge`` checks it; ``_bound`` keeps it)."""
     return cast(List[SlidingKVCache], seqs)
-
-
-def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:
-    """The physical runs a decode step's attention may read in ``ring``: its live
-    rows after the token is appended, or for an inactive placeholder the rows it
-    holds (its origin row when it holds none)."""
-    if not active:
-        return ring.live_runs() if ring.len else [Run(ring.origin_physical, 1, 0)]
-    after = ring.copy()
-    after.append(after.end)
-    return after.live_runs()
 
 
 base.BATCH = BatchKVCache

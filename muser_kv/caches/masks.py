@@ -1,12 +1,16 @@
 """The masks a cache hands attention, in mlx-lm's semantics: which keys each
-query of a write sees (``causal_mask``), and that rule in attention's additive
-form (``additive_mask``)."""
+query of a write sees (``causal_mask``), that rule in attention's additive
+form (``additive_mask``), and the masks of a batch's chunk and decode step,
+per sequence (``batch_chunk_mask``, ``batch_decode_mask``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
+
+from muser_kv.core.geometry import LayerKind
+from muser_kv.core.ring import Ring, Run
 
 
 def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
@@ -30,3 +34,94 @@ def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
     for rows that always see a key (a sliding chunk sees itself): a fully masked
     row, or a NaN key, would need the bool form's select."""
     return mx.where(mask, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+
+
+def batch_chunk_mask(kind: LayerKind, lens: Sequence[int], N: int, window_size: Optional[int],
+                     window: int, limit: int, return_array: bool) -> Union[str, mx.array]:
+    """A batch's chunk of ``N`` tokens each (padding included), for sequences
+    holding ``lens`` rows in a layer of ``kind`` (sliding: the batch's
+    ``window``; global: planes of at most ``limit`` rows): ``[B or 1, 1, N, L]``
+    bool, or ``"causal"`` where that is what it says."""
+    B = len(lens)
+    level = len(set(lens)) == 1
+    i = mx.arange(N).reshape(1, N, 1)
+    if kind is LayerKind.GLOBAL:
+        rows = min(max(lens) + N, limit)
+        if level and rows == lens[0] + N:
+            if window_size is None:
+                return causal_mask(N, lens[0])[None, None] if return_array else "causal"
+            return causal_mask(N, lens[0], window_size)[None, None]
+        j = mx.arange(rows).reshape(1, 1, rows)
+        at = mx.array(list(lens), dtype=mx.int32).reshape(B, 1, 1)
+        mask = j <= at + i
+        if window_size is not None:
+            mask = mask & (at + i - j < window_size)
+        return mask[:, None]
+    # sliding: the staging shadow, old rows right-aligned to the longest ring
+    width = max(lens)
+    if level:
+        if not return_array and width + N <= window:  # the window never binds
+            return "causal"
+        return causal_mask(N, width, window)[None, None]
+    pad = mx.array([width - n for n in lens], dtype=mx.int32).reshape(B, 1, 1)
+    j = mx.arange(width + N).reshape(1, 1, width + N)
+    rel = j - width  # the chunk's token index; negative for old rows
+    mask = (j >= pad) & (rel <= i) & (i - rel < window)
+    return mask[:, None]
+
+
+def batch_decode_mask(kind: LayerKind, rings: Sequence[Ring], active: Optional[Sequence[bool]],
+                      window_size: Optional[int], return_array: bool) -> Optional[mx.array]:
+    """A batch's decode step, one token each, for sequences whose state is
+    ``rings`` (``active``: whom the step writes; ``None``: every sequence):
+    ``[B, 1, 1, L]`` bool, or ``None`` when every sequence sees every row it is
+    handed. A ring row is valid once its sequence holds it (every row of a full
+    ring); a plane row below the sequence's length."""
+    B = len(rings)
+    on_list = list(active) if active else [True] * B
+    # rows each sequence holds after the write (a placeholder sees at least one)
+    after = [r.len + 1 if on else max(1, r.len) for r, on in zip(rings, on_list)]
+    if kind is LayerKind.GLOBAL:
+        rows = max(after)
+        if len(set(after)) == 1 and (window_size is None or rows <= window_size) \
+                and not return_array:
+            return None
+        j = mx.arange(rows).reshape(1, rows)
+        valid = j < mx.array(after, dtype=mx.int32).reshape(B, 1)
+        if window_size is not None:
+            valid = valid & (mx.array(after).reshape(B, 1) - 1 - j < window_size)
+        return valid.reshape(B, 1, 1, rows)
+    rows = _rows_after_decode(rings, on_list)
+    # each ring's live rows once the token is written (a placeholder: the
+    # rows it holds, at least its origin row), as the ring's physical runs
+    runs = [_runs_after_decode(r, on) for r, on in zip(rings, on_list)]
+    if not return_array and all(sum(r.length for r in rs) == rows for rs in runs):
+        return None  # every sequence holds every row read: full rings, or level ones
+    first = [rs[0] for rs in runs]
+    second = [rs[1] if len(rs) > 1 else Run(0, 0, 0) for rs in runs]
+    j = mx.arange(rows, dtype=mx.int32).reshape(1, rows)
+    inside = []
+    for part in (first, second):
+        lo = mx.array([r.physical for r in part], dtype=mx.int32).reshape(B, 1)
+        hi = lo + mx.array([r.length for r in part], dtype=mx.int32).reshape(B, 1)
+        inside.append((j >= lo) & (j < hi))
+    return (inside[0] | inside[1]).reshape(B, 1, 1, rows)
+
+
+def _rows_after_decode(rings: Sequence[Ring], active: Sequence[bool]) -> int:
+    capacity = rings[0].capacity
+    if all(r.origin_physical == 0 for r in rings):
+        longest = max(max(1, r.len + (1 if on else 0)) for r, on in zip(rings, active))
+        return min(longest, capacity)
+    return capacity
+
+
+def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:
+    """The physical runs a decode step's attention may read in ``ring``: its live
+    rows after the token is appended, or for an inactive placeholder the rows it
+    holds (its origin row when it holds none)."""
+    if not active:
+        return ring.live_runs() if ring.len else [Run(ring.origin_physical, 1, 0)]
+    after = ring.copy()
+    after.append(after.end)
+    return after.live_runs()

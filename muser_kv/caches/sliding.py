@@ -26,10 +26,10 @@ from muser_kv.caches.base import (
     Mask,
     MuseKVCache,
     State,
-    evaluated_with,
 )
 from muser_kv.caches.masks import additive_mask, causal_mask
 from muser_kv.caches.speculative import DEFAULT_RETAIN, RetainedRows
+from muser_kv.caches.writes import evaluated_with
 from muser_kv.core import kernels
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.planes import Planes

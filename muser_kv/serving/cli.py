@@ -188,7 +188,7 @@ def _store_bytes(n: Optional[int]) -> str:
 
 def cmd_store(ns: argparse.Namespace) -> int:
     """``stats``: a tier's chunks, bytes, bound and hit rate; ``gc``: evict to the bound."""
-    from muser_kv.sessions.store.tiers import open_tier
+    from muser_kv.sessions.store.store import open_tier
 
     tier = open_tier(ns.location)
     try:

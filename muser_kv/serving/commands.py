@@ -46,8 +46,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from muser_kv.caches.base import ContextOverflow, MuseKVCache
+from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
+from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core.geometry import UnsupportedModel
 from muser_kv.serving.install import context_for, install
 from muser_kv.sessions.format import SnapshotError

@@ -1,4 +1,5 @@
-"""The KV store's byte tiers (muser_kv/sessions/store/tiers.py): a local
+"""The KV store's byte tiers (muser_kv/sessions/store/: tiers.py, directory.py,
+redis_tier.py): a local
 directory and a real ``redis-server`` (the ``redis_server`` fixture) behind one
 interface. Every stored chunk is verified on read, faults are misses with one
 log line, a chunk is whole or absent (threads, processes, SIGKILL mid-put)."""
@@ -17,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from muser_kv.sessions.store import tiers
-from muser_kv.sessions.store.tiers import DirectoryTier, RedisTier, open_tier
+from muser_kv.sessions.store import directory, redis_tier, tiers
+from muser_kv.sessions.store.directory import DirectoryTier
+from muser_kv.sessions.store.redis_tier import RedisTier
+from muser_kv.sessions.store.store import open_tier
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,8 +109,8 @@ def test_a_present_key_costs_a_lookup_not_a_write(make, monkeypatch):
         path = tmp_file(t, key(1))
         inode = os.stat(path).st_ino
         writes = []
-        real = tiers._write_all
-        monkeypatch.setattr(tiers, "_write_all", lambda *a: (writes.append(a), real(*a)))
+        real = directory._write_all
+        monkeypatch.setattr(directory, "_write_all", lambda *a: (writes.append(a), real(*a)))
         assert t.put(key(1), blob(1)) and t.put(key(1), blob(1))
         assert writes == [] and os.stat(path).st_ino == inode
         assert t.put(key(2), blob(2)) and len(writes) == 1  # the counter does count writes
@@ -252,16 +255,16 @@ def test_directory_refuses_a_directory_that_is_not_a_store(tmp_path):
 CHILD_PUT = r"""
 import sys, time
 from pathlib import Path
-from muser_kv.sessions.store import tiers
-real = tiers._write_all
+from muser_kv.sessions.store import directory
+real = directory._write_all
 def slow(fd, *parts):
     head, payload = parts
     real(fd, head, payload[: payload.nbytes // 2])
     Path(sys.argv[2]).write_text("half")
     time.sleep(60)
     real(fd, payload[payload.nbytes // 2:])
-tiers._write_all = slow
-t = tiers.DirectoryTier(sys.argv[1])
+directory._write_all = slow
+t = directory.DirectoryTier(sys.argv[1])
 t.put("%s", bytes(32 << 20))
 """
 
@@ -302,7 +305,7 @@ def test_a_full_disk_is_a_refused_put_and_one_log_line(tmp_path, monkeypatch, ca
     def full(fd, *parts):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tiers, "_write_all", full)
+    monkeypatch.setattr(directory, "_write_all", full)
     with caplog.at_level(logging.WARNING, "muser_kv.store"):
         assert not t.put(key(2), blob(2))
         assert not t.put(key(3), blob(3))  # the same fault again: counted, not logged again
@@ -329,7 +332,7 @@ def test_a_read_only_directory_serves_and_refuses_puts(tmp_path, monkeypatch, ca
                 raise PermissionError(errno.EACCES, "Permission denied", str(path))
             return real_open(path, flags, *a, **kw)
 
-        monkeypatch.setattr(tiers.os, "open", read_only)
+        monkeypatch.setattr(directory.os, "open", read_only)
     try:
         with caplog.at_level(logging.WARNING, "muser_kv.store"):
             assert not t.put(key(2), blob(2))
@@ -358,10 +361,10 @@ def test_a_vanished_directory_is_misses_and_refused_puts(tmp_path, caplog):
 
 CHILD_MIX = r"""
 import sys
-from muser_kv.sessions.store import tiers
+from muser_kv.sessions.store import directory
 sys.path.insert(0, sys.argv[3])
 from test_store_tiers import blob, key
-t = tiers.DirectoryTier(sys.argv[1])
+t = directory.DirectoryTier(sys.argv[1])
 me = int(sys.argv[2])
 for r in range(60):
     i = r % 15 if r % 2 else 1000 * me + r
@@ -475,7 +478,7 @@ def test_redis_bound_is_the_servers_lru_and_gc_evicts_to_max_bytes(redis_server)
 
 
 def test_redis_refuses_a_value_too_large_without_going_down(redis_server, monkeypatch, caplog):
-    monkeypatch.setattr(tiers, "REDIS_MAX_VALUE", 2000)
+    monkeypatch.setattr(redis_tier, "REDIS_MAX_VALUE", 2000)
     t = RedisTier(redis_server.url)
     with caplog.at_level(logging.WARNING, "muser_kv.store"):
         assert not t.put(key(1), blob(1, 3000))

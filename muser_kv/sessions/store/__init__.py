@@ -1,6 +1,6 @@
 """The KV store: chunks of K/V rows named by a prefix hash chain, kept in tiers
-(memory; a directory or Redis: ``tiers``), from which any stored point of a
-conversation is rebuilt exactly (``store.KVStore``)."""
+(memory; a directory or Redis: ``tiers``, ``directory``, ``redis_tier``), from
+which any stored point of a conversation is rebuilt exactly (``store.KVStore``)."""
 
 from muser_kv.sessions.store.chunks import CHUNK, ChunkFormatError
 from muser_kv.sessions.store.store import KVStore, PutReport, StoreStats

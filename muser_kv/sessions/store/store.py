@@ -34,12 +34,13 @@ shallower one, and never leaves a list half-written.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -53,6 +54,9 @@ from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, _list_model, c
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
 from muser_kv.sessions.store.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from muser_kv.sessions.store.tiers import BlobTier
 
 log = logging.getLogger("muser_kv.store")
 
@@ -94,6 +98,21 @@ class _Model:
     ref: Any = field(repr=False, default=None)
 
 
+def open_tier(location: str, max_bytes: Optional[int] = None) -> "BlobTier":
+    """``redis://HOST:PORT[/db]`` (or ``rediss://``) -> ``RedisTier``;
+    anything else is a directory path -> ``DirectoryTier``."""
+    if not isinstance(location, (str, os.PathLike)):
+        raise TypeError(f"a store location is a directory path or redis:// URL, got {location!r}")
+    text = os.fspath(location)
+    if text.startswith(("redis://", "rediss://", "unix://")):
+        from muser_kv.sessions.store.redis_tier import RedisTier  # a tier's code loads once one is opened
+
+        return RedisTier(text, max_bytes)
+    from muser_kv.sessions.store.directory import DirectoryTier
+
+    return DirectoryTier(text, max_bytes)
+
+
 def _tokens(tokens: Sequence[int]) -> List[int]:
     return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
@@ -102,7 +121,7 @@ class KVStore:
     """Chunks of K/V rows behind sessions and the server (module doc).
 
     ``location``: ``None`` keeps the memory tier only; a directory path adds the
-    directory tier, ``redis://HOST:PORT`` the Redis tier (``store.tiers``).
+    directory tier, ``redis://HOST:PORT`` the Redis tier (``open_tier``).
     ``memory_bytes`` bounds the memory tier, ``store_bytes`` the other."""
 
     def __init__(self, location: Optional[str] = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES,
@@ -110,8 +129,6 @@ class KVStore:
         self.memory = MemoryTier(memory_bytes)
         self.tiers: List[Any] = []
         if location is not None:
-            from muser_kv.sessions.store.tiers import open_tier
-
             self.tiers.append(open_tier(str(location), store_bytes))
         self._lock = threading.Lock()
         self._models: Dict[int, _Model] = {}
