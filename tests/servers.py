@@ -19,6 +19,18 @@ START_TIMEOUT = 90
 REQUEST_TIMEOUT = 60
 
 
+def end(proc: "subprocess.Popen[bytes] | None") -> None:
+    """Stop a child process: terminate, then kill after 10 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,13 +92,7 @@ class Server:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        end(self.proc)
         self._log.close()
 
 
@@ -159,11 +165,5 @@ class RedisServer:
         self.start()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        end(self.proc)
         self._log.close()
