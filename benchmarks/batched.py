@@ -32,7 +32,9 @@ estimate: two pipelined steps of one layer's hidden, MLP and attention rows
 and the logits, in float32), and whether the peak is within it.
 
 ``--generator``: instead, mlx-lm's ``BatchGenerator`` (what the server runs)
-end to end with B prompts of ``--prompt`` tokens, mlx-lm's caches against
+end to end with B prompts of ``--prompt`` tokens (each length of a list, each B;
+``--batch-tokens`` skips the cells of more tokens; ``--sliding-layout head_major``
+is ``muser-kv serve``'s), mlx-lm's caches against
 muser-kv's lists (``caches=``), ``--blocks`` alternating runs: prefill to every
 sequence's first token, decode tok/s of the rest, peak above what was held
 before (muser-kv's preallocated planes included).
@@ -96,7 +98,12 @@ def parse_args(argv=None):
     g = p.add_argument_group("--generator: mlx-lm's BatchGenerator end to end")
     g.add_argument("--generator", action="store_true",
                    help="run BatchGenerator over B prompts instead of the decode loop")
-    g.add_argument("--prompt", type=int, default=16384, help="tokens per prompt (default 16384)")
+    g.add_argument("--prompt", type=H.int_list, default=[16384],
+                   help="tokens per prompt, one or more lengths (default 16384); each length "
+                        "runs every --batches B")
+    g.add_argument("--batch-tokens", type=int, default=None,
+                   help="skip a cell whose B x prompt exceeds this (default: none skipped; "
+                        "mlx-lm's batch prefill materializes B x heads x step x context scores)")
     g.add_argument("--tokens", type=int, default=48, help="tokens generated per sequence (default 48)")
     g.add_argument("--prefill-step", type=int, default=2048,
                    help="BatchGenerator's prefill_step_size (default 2048, mlx-lm's)")
@@ -269,6 +276,8 @@ def decode_main(args, model) -> Dict[str, Any]:
             mem.append([context, b, peak / H.GIB, b * slot / H.GIB, act / H.GIB, bound / H.GIB,
                         "-" if peak != peak else ("yes" if peak <= bound else "NO"),
                         get("mlx-lm", "peak_bytes") / H.GIB])
+            print("cell: " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x)
+                                        for x in rows[-1] + mem[-1][2:]), flush=True)
             results.append({"context": context, "filled": fill, "batch": b, "systems": cell,
                             "floor_ms": floor_ms, "floor_bytes": weight_bytes + kv_bytes,
                             "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
@@ -308,7 +317,8 @@ def generate(model, system: str, prompts: List[List[int]], args) -> Dict[str, fl
     own = 0
     if system == "muser-kv":
         context = args.list_context or len(prompts[0]) + args.tokens
-        caches = [muser_kv.make_prompt_cache(model, max_context=context, batch_slots=b)
+        caches = [muser_kv.make_prompt_cache(model, max_context=context, batch_slots=b,
+                                             sliding_layout=args.sliding_layout)
                   for _ in prompts]
         mx.eval([c.state for cache in caches for c in cache])
         own = sum(c.nbytes for cache in caches for c in cache)
@@ -334,32 +344,37 @@ def generate(model, system: str, prompts: List[List[int]], args) -> Dict[str, fl
 
 def generator_main(args, model) -> Dict[str, Any]:
     limit = max_positions(model, args)
-    prompt = filled(args.prompt, args.tokens, limit)
     rng = np.random.default_rng(args.seed)
     rows, results = [], []
-    for b in args.batches:
-        prompts = [rng.integers(0, model.args.vocab_size, prompt).tolist() for _ in range(b)]
-        generate(model, "muser-kv", [p[:args.prefill_step + 8] for p in prompts], args)
-        generate(model, "mlx-lm", [p[:args.prefill_step + 8] for p in prompts], args)  # warm
-        H.settle()
+    for length in args.prompt:
+        prompt = filled(length, args.tokens, limit)
+        for b in args.batches:
+            if args.batch_tokens is not None and b * prompt > args.batch_tokens:
+                print(f"skipped: B = {b} x {prompt} tokens > --batch-tokens {args.batch_tokens}")
+                continue
+            prompts = [rng.integers(0, model.args.vocab_size, prompt).tolist() for _ in range(b)]
+            for s in args.systems:  # warm: compiled, untimed
+                generate(model, s, [p[:args.prefill_step + 8] for p in prompts], args)
+            H.settle()
 
-        def runs(s: str, _i: int, p=prompts) -> Dict[str, float]:
-            return generate(model, s, p, args)
+            def runs(s: str, _i: int, p=prompts) -> Dict[str, float]:
+                return generate(model, s, p, args)
 
-        blocks = H.alternate(args.blocks, runs, systems=tuple(args.systems), first=b)
-        cell = {s: {k: [x[k] for x in blocks[s]] for k in ("prefill_s", "decode_tok_s", "peak")}
-                for s in args.systems}
-        for s in args.systems:
-            rows.append([b, prompt, s, " / ".join(f"{x:.2f}" for x in cell[s]["prefill_s"]),
-                         " / ".join(f"{x:.1f}" for x in cell[s]["decode_tok_s"]),
-                         max(cell[s]["peak"]) / H.GIB])
-        if len(args.systems) == 2:
-            ours, theirs = cell["muser-kv"], cell["mlx-lm"]
-            rows.append([b, prompt, "muser / mlx-lm",
-                         f"{H.median(theirs['prefill_s']) / H.median(ours['prefill_s']):.3f}x",
-                         f"{H.median(ours['decode_tok_s']) / H.median(theirs['decode_tok_s']):.3f}x",
-                         float("nan")])
-        results.append({"batch": b, "prompt": prompt, "systems": cell})
+            blocks = H.alternate(args.blocks, runs, systems=tuple(args.systems), first=b)
+            cell = {s: {k: [x[k] for x in blocks[s]] for k in ("prefill_s", "decode_tok_s", "peak")}
+                    for s in args.systems}
+            for s in args.systems:
+                rows.append([b, prompt, s, " / ".join(f"{x:.2f}" for x in cell[s]["prefill_s"]),
+                             " / ".join(f"{x:.1f}" for x in cell[s]["decode_tok_s"]),
+                             max(cell[s]["peak"]) / H.GIB])
+            if len(args.systems) == 2:
+                ours, theirs = cell["muser-kv"], cell["mlx-lm"]
+                rows.append([b, prompt, "muser / mlx-lm",
+                             f"{H.median(theirs['prefill_s']) / H.median(ours['prefill_s']):.3f}x",
+                             f"{H.median(ours['decode_tok_s']) / H.median(theirs['decode_tok_s']):.3f}x",
+                             float("nan")])
+            print("cell: " + " | ".join(str(x) for x in rows[-1]), flush=True)
+            results.append({"batch": b, "prompt": prompt, "systems": cell})
     print()
     H.table(["B", "prompt", "system", "prefill+first s (by run)", "decode tok/s (by run)",
              "peak GiB"], rows,

@@ -16,6 +16,12 @@
 #   bash benchmarks/device.sh determinism  # the same decode step twice: SDPA, then the real model
 #   bash benchmarks/device.sh reuse      # KV store: regenerate / edit / branch at 32k and 130k
 #   bash benchmarks/device.sh reuse23    # KV store: memory of 100 stored chats; a restart at 32k
+# The session plan of 2026-12-02 (each well inside one ten-minute call):
+#   bash benchmarks/device.sh floor131   # selftest; B = 1..16 at the full 131,072, serve's rings
+#   bash benchmarks/device.sh tables     # 8k / 32k x B = 1..32; BatchGenerator 8k x B = 1..8;
+#                                        # 32 chats of 2k at max_context 131,072
+#   bash benchmarks/device.sh reuse130   # KV store at 130k after traffic; memory; restart at 32k
+#   bash benchmarks/device.sh families   # Gemma 3 27B returning chat; BatchGenerator, both families
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -69,6 +75,37 @@ reuse)
 reuse23)
   b store_reuse 580 benchmarks/store_reuse.py --parts 2,3 --history 32768 \
     --json "$out/store_reuse_23.json"
+  ;;
+floor131)
+  timeout 90 python3 -m muser_kv selftest 2>&1 | tee "$out/selftest.txt"
+  echo "selftest exit ${PIPESTATUS[0]}" | tee -a "$out/selftest.txt"
+  b floor 470 benchmarks/batched.py --contexts 131072 --batches 1,2,4,8,16 --dtype bfloat16 \
+    --blocks 3 --sliding-layout head_major --fill-chunk 32768 --json "$out/floor.json"
+  ;;
+tables)
+  b tables 230 benchmarks/batched.py --contexts 8192,32768 --batches 1,2,4,8,16,32 \
+    --dtype bfloat16 --blocks 3 --sliding-layout head_major --fill-chunk 32768 \
+    --json "$out/tables.json"
+  b generator 200 benchmarks/batched.py --generator --prompt 8192 --batches 1,2,4,8 \
+    --dtype bfloat16 --blocks 2 --sliding-layout head_major --json "$out/generator.json"
+  b chats32 140 benchmarks/batched.py --generator --prompt 2048 --batches 32 --tokens 128 \
+    --list-context 131072 --dtype bfloat16 --blocks 2 --sliding-layout head_major \
+    --json "$out/chats32.json"
+  ;;
+reuse130)
+  b reuse130 330 benchmarks/store_reuse.py --parts 1 --history 130000 --traffic 10 \
+    --dtype bfloat16 --json "$out/reuse130.json"
+  b reuse23 260 benchmarks/store_reuse.py --parts 2,3 --history 32768 --dtype bfloat16 \
+    --json "$out/reuse23.json"
+  ;;
+families)
+  b gemma_chat 230 benchmarks/returning_chat.py --family gemma3-27b --history 32768 --answer 160 \
+    --divergences 4,150 --paths batched --repeats 1 --dtype bfloat16 --json "$out/gemma_chat.json"
+  for f in gemma3-27b gpt-oss-20b; do
+    b "gen_$f" 160 benchmarks/batched.py --generator --family $f --prompt 8192,32768 \
+      --batches 1,4 --batch-tokens 40000 --blocks 1 --dtype bfloat16 --sliding-layout head_major \
+      --json "$out/gen_$f.json"
+  done
   ;;
 determinism)
   b determinism 300 benchmarks/determinism.py --model --json "$out/determinism.json"

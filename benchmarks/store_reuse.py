@@ -284,6 +284,9 @@ def part1(model, args, rng) -> List[Dict[str, Any]]:
                                     "rebuild_s": calls[-1][1] if from_store else None,
                                     "store_lookups": len(calls),
                                     "store_lookup_s": sum(c[1] for c in calls), "reply": reply})
+                    print(f"  {name}, traffic {traffic}, {system}: TTFT {ttft:.3f} s, reused "
+                          f"{reused:,}" + (f" (store, rebuild {calls[-1][1]:.3f} s)"
+                                           if from_store else ""), flush=True)
             close(server)
             if store is not None:
                 results[-1]["store_tiers"] = [vars(x) for x in store.stats().tiers]
