@@ -372,7 +372,10 @@ class BatchKVCache:
 
     def extend(self, other: "BatchKVCache") -> None:
         """Admit ``other``'s sequences after this batch's: their rows are copied into
-        free slots (larger planes, every sequence copied once, if none are left)."""
+        free slots (larger planes, every sequence copied once, if none are left).
+        ``other`` is consumed (mlx-lm drops it after ``extend``): once the copy is
+        evaluated, its planes are released, so admitting sequences holds one
+        layer's second copy of them at a time, never all layers'."""
         if not isinstance(other, BatchKVCache) or (other.kind, other.planes.layout,
                                                    other.planes.dtype, other.planes.limit) != (
                 self.kind, self.planes.layout, self.planes.dtype, self.planes.limit):
@@ -390,6 +393,9 @@ class BatchKVCache:
             theirs = other._remaining or [0] * len(other.seqs)
             self._remaining = mine + theirs
         self._offsets = None
+        mx.eval(self.planes.k, self.planes.v)
+        other.seqs = []
+        del other.planes
 
     def _grow(self, slots: int) -> None:
         old = self.planes

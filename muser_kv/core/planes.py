@@ -152,7 +152,11 @@ class Planes:
         double (``grown_rows``) into new zero-filled planes holding these rows
         bit for bit, one copy per plane; planes that hold them already are left
         as they are (preallocated planes always do, up to their capacity). Call
-        it before the write that needs the rows, so no write is ever half done."""
+        it before the write that needs the rows, so no write is ever half done.
+        The copy is evaluated at once, so the old planes are released before
+        another layer grows: a growth holds one layer's old planes at a time
+        (what ``muser-kv serve --kv-memory`` counts), at the cost of one wait on
+        the rare step that grows."""
         if extent <= self.rows:
             return
         if not self.growing:
@@ -170,6 +174,7 @@ class Planes:
                 pad = (self.slots, self.kv_heads, rows - self.rows, self.head_dim)
                 grown.append(mx.concatenate([plane, mx.zeros(pad, self.dtype)], axis=2))
         self.set(*grown)
+        mx.eval(self.k, self.v)
 
     def physical(self, slot: int = 0) -> Pair:
         """Slot ``slot``'s rows as the kernels index them: ``[R, H*D]`` token-major,

@@ -318,21 +318,27 @@ class SequencePlanes:
     rows of the longest sequence, and a right-padded prompt chunk reads up to
     ``min(prefill_step, P)`` rows past the longest one's prompt; a growth
     doubles, so it allocates less than twice what it must hold. ``bytes`` is
-    that bound for one slot (the transient of a growth, old and new planes for
-    one step, is not counted)."""
+    that bound for one slot.
+
+    Replacing one layer's planes (a growth, or a batch admitting a sequence
+    into more slots) holds the old planes until the copy into the new ones has
+    run, one layer at a time: ``transient`` is the largest such old plane."""
 
     ring_bytes: int  #: every sliding ring of one sequence, K and V
     row_bytes: int  #: one row of every global plane, K and V
     max_context: int
     prefill_step: int
+    layer_row_bytes: int = 0  #: one row of the widest single global layer, K and V
+    layer_ring_bytes: int = 0  #: the largest single sliding ring, K and V
 
     @classmethod
     def of(cls, geometry: MuseGeometry, prefill_step: int) -> "SequencePlanes":
-        rings = sum(geometry.allocated(i) * geometry.kind_row_bytes(LayerKind.SLIDING)
-                    for i in range(geometry.num_layers)
-                    if geometry.layer_kind(i) is LayerKind.SLIDING)
-        return cls(rings, geometry.global_layers * geometry.kind_row_bytes(LayerKind.GLOBAL),
-                   geometry.max_context, prefill_step)
+        rings = [geometry.allocated(i) * geometry.kind_row_bytes(LayerKind.SLIDING)
+                 for i in range(geometry.num_layers)
+                 if geometry.layer_kind(i) is LayerKind.SLIDING]
+        row = geometry.kind_row_bytes(LayerKind.GLOBAL)
+        return cls(sum(rings), geometry.global_layers * row, geometry.max_context, prefill_step,
+                   row if geometry.global_layers else 0, max(rings, default=0))
 
     def rows(self, positions: int) -> int:
         """The most rows a global plane holding ``positions`` positions allocates
@@ -346,6 +352,11 @@ class SequencePlanes:
         """One slot's planes, for a batch whose longest sequence writes ``positions``."""
         return self.ring_bytes + self.row_bytes * self.rows(positions)
 
+    def transient(self, slots: int, positions: int) -> int:
+        """The old planes of one layer of a ``slots``-slot batch, held while they
+        are copied into new ones (a growth, or more slots for a new sequence)."""
+        return slots * max(self.layer_row_bytes * self.rows(positions), self.layer_ring_bytes)
+
 
 class KVMemoryExceeded(ValueError):
     """A request whose planes alone would need more than the server's KV budget."""
@@ -354,9 +365,11 @@ class KVMemoryExceeded(ValueError):
 class KVBudget:
     """The admission rule of a server with ``--kv-memory BYTES``: admitted
     sequences (each by the positions it may write) cost ``len(admitted)`` slots
-    at the planes of the longest (``SequencePlanes.bytes``), and a sequence is
-    admitted only while that stays within the budget; the rest wait, in order.
-    Plain integers; the caller holds the lock (one generation thread)."""
+    at the planes of the longest (``SequencePlanes.bytes``) plus one layer's
+    old planes while they are replaced (``SequencePlanes.transient``), and a
+    sequence is admitted only while that stays within the budget; the rest
+    wait, in order. Plain integers; the caller holds the lock (one generation
+    thread)."""
 
     def __init__(self, budget: int, planes: SequencePlanes):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -366,7 +379,10 @@ class KVBudget:
 
     def cost(self, positions: Iterable[int]) -> int:
         held = list(positions)
-        return len(held) * self.planes.bytes(max(held)) if held else 0
+        if not held:
+            return 0
+        longest = max(held)
+        return len(held) * self.planes.bytes(longest) + self.planes.transient(len(held), longest)
 
     @property
     def held(self) -> int:

@@ -212,12 +212,14 @@ def sequence_planes(models: Sequence[Any], prefill_step: int) -> Optional[Sequen
     if not parts:
         return None
     return SequencePlanes(sum(p.ring_bytes for p in parts), sum(p.row_bytes for p in parts),
-                          min(p.max_context for p in parts), prefill_step)
+                          min(p.max_context for p in parts), prefill_step,
+                          max(p.layer_row_bytes for p in parts),
+                          max(p.layer_ring_bytes for p in parts))
 
 
 def check_budget(budget: int, planes: SequencePlanes) -> None:
     """Refuse a ``--kv-memory`` below one sequence's planes at their smallest."""
-    least = planes.bytes(1)
+    least = planes.bytes(1) + planes.transient(1, 1)
     if budget < least:
         raise ServeRefused(f"--kv-memory {budget:,} is less than one sequence's KV planes at "
                            f"their smallest ({least:,} bytes): no request could be admitted")

@@ -401,3 +401,27 @@ def test_batch_generate_with_fresh_and_prefilled_caches(model, monkeypatch):
         want = solo(model, p, 20, lp)
         eos = next((i for i, t in enumerate(want) if t in tok.eos_token_ids), len(want))
         assert_tokens_equal(ids[:eos], want[:eos], lp, "batch_generate")
+
+
+def test_extend_consumes_the_other_batch_one_layer_at_a_time():
+    """mlx-lm extends its decoding batch layer by layer with a prefilled batch it
+    holds until the loop ends: each layer's extend releases the other batch's
+    planes once their rows are copied, so a join holds one layer's second copy
+    at a time (``muser-kv serve --kv-memory`` counts that much), not every layer's."""
+    layers = 4
+    ours = [BatchKVCache.merge([single(LayerKind.GLOBAL)], slots=2) for _ in range(layers)]
+    theirs = []
+    for _ in range(layers):
+        one = single(LayerKind.GLOBAL)
+        one.update_and_fetch(*rows(40, 1))
+        theirs.append(BatchKVCache.merge([one], slots=2))
+        del one
+    mx.eval([c.planes.k for c in ours + theirs])
+    per_layer = theirs[0].nbytes
+    before = mx.get_active_memory()
+    for a, b in zip(ours, theirs):  # theirs stays alive, as mlx-lm's list does
+        a.extend(b)
+        assert not b.seqs and mx.get_active_memory() - before < per_layer
+    assert all(len(a) == 2 and a.offset.tolist()[1] == 40 for a in ours)
+    with pytest.raises(AttributeError):
+        _ = theirs[0].planes
