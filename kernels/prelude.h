@@ -14,10 +14,14 @@
 // Bodies follow four rules so that all three agree bit for bit:
 //   * thread ids only through KIDX_GLOBAL_X; bounds-checked; no `return`
 //     (on the host the body is the inside of a loop);
-//   * runtime scalars arrive in an int32 `params` array, read as params[i];
-//   * element types: input `T`, plane `P` (float16 or bfloat16; templates);
-//     conversion only via TO_PLANE (convert.h, the kernels' header): a copy
-//     when T is P, else one round to nearest even, as MLX's astype does;
+//   * runtime scalars arrive in an int32 `params` array, read as params[i]:
+//     positions, and head geometry and layout too (kv_heads, head_dim,
+//     head_major, appended last), so that MLX compiles one program per kernel
+//     and type pair, never per geometry or layout;
+//   * element types are the only template values: input `T`, plane `P`
+//     (float16 or bfloat16); conversion only via TO_PLANE (convert.h, the
+//     kernels' header): a copy when T is P, else one round to nearest even,
+//     as MLX's astype does;
 //   * fixed-width integers (uint32_t, int64_t), no `uint`.
 #if defined(__METAL_VERSION__)
 #define KIDX_GLOBAL_X ((uint32_t)thread_position_in_grid.x)

@@ -55,6 +55,11 @@ template <> inline bf16_t muser_kv_host_plane<bf16_t>(float x) {
 }
 """
 
+def geometry_params(kv_heads: int, head_dim: int, head_major: bool) -> List[int]:
+    """The last three ``params`` of every kernel (``kernels._geometry``)."""
+    return [kv_heads, head_dim, int(head_major)]
+
+
 TYPES = {"float32": "float", "float16": "_Float16", "bfloat16": "bf16_t"}
 PLANE_TYPES = ("float16", "bfloat16")
 
@@ -74,9 +79,8 @@ SIGNATURES: Dict[str, List[Tuple[str, str]]] = {
 }
 
 
-def _function(name: str, dtype: str, plane: str, kv_heads: int, head_dim: int,
-              head_major: bool) -> Tuple[str, str]:
-    fn = f"host_{name}_{dtype}_{plane}_{kv_heads}_{head_dim}_{int(head_major)}"
+def _function(name: str, dtype: str, plane: str) -> Tuple[str, str]:
+    fn = f"host_{name}_{dtype}_{plane}"
     params, casts = [], []
     for kind, pname in SIGNATURES[name]:
         if kind == "strides":
@@ -100,9 +104,6 @@ def _function(name: str, dtype: str, plane: str, kv_heads: int, head_dim: int,
 extern "C" void {fn}({", ".join(params)}) {{
   using T = {TYPES[dtype]};
   using P = {TYPES[plane]};
-  constexpr int KV_HEADS = {kv_heads};
-  constexpr int HEAD_DIM = {head_dim};
-  constexpr bool HEAD_MAJOR = {str(head_major).lower()};
   {" ".join(casts)}
   for (uint32_t muser_kv_tid = 0; muser_kv_tid < grid; ++muser_kv_tid) {{
 {body}
@@ -113,20 +114,20 @@ extern "C" void {fn}({", ".join(params)}) {{
 
 
 class HostKernels:
-    """Compiles every (kernel, input type, plane type, layout) instantiation once,
-    into one library (gather and install read planes only: input type = plane type)."""
+    """Compiles every (kernel, input type, plane type) instantiation once, into one
+    library: 16 functions (gather and install read planes only: input type = plane
+    type). As on the GPUs, the element types are the only compile-time values;
+    head geometry and layout arrive in ``params`` (``geometry_params``)."""
 
-    def __init__(self, kv_heads: int = 2, head_dim: int = 128):
-        self.kv_heads, self.head_dim = kv_heads, head_dim
+    def __init__(self):
         funcs, texts = {}, [HOST_HEADER, kernel_header()]
         for name in SIGNATURES:
             for plane in PLANE_TYPES:
                 inputs = TYPES if name in ("batch_store", "stage") else (plane,)
                 for dtype in inputs:
-                    for hm in (False, True):
-                        fn, text = _function(name, dtype, plane, kv_heads, head_dim, hm)
-                        funcs[(name, dtype, plane, hm)] = fn
-                        texts.append(text)
+                    fn, text = _function(name, dtype, plane)
+                    funcs[(name, dtype, plane)] = fn
+                    texts.append(text)
         source = "\n".join(texts)
         digest = hashlib.sha256(source.encode()).hexdigest()[:16]
         build = Path(tempfile.gettempdir()) / "muser_kv_host"
@@ -142,12 +143,15 @@ class HostKernels:
         self.lib = ctypes.CDLL(str(lib))
         self.funcs = funcs
 
-    def call(self, name: str, dtype: str, head_major: bool, args: Sequence, threads: int,
+    def call(self, name: str, dtype: str, args: Sequence, threads: int,
              plane: str = "float16") -> None:
+        """Run kernel ``name`` for input type ``dtype`` and plane type ``plane`` over
+        the grid a GPU launches for ``threads``; ``args`` in signature order, its
+        ``params`` ending in ``geometry_params``."""
         grid = max(1, -(-threads // THREADGROUP)) * THREADGROUP  # as the GPUs launch it
         ptrs = []
         for a in args:
             a = np.asarray(a)
             ptrs.append(ctypes.c_void_p(a.ctypes.data))
-        fn = self.funcs[(name, dtype, plane, head_major)]
+        fn = self.funcs[(name, dtype, plane)]
         getattr(self.lib, fn)(*ptrs, ctypes.c_uint32(grid))

@@ -230,6 +230,11 @@ def _params(*values: int) -> mx.array:
     return mx.array(values, dtype=mx.int32)
 
 
+def _geometry(kv_heads: int, head_dim: int, layout: str) -> Tuple[int, int, int]:
+    """The last three ``params`` of every kernel: ``kv_heads, head_dim, head_major``."""
+    return kv_heads, head_dim, int(layout == HEAD_MAJOR)
+
+
 def _grid(threads: int) -> Tuple[int, int, int]:
     # A multiple of the threadgroup: Metal and CUDA then launch the same threads.
     return (max(1, -(-threads // THREADGROUP)) * THREADGROUP, 1, 1)
@@ -237,8 +242,12 @@ def _grid(threads: int) -> Tuple[int, int, int]:
 
 class KernelBackend(ReferenceBackend):
     """The kernel bodies through ``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel``.
-    Each kernel is built once; template values are types and head geometry,
-    never positions (positions travel in ``params``, so nothing recompiles)."""
+    Each kernel is built once, and its only template values are the element
+    types (input ``T``, plane ``P``): positions, head geometry and layout travel
+    in ``params`` (``_geometry`` appends the last three), so MLX compiles one
+    program per kernel and type pair, whatever the geometry, layout or shape
+    (Metal's text also varies with which inputs have fewer than 8 elements:
+    MLX passes those in ``constant`` memory)."""
 
     def __init__(self, name: str):
         if name not in ("metal", "cuda"):
@@ -274,9 +283,9 @@ class KernelBackend(ReferenceBackend):
         ring = ring or Ring(max(count, 1))
         return self.kernel("batch_store")(
             inputs=[keys, values, _params(first, count, start, ring.capacity,
-                                          ring.origin_logical, ring.origin_physical)],
-            template=[("T", keys.dtype), ("P", dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
-                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+                                          ring.origin_logical, ring.origin_physical,
+                                          *_geometry(h, d, layout))],
+            template=[("T", keys.dtype), ("P", dtype)],
             grid=_grid(count * h * d), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[shape, shape, (count,)],
             output_dtypes=[dtype, dtype, mx.int32],
@@ -288,9 +297,8 @@ class KernelBackend(ReferenceBackend):
         return tuple(self.kernel("stage")(
             inputs=[mx.contiguous(ring_keys), mx.contiguous(ring_values), keys, values,
                     _params(ring.len, ring.origin_physical, ring.capacity, n,
-                            allocated_rows(ring_keys, layout))],
-            template=[("T", keys.dtype), ("P", dtype), ("KV_HEADS", h), ("HEAD_DIM", d),
-                      ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+                            allocated_rows(ring_keys, layout), *_geometry(h, d, layout))],
+            template=[("T", keys.dtype), ("P", dtype)],
             grid=_grid(rows * h * d), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[(rows, h * d)] * 2, output_dtypes=[dtype] * 2,
         ))
@@ -303,9 +311,9 @@ class KernelBackend(ReferenceBackend):
             return super().gather(plane_keys, plane_values, layout, ring)
         return tuple(self.kernel("gather")(
             inputs=[mx.contiguous(plane_keys), mx.contiguous(plane_values),
-                    _params(ring.len, ring.origin_physical, ring.capacity, rows)],
-            template=[("P", plane_keys.dtype), ("KV_HEADS", kv_dim // head_dim),
-                      ("HEAD_DIM", head_dim), ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+                    _params(ring.len, ring.origin_physical, ring.capacity, rows,
+                            *_geometry(kv_dim // head_dim, head_dim, layout))],
+            template=[("P", plane_keys.dtype)],
             grid=_grid(ring.len * kv_dim), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[(ring.len, kv_dim)] * 2, output_dtypes=[plane_keys.dtype] * 2,
         ))
@@ -316,9 +324,9 @@ class KernelBackend(ReferenceBackend):
         rows = shape[0] if layout == TOKEN_MAJOR else shape[1]
         return tuple(self.kernel("install")(
             inputs=[mx.contiguous(rows_keys), mx.contiguous(rows_values),
-                    _params(ring.len, ring.origin_physical, ring.capacity, rows)],
-            template=[("P", rows_keys.dtype), ("KV_HEADS", kv_dim // head_dim),
-                      ("HEAD_DIM", head_dim), ("HEAD_MAJOR", layout == HEAD_MAJOR)],
+                    _params(ring.len, ring.origin_physical, ring.capacity, rows,
+                            *_geometry(kv_dim // head_dim, head_dim, layout))],
+            template=[("P", rows_keys.dtype)],
             grid=_grid(rows * kv_dim), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[shape] * 2, output_dtypes=[rows_keys.dtype] * 2,
         ))

@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the kernel backend to test (default: the one this MLX has)")
     st.add_argument("--jobs", type=_positive, default=None,
                     help="worker processes, each compiling its share of the kernel programs "
-                         "(default: one per CPU; 1: all in this process)")
+                         "(default: about the square root of their number, 4 for 16, at most "
+                         "one per CPU; 1: all in this process)")
     st.set_defaults(func=cmd_selftest)
     store = sub.add_parser("store", help="a KV store's tier (a directory or redis://HOST:PORT[/db]): "
                                          "stats, or gc to its bound")

@@ -12,17 +12,21 @@ reference path runs the same operations in plain MLX on the same device, so
 the device's own conversions apply to both sides. One line per kernel; any
 difference (or a kernel that fails to build or run) exits 1.
 
-MLX compiles one program per kernel and set of template values (types, head
-geometry, layout: 64 here), never per shape or grid, and on CUDA that compile
-(~1.3 s of NVRTC on the H200's host) is nearly all the time. So the cases are
-grouped by instantiation, each group evaluated at once (one compile) and
-compared after, and the groups are spread over worker processes (``--jobs``),
-each compiling its own share. An MLX with
+MLX compiles one program per kernel and set of template values, never per
+shape or grid, and on CUDA that compile (~1.3 s of NVRTC on the H200's host) is
+most of the time. The kernels' only template values are their element types
+(head geometry and layout are runtime ``params``), so there are 16 programs:
+batch_store and stage 3 input types x 2 plane types each, gather and install 2
+plane types each. The cases are grouped by that instantiation (kernel, input
+type, plane type), each group built and evaluated at once (one compile) and
+compared after, and the groups are spread over a few worker processes
+(``--jobs``, ``default_jobs``), each compiling its own share. An MLX with
 neither Metal nor CUDA has nothing to test: it says so and exits 0.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import sys
@@ -144,9 +148,10 @@ def _difference(name: str, got: mx.array, expect: mx.array) -> Optional[str]:
 
 
 Results = List[Tuple[str, mx.array, mx.array]]
-#: One instantiation -- (kernel, kv_heads, head_dim, input type or "", plane type,
-#: layout): the template values, hence the one program MLX compiles, for its cases.
-Group = Tuple[str, int, int, str, str, str]
+#: One instantiation -- (kernel, input type or "", plane type): the template
+#: values, hence the one program MLX compiles for its cases, whatever their head
+#: geometry and layout (those are params). gather and install have no input type.
+Group = Tuple[str, str, str]
 
 
 @dataclass(frozen=True)
@@ -186,10 +191,10 @@ def cases(gpu: KernelBackend, ref: ReferenceBackend) -> List[Case]:
                         kv_layout = INPUT_LAYOUTS[i % len(INPUT_LAYOUTS)]
                         label = (f"H={h} D={d} T={_name(t)} P={_name(p)} {layout} ring{case[:3]} "
                                  f"+{case[3]} {kv_layout}")
-                        add("batch_store", ("batch_store", h, d, _name(t), _name(p), layout), label,
+                        add("batch_store", ("batch_store", _name(t), _name(p)), label,
                             _store(gpu, ref, h, d, t, p, layout, case, kv_layout))
                         for rows in ("exact", "padded"):
-                            add("stage", ("stage", h, d, _name(t), _name(p), layout),
+                            add("stage", ("stage", _name(t), _name(p)),
                                 f"{label} rows {rows}",
                                 _stage(gpu, ref, h, d, t, p, layout, case, kv_layout, rows))
             for layout in (TOKEN_MAJOR, HEAD_MAJOR):
@@ -197,7 +202,7 @@ def cases(gpu: KernelBackend, ref: ReferenceBackend) -> List[Case]:
                     for rows in ("exact", "padded"):
                         label = f"H={h} D={d} P={_name(p)} {layout} ring{state} rows {rows}"
                         for kernel, run in (("gather", _gather), ("install", _install)):
-                            add(kernel, (kernel, h, d, "", _name(p), layout), label,
+                            add(kernel, (kernel, "", _name(p)), label,
                                 run(gpu, ref, h, d, p, layout, state, rows))
     return out
 
@@ -365,11 +370,19 @@ def _worker_check(backend: str, device: str, group: Group) -> GroupResult:
         return check_group(_WORKER[backend][group])
 
 
-def default_jobs() -> int:
-    """Worker processes for a parallel run: one per CPU this process may use
-    (each kernel program is compiled on one CPU; on CUDA that is most of the time)."""
+def default_jobs(instantiations: int) -> int:
+    """Worker processes for ``instantiations`` groups: about their square root,
+    at most one per CPU this process may use (4 for the 16 programs).
+
+    Each worker pays a process start, an MLX import and a GPU context, each group
+    one compile (~1.3 s of NVRTC on the H200's host). The start-ups, not the
+    compiles, dominated there: 16 workers spent 224 s of CPU in a 20 s run,
+    contending for the CPUs. With start-up ``s`` per worker and compile ``c`` per
+    group, ``j`` workers take about ``s*j + c*n/j``, least at ``j = sqrt(c*n/s)``:
+    ``sqrt(n)`` where ``s`` is about ``c``."""
     affinity = getattr(os, "sched_getaffinity", None)
-    return max(1, len(affinity(0)) if affinity else (os.cpu_count() or 1))
+    cpus = max(1, len(affinity(0)) if affinity else (os.cpu_count() or 1))
+    return max(1, min(cpus, math.isqrt(max(1, instantiations) - 1) + 1))  # ceil(sqrt(n))
 
 
 def run_checks(gpu: KernelBackend, device: Union[mx.Device, mx.DeviceType],
@@ -423,7 +436,9 @@ def _run_parallel(gpu: KernelBackend, ref: Optional[ReferenceBackend],
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
                              mp_context=multiprocessing.get_context("spawn"),
                              initializer=_worker_init, initargs=(initializer,)) as pool:
-        futures = {pool.submit(_worker_check, gpu.name, where, g): g for g in todo}
+        # the largest groups first, so that no worker is left with one at the end
+        futures = {pool.submit(_worker_check, gpu.name, where, g): g
+                   for g in sorted(todo, key=lambda g: -len(todo[g]))}
         for future in as_completed(futures):
             group = futures[future]
             try:
@@ -448,8 +463,8 @@ def main(backend: Optional[str] = None, out: Optional[TextIO] = None,
          jobs: Optional[int] = None) -> int:
     """Print one line per kernel and the time taken; 0 when all are bitwise equal
     to the reference, 1 on any difference, 0 with "nothing to test" when this MLX
-    has no GPU backend. ``jobs``: worker processes (default ``default_jobs()``;
-    1 checks in this process), progress on stderr."""
+    has no GPU backend. ``jobs``: worker processes (default ``default_jobs`` of
+    the number of kernel programs; 1 checks in this process), progress on stderr."""
     began = time.perf_counter()
     out = out or sys.stdout
     version = mx.__version__  # type: ignore[attr-defined]  # mlx's stubs omit mlx.core.__version__
@@ -464,11 +479,13 @@ def main(backend: Optional[str] = None, out: Optional[TextIO] = None,
         print(f"muser-kv selftest: backend {name!r} is not available in this MLX "
               f"(metal: {available['metal']}, cuda: {available['cuda']})", file=out)
         return 2
-    jobs = default_jobs() if jobs is None else jobs
+    gpu = KernelBackend(name)
+    programs = len(groups(cases(gpu, ReferenceBackend())))
+    jobs = default_jobs(programs) if jobs is None else jobs
     print(f"muser-kv selftest: mlx {version}, {name} kernels on {_device_name()} "
-          f"against the reference path on the same GPU ({jobs} "
+          f"against the reference path on the same GPU ({programs} kernel programs, {jobs} "
           f"{'process' if jobs == 1 else 'processes'})", file=out, flush=True)
-    reports = run_checks(KernelBackend(name), mx.gpu, jobs=jobs, progress=True)
+    reports = run_checks(gpu, mx.gpu, jobs=jobs, progress=True)
     return summarize(reports, name, out, seconds=time.perf_counter() - began)
 
 

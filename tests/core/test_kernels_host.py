@@ -8,7 +8,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from host_kernels import HostKernels
+from host_kernels import HostKernels, geometry_params
 from kernel_cases import edge_values
 
 from muser_kv import Ring
@@ -25,7 +25,7 @@ REF = ReferenceBackend()
 
 @pytest.fixture(scope="module")
 def host():
-    return HostKernels(H, D)
+    return HostKernels()
 
 
 def to_host(x: mx.array) -> np.ndarray:
@@ -101,9 +101,10 @@ def test_batch_store(host, plane, dtype, layout, case, transposed):
     out_k, out_v = zeros_like_host(shape, plane), zeros_like_host(shape, plane)
     dest = np.full(count, -1, np.int32)
     params = np.array([first, count, start, ring.capacity, ring.origin_logical,
-                       ring.origin_physical], np.int32)
-    host.call("batch_store", dtype, layout == HEAD_MAJOR,
-              [hk, ks, hv, vs, params, out_k, out_v, dest], count * KV, plane=plane)
+                       ring.origin_physical, *geometry_params(H, D, layout == HEAD_MAJOR)],
+                      np.int32)
+    host.call("batch_store", dtype, [hk, ks, hv, vs, params, out_k, out_v, dest], count * KV,
+              plane=plane)
     np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
     np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
     expect = [ring.physical(start + first + j) for j in range(count)]
@@ -125,8 +126,9 @@ def test_stage(host, rows, plane, dtype, layout, case):
     mx.eval(ref_k, ref_v)
     assert ref_k.dtype == PLANES[plane]
     out_k, out_v = zeros_like_host(ref_k.shape, plane), zeros_like_host(ref_v.shape, plane)
-    params = np.array([ring.len, ring.origin_physical, ring.capacity, n, allocated], np.int32)
-    host.call("stage", dtype, layout == HEAD_MAJOR,
+    params = np.array([ring.len, ring.origin_physical, ring.capacity, n, allocated,
+                       *geometry_params(H, D, layout == HEAD_MAJOR)], np.int32)
+    host.call("stage", dtype,
               [to_host(plane_k), to_host(plane_v), hk, ks, hv, vs, params, out_k, out_v],
               (ring.len + n) * KV, plane=plane)
     np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
@@ -145,9 +147,10 @@ def test_gather_and_install(host, rows, plane, layout, ring_state):
     ref_k, ref_v = REF.gather(pk, pv, layout, ring)
     mx.eval(ref_k, ref_v)
     out_k, out_v = zeros_like_host((length, KV), plane), zeros_like_host((length, KV), plane)
-    params = np.array([ring.len, ring.origin_physical, ring.capacity, allocated], np.int32)
-    host.call("gather", plane, layout == HEAD_MAJOR,
-              [to_host(pk), to_host(pv), params, out_k, out_v], length * KV, plane=plane)
+    params = np.array([ring.len, ring.origin_physical, ring.capacity, allocated,
+                       *geometry_params(H, D, layout == HEAD_MAJOR)], np.int32)
+    host.call("gather", plane, [to_host(pk), to_host(pv), params, out_k, out_v], length * KV,
+              plane=plane)
     np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
     np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
 
@@ -158,8 +161,8 @@ def test_gather_and_install(host, rows, plane, layout, ring_state):
     mx.eval(ik, iv)
     assert ik.dtype == PLANES[plane]
     hk, hv = zeros_like_host(shape, plane), zeros_like_host(shape, plane)  # every element written
-    host.call("install", plane, layout == HEAD_MAJOR,
-              [to_host(ref_k), to_host(ref_v), params, hk, hv], allocated * KV, plane=plane)
+    host.call("install", plane, [to_host(ref_k), to_host(ref_v), params, hk, hv], allocated * KV,
+              plane=plane)
     np.testing.assert_array_equal(hk, bits16(to_host(ik)))
     np.testing.assert_array_equal(hv, bits16(to_host(iv)))
     # and the live rows of the installed plane equal the original plane's, where they sat
@@ -194,8 +197,8 @@ def test_conversion_edges_match_mlx(host, plane):
         mx.eval(ref_k)
     out_k, out_v = zeros_like_host((n, KV), plane), zeros_like_host((n, KV), plane)
     strides = np.array([H * n * D, n * D, D, 1], np.int64)
-    params = np.array([0, n, 0, n, 0, 0], np.int32)
-    host.call("batch_store", "float32", False,
+    params = np.array([0, n, 0, n, 0, 0, *geometry_params(H, D, False)], np.int32)
+    host.call("batch_store", "float32",
               [a, strides, a, strides, params, out_k, out_v, np.zeros(n, np.int32)], n * KV,
               plane=plane)
     np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
@@ -213,13 +216,84 @@ def test_input_of_the_plane_type_is_copied(host, kernel, plane):
     strides = np.array([H * n * D, n * D, D, 1], np.int64)
     out_k, out_v = zeros_like_host((n, KV), plane), zeros_like_host((n, KV), plane)
     if kernel == "batch_store":
-        params = np.array([0, n, 0, n, 0, 0], np.int32)
+        params = np.array([0, n, 0, n, 0, 0, *geometry_params(H, D, False)], np.int32)
         args = [hk, strides, hk, strides, params, out_k, out_v, np.zeros(n, np.int32)]
     else:
         empty = np.zeros((16, KV), np.uint16)
-        params = np.array([0, 0, 16, n, 16], np.int32)
+        params = np.array([0, 0, 16, n, 16, *geometry_params(H, D, False)], np.int32)
         args = [empty, empty, hk, strides, hk, strides, params, out_k, out_v]
-    host.call(kernel, plane, False, args, n * KV, plane=plane)
+    host.call(kernel, plane, args, n * KV, plane=plane)
     expect = bits16(to_host(k)[0].transpose(1, 0, 2).reshape(n, KV))
     np.testing.assert_array_equal(out_k, expect)
     np.testing.assert_array_equal(out_v, expect)
+
+
+# Head geometry and layout are runtime values (the last three params): the one
+# library built for the types serves every geometry, both layouts.
+OTHER_GEOMETRIES = [(1, 4), (4, 32), (3, 8)]
+
+
+def test_one_function_per_kernel_and_type_pair(host):
+    """16 functions: batch_store and stage 3 input types x 2 plane types, gather
+    and install 2 plane types; no geometry or layout among what is compiled."""
+    assert len(host.funcs) == 16
+    assert sorted({k[0] for k in host.funcs}) == ["batch_store", "gather", "install", "stage"]
+
+
+@pytest.mark.parametrize("plane", list(PLANES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
+@pytest.mark.parametrize("geometry", OTHER_GEOMETRIES, ids=lambda g: f"H{g[0]}xD{g[1]}")
+def test_every_kernel_at_other_geometries(host, geometry, layout, dtype, plane):
+    h, d = geometry
+    kv, hm, p = h * d, layout == HEAD_MAJOR, PLANES[plane]
+    geo = geometry_params(h, d, hm)
+    capacity, length, origin, n = 8, 7, 5, 4  # the chunk wraps the ring
+    r = Ring(capacity, length, origin, origin % capacity)
+    start = r.end
+    first, count = r.append_batch(start, n)
+    k = edge_values((1, h, n, d), DTYPES[dtype], seed=h + d)
+    v = edge_values((1, h, n, d), DTYPES[dtype], seed=h + d + 1)
+    strides = np.array([h * n * d, n * d, d, 1], np.int64)
+    hk, hv = to_host(k), to_host(v)
+
+    ref_k, ref_v = REF.store(k, v, layout, first, count, dtype=p)
+    out_k, out_v = zeros_like_host(ref_k.shape, plane), zeros_like_host(ref_v.shape, plane)
+    dest = np.full(count, -1, np.int32)
+    params = np.array([first, count, start, r.capacity, r.origin_logical, r.origin_physical,
+                       *geo], np.int32)
+    host.call("batch_store", dtype, [hk, strides, hv, strides, params, out_k, out_v, dest],
+              count * kv, plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
+    np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
+    np.testing.assert_array_equal(dest, [r.physical(start + first + j) for j in range(count)])
+
+    live = Ring(capacity, length, origin, origin % capacity)
+    rows = allocated_rows(capacity)
+    shape = (rows, kv) if layout == TOKEN_MAJOR else (h, rows, d)
+    pk, pv = edge_values(shape, p, seed=3), edge_values(shape, p, seed=4)
+    ref_k, ref_v = REF.stage(pk, pv, live, k, v, layout)
+    out_k, out_v = zeros_like_host(ref_k.shape, plane), zeros_like_host(ref_v.shape, plane)
+    params = np.array([live.len, live.origin_physical, live.capacity, n, rows, *geo], np.int32)
+    host.call("stage", dtype, [to_host(pk), to_host(pv), hk, strides, hv, strides, params,
+                               out_k, out_v], (live.len + n) * kv, plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
+    np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
+
+    if dtype != plane:
+        return  # gather and install read planes only: once per plane type
+    # the backend hands a token-major plane over as one head of kv_dim (kernels.py)
+    plane_geo = geo if hm else geometry_params(1, kv, False)
+    ref_k, ref_v = REF.gather(pk, pv, layout, live)
+    out_k, out_v = zeros_like_host(ref_k.shape, plane), zeros_like_host(ref_v.shape, plane)
+    params = np.array([live.len, live.origin_physical, live.capacity, rows, *plane_geo], np.int32)
+    host.call("gather", plane, [to_host(pk), to_host(pv), params, out_k, out_v], live.len * kv,
+              plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ref_k)))
+    np.testing.assert_array_equal(out_v, bits16(to_host(ref_v)))
+    ik, iv = REF.install(ref_k, ref_v, layout, live, shape)
+    out_k, out_v = zeros_like_host(shape, plane), zeros_like_host(shape, plane)
+    host.call("install", plane, [to_host(ref_k), to_host(ref_v), params, out_k, out_v],
+              rows * kv, plane=plane)
+    np.testing.assert_array_equal(out_k, bits16(to_host(ik)))
+    np.testing.assert_array_equal(out_v, bits16(to_host(iv)))

@@ -66,13 +66,17 @@ def assert_bits(got, expect, what=""):
 
 # -- every instantiation, compiled --------------------------------------------------
 
-# (kernel, T, P, HEAD_MAJOR) -- what the backend can ask for; stage's HEAD_MAJOR is
-# the ring's layout; gather and install read planes only (no T).
+# (kernel, T, P) -- what the backend can ask for: the element types are the only
+# template values (head geometry and layout travel in params); gather and install
+# read planes only (no T). 16 instantiations.
 EXPECTED = (
-    [(k, t, p, hm) for k in ("batch_store", "stage") for t in DTYPES for p in PLANES
-     for hm in (False, True)]
-    + [(k, p, p, hm) for k in ("gather", "install") for p in PLANES for hm in (False, True)]
+    [(k, t, p) for k in ("batch_store", "stage") for t in DTYPES for p in PLANES]
+    + [(k, p, p) for k in ("gather", "install") for p in PLANES]
 )
+# params has fewer than 8 elements (MLX: `constant` memory) for gather and install
+# (7), not for batch_store (9) and stage (8): those MLX passes in `device` memory
+PARAMS_SPACE = {"batch_store": "device", "stage": "device", "gather": "constant",
+                "install": "constant"}
 # head geometries: Muse Glimmer's, and one so small that every input has fewer
 # than 8 elements and MLX passes it in `constant` memory
 GEOMETRIES = {"muse": (H, D), "tiny": (1, 2)}
@@ -113,27 +117,45 @@ def instantiations(emulator):
 
 
 def _key(call):
-    """(kernel, T, P, HEAD_MAJOR) of a recorded call (its text key holds the template)."""
+    """(kernel, T, P) of a recorded call (its text key holds the template)."""
     template = dict(call.key[8])
     plane = template["P"].replace("mlx.core.", "")
     t = template.get("T", template["P"]).replace("mlx.core.", "")
-    return (call.kernel.removeprefix("muser_kv_"), t, plane, bool(template["HEAD_MAJOR"]))
+    return (call.kernel.removeprefix("muser_kv_"), t, plane)
 
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_backend_asks_for_every_instantiation(emulator, instantiations, geometry):
-    """Each (kernel, T, P, layout) went through MLX's generator, clang and a run."""
+    """Each (kernel, T, P) went through MLX's generator, clang and a run, for
+    both layouts."""
     got = {_key(c) for c in instantiations[geometry]}
-    assert set(EXPECTED) <= got, sorted(set(EXPECTED) - got)
+    assert set(EXPECTED) == got, sorted(set(EXPECTED) ^ got)
     texts = {c.function for c in instantiations[geometry]}
-    assert len(texts) >= len(EXPECTED)
+    assert len(texts) == len(EXPECTED)
     for call in instantiations[geometry]:
-        spaces = {space for _, _, space in call.inputs}
-        if geometry == "tiny":  # every input under 8 elements: MLX's `constant` memory
-            assert spaces == {"constant"}, call
-        else:  # params (6 or fewer int32) constant, tensors device
-            assert dict((n, s) for n, _, s in call.inputs)["params"] == "constant"
-            assert "device" in spaces, call
+        spaces = dict((n, s) for n, _, s in call.inputs)
+        assert spaces.pop("params") == PARAMS_SPACE[_key(call)[0]], call
+        if geometry == "tiny":  # every tensor under 8 elements: MLX's `constant` memory
+            assert set(spaces.values()) == {"constant"}, call
+        else:
+            assert set(spaces.values()) == {"device"}, call
+
+
+def test_one_program_per_kernel_and_type_pair(emulator, instantiations):
+    """Both geometries, both layouts: 16 (kernel, template) instantiations, one
+    per kernel and type pair. Head geometry or layout back among the template
+    values would make more (MLX compiles one program per name and template).
+    Metal's text also varies with which inputs MLX passes in `constant` memory
+    (the tiny geometry), so the texts of the two geometries differ; within a
+    geometry each instantiation has exactly one text, whatever the layout."""
+    calls = [c for geometry in GEOMETRIES for c in instantiations[geometry]]
+    assert len({(c.kernel, c.key[8]) for c in calls}) == len(EXPECTED) == 16
+    assert all({n for n, _ in c.key[8]} <= {"T", "P"} for c in calls)
+    for geometry in GEOMETRIES:
+        per_key = {}
+        for c in instantiations[geometry]:
+            per_key.setdefault(_key(c), set()).add(emulator.texts[c.key])
+        assert all(len(texts) == 1 for texts in per_key.values()), geometry
 
 
 @pytest.mark.parametrize("case", EXPECTED, ids=lambda c: "-".join(map(str, c)))
@@ -142,19 +164,17 @@ def test_generated_text_is_mlx_signature(emulator, instantiations, case):
     `device` memory with `params` in `constant`, MLX's element type names."""
     call = next(c for c in instantiations["muse"] if _key(c) == case)
     text = emulator.texts[call.key]
-    kernel, t, p, hm = case
+    kernel, t, p = case
     header = kernels.kernel_header()
     assert text.startswith(header)  # MLX writes the header first, then the template
     assert text[len(header):].startswith(
-        "template <typename T, typename P, int KV_HEADS" if kernel in ("batch_store", "stage")
-        else "template <typename P, int KV_HEADS")
-    assert "  const constant int32_t* params [[buffer(" in text
+        "template <typename T, typename P>\n" if kernel in ("batch_store", "stage")
+        else "template <typename P>\n")
+    assert f"  const {PARAMS_SPACE[kernel]} int32_t* params [[buffer(" in text
     assert "  uint3 thread_position_in_grid [[thread_position_in_grid]]) {" in text
-    if kernel in ("batch_store", "stage"):
-        args = [METAL_TYPES[t], METAL_TYPES[p], "2", "128"]
-    else:  # a token-major plane's row is one run of kv_dim: KV_HEADS 1, HEAD_DIM 256
-        args = [METAL_TYPES[p]] + (["2", "128"] if hm else ["1", "256"])
-    assert f"<{', '.join(args)}, {int(hm)}>;\n" in text
+    args = [METAL_TYPES[t], METAL_TYPES[p]] if kernel in ("batch_store", "stage") else [
+        METAL_TYPES[p]]
+    assert f"<{', '.join(args)}>;\n" in text
     if kernel in ("batch_store", "stage"):
         assert f"  const device {METAL_TYPES[t]}* key [[buffer(" in text
         assert "  const constant int64_t* key_strides [[buffer(" in text
@@ -263,7 +283,11 @@ def test_tiny_geometry_in_constant_memory(metal, kernel):
             assert_bits(got[1], ref[1])
     for name in (["gather", "install"] if kernel == "gather_install" else [kernel]):
         text = metal.kernel(name).last_text
-        assert "const constant" in text and "const device" not in text, name
+        device = [line for line in text.splitlines() if "const device" in line]
+        assert "const constant" in text, name
+        # params (9 or 8 int32: head geometry and layout appended) alone in `device`
+        assert all(" params [[buffer(" in line for line in device), (name, device)
+        assert bool(device) == (PARAMS_SPACE[name] == "device"), name
 
 
 @pytest.mark.parametrize("plane", list(PLANES))
@@ -420,7 +444,7 @@ def test_mlx_extra_buffers_are_bound_in_mlx_order(emulator, monkeypatch):
     after `key` (a substring test); the emulator binds MLX's buffers in MLX's
     order, so the kernel still runs and still matches."""
     backend = _broken(monkeypatch, emulator, "batch_store", "const uint32_t kv_dim",
-                      "if (key_shape[1] != KV_HEADS) { dest[0] = -1; }\nconst uint32_t kv_dim")
+                      "if (key_shape[1] != params[6]) { dest[0] = -1; }\nconst uint32_t kv_dim")
     _store(backend)
     text = backend.kernel("batch_store").last_text
     assert "  const constant int* key_shape [[buffer(1)]],\n" \

@@ -27,25 +27,26 @@ from muser_kv.core.kernels import HEAD_MAJOR, INPUT_DTYPES, PLANE_DTYPES, TOKEN_
 
 ARCH = "sm_90"  # H200
 H, D = 2, 128
+# head geometries the backend is driven with: Muse Glimmer's and a tiny one; the
+# programs must not differ between them (geometry is a runtime value, in params)
+GEOMETRIES = ((H, D), (1, 4))
 CAPACITY, CHUNK = 8, 4
 CI_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
 DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
-# (kernel, T, P, HEAD_MAJOR) -- every instantiation the backend can ask for
-# (stage's HEAD_MAJOR is the ring's layout; its shadow is always token-major;
-# gather and install read planes only, so their T is the plane type P).
+# (kernel, T, P) -- every instantiation the backend can ask for: the element
+# types are its only template values (head geometry and layout are params), so
+# 16 programs (gather and install read planes only, so their T is the plane type P).
 _INPUTS = ("float32", "float16", "bfloat16")
 _PLANES = ("float16", "bfloat16")
 EXPECTED = (
-    [(k, t, p, hm) for k in ("batch_store", "stage") for t in _INPUTS for p in _PLANES
-     for hm in (False, True)]
-    + [(k, p, p, hm) for k in ("gather", "install") for p in _PLANES for hm in (False, True)]
+    [(k, t, p) for k in ("batch_store", "stage") for t in _INPUTS for p in _PLANES]
+    + [(k, p, p) for k in ("gather", "install") for p in _PLANES]
 )
 
 
 def case_id(case):
-    kernel, t, p, hm = case
-    return "-".join([kernel, t, p, HEAD_MAJOR if hm else TOKEN_MAJOR])
+    return "-".join(case)
 
 
 REQUIRED = os.environ.get("MUSER_KV_REQUIRE_NVRTC") == "1"  # set by .ci/run
@@ -69,32 +70,45 @@ def _key(call: KernelCall):
     template = dict(call.template)
     plane = DTYPE_NAMES[template["P"]]
     return (call.name.removeprefix("muser_kv_"), DTYPE_NAMES[template.get("T", template["P"])],
-            plane, template["HEAD_MAJOR"])
+            plane)
+
+
+def _geometry(call: KernelCall):
+    """(kv_heads, head_dim, head_major): the call's last three params."""
+    params = call.inputs[call.input_names.index("params")]
+    return tuple(int(x) for x in params.tolist()[-3:])
 
 
 @pytest.fixture(scope="module")
-def calls():
-    """Every kernel call the cuda backend makes, keyed like ``EXPECTED``."""
-    recorded = []
+def recorded():
+    """Every kernel call the cuda backend makes, for both geometries and layouts."""
+    out = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mx.fast, "cuda_kernel", recording_cuda_kernel(recorded))
+        mp.setattr(mx.fast, "cuda_kernel", recording_cuda_kernel(out))
         backend = KernelBackend("cuda")
         live = Ring(CAPACITY, 5, 9, 1)  # wrapped: origin_logical 9 at physical row 1
-        shapes = ((TOKEN_MAJOR, (CAPACITY, H * D)), (HEAD_MAJOR, (H, CAPACITY, D)))
-        for plane_dtype in PLANE_DTYPES:
-            for dtype in INPUT_DTYPES:
-                kv = mx.zeros((1, H, CHUNK, D), dtype)
-                for layout in (TOKEN_MAJOR, HEAD_MAJOR):
-                    backend.store_with_dest(kv, kv, layout, 0, CHUNK, Ring(CAPACITY), 0,
-                                            plane_dtype)
+        for h, d in GEOMETRIES:
+            shapes = ((TOKEN_MAJOR, (CAPACITY, h * d)), (HEAD_MAJOR, (h, CAPACITY, d)))
+            for plane_dtype in PLANE_DTYPES:
+                for dtype in INPUT_DTYPES:
+                    kv = mx.zeros((1, h, CHUNK, d), dtype)
+                    for layout in (TOKEN_MAJOR, HEAD_MAJOR):
+                        backend.store_with_dest(kv, kv, layout, 0, CHUNK, Ring(CAPACITY), 0,
+                                                plane_dtype)
+                    for layout, shape in shapes:
+                        ring_plane = mx.zeros(shape, plane_dtype)
+                        backend.stage(ring_plane, ring_plane, live, kv, kv, layout)
                 for layout, shape in shapes:
-                    ring_plane = mx.zeros(shape, plane_dtype)
-                    backend.stage(ring_plane, ring_plane, live, kv, kv, layout)
-            for layout, shape in shapes:
-                plane = mx.zeros(shape, plane_dtype)
-                backend.gather(plane, plane, layout, live)
-                rows = mx.zeros((live.len, H * D), plane_dtype)
-                backend.install(rows, rows, layout, live, shape)
+                    plane = mx.zeros(shape, plane_dtype)
+                    backend.gather(plane, plane, layout, live)
+                    rows = mx.zeros((live.len, h * d), plane_dtype)
+                    backend.install(rows, rows, layout, live, shape)
+    return out
+
+
+@pytest.fixture(scope="module")
+def calls(recorded):
+    """The first call of each instantiation, keyed like ``EXPECTED``."""
     out = {}
     for call in recorded:
         out.setdefault(_key(call), call)
@@ -115,6 +129,24 @@ def test_backend_asks_for_every_instantiation(calls):
     assert set(EXPECTED) <= set(calls), sorted(set(EXPECTED) - set(calls), key=str)
 
 
+def test_one_program_per_kernel_and_type_pair(recorded):
+    """Both geometries and both layouts, every kernel: 16 programs, as many as
+    (kernel, T, P) pairs; each program served every geometry and layout through
+    its params. Head geometry or layout back among the template values would
+    make more (MLX compiles one program per function name and template)."""
+    programs = {(call.func_name, call.cuda_source()) for call in recorded}
+    assert len(programs) == len(EXPECTED) == 16, sorted(name for name, _ in programs)
+    assert all(dict(call.template).keys() <= {"T", "P"} for call in recorded)
+    served = {}
+    for call in recorded:
+        served.setdefault(_key(call), set()).add(_geometry(call))
+    for key, geometries in served.items():
+        layouts = {hm for _, _, hm in geometries}
+        assert layouts == {0, 1}, (key, geometries)
+        if key[0] in ("batch_store", "stage"):  # gather/install see token-major as one head
+            assert {(h, d) for h, d, _ in geometries} == set(GEOMETRIES), (key, geometries)
+
+
 @pytest.mark.parametrize("case", EXPECTED, ids=case_id)
 def test_kernel_compiles_with_nvrtc(nvrtc, calls, case):
     call = calls.get(case)
@@ -128,7 +160,7 @@ def test_kernel_compiles_with_nvrtc(nvrtc, calls, case):
     if case[0] in ("batch_store", "stage"):
         # TO_PLANE is MLX's astype: one round to nearest even from the input
         # type, or, when the input is of the plane type already, a copy.
-        _, t, p, _ = case
+        _, t, p = case
         short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
         conversions = set(re.findall(r"cvt\.rn\.(?:f16|bf16)\.\w+", result.ptx))
         expect = set() if t == p else {f"cvt.rn.{short[p]}.{short[t]}"}
@@ -149,9 +181,9 @@ def test_all_kernels_compile_with_mlx_default_includes(nvrtc, calls):
 
 def test_generated_signature(calls):
     """The parameter list MLX 0.32 generates (custom_kernel.cpp, build_kernel)."""
-    source = calls[("batch_store", "bfloat16", "float16", True)].cuda_source(default_header="")
+    source = calls[("batch_store", "bfloat16", "float16")].cuda_source(default_header="")
     assert (
-        "__global__ void custom_kernel_muser_kv_batch_store_bfloat16_t_float16_t_2_128_t(\n"
+        "__global__ void custom_kernel_muser_kv_batch_store_bfloat16_t_float16_t(\n"
         "    const __nv_bfloat16* key,\n"
         "    const __grid_constant__ Strides key_strides,\n"
         "    const __nv_bfloat16* value,\n"
@@ -162,9 +194,8 @@ def test_generated_signature(calls):
         "    int32_t* dest) {\n"
         "  using T = __nv_bfloat16;\n"
         "  using P = __half;\n"
-        "  constexpr int KV_HEADS = 2;\n"
-        "  constexpr int HEAD_DIM = 128;\n"
-        "  constexpr bool HEAD_MAJOR = true;\n"
+        "\n"
+        "// muser-kv kernel prelude"
     ) in source
 
 
@@ -175,7 +206,7 @@ def test_generated_signature(calls):
 ], ids=["undeclared", "scalar-params"])
 def test_broken_body_fails(nvrtc, calls, bad, expect):
     """Negative control: the same pipeline rejects a body that is not valid CUDA."""
-    call = calls[("batch_store", "float32", "float16", False)]
+    call = calls[("batch_store", "float32", "float16")]
     result = nvrtc.compile(call.cuda_source(source=call.source + "\n" + bad + "\n"), arch=ARCH,
                            name_expressions=[call.name_expression])
     assert not result.ok

@@ -9,6 +9,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from nvrtc import recording_cuda_kernel
 
 from muser_kv.core import kernels
 from muser_kv.core.kernels import KernelBackend
@@ -32,9 +33,67 @@ def test_an_unavailable_backend_is_an_error():
     assert "not available" in out.getvalue()
 
 
+def _recorded_calls(monkeypatch):
+    """Every kernel call the selftest's cases make, through a recording stand-in
+    for ``mx.fast.cuda_kernel`` (nothing runs): {group: [KernelCall]}."""
+    recorded = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recording_cuda_kernel(recorded))
+    by_group = {}
+    for group, group_cases in selftest.groups(
+            selftest.cases(KernelBackend("cuda"), selftest.ReferenceBackend())).items():
+        start = len(recorded)
+        for case in group_cases:
+            case.run()
+        by_group[group] = recorded[start:]
+    return by_group
+
+
+def _geometry(call):
+    """(kv_heads, head_dim, head_major): a kernel call's last three params."""
+    return tuple(int(x) for x in call.inputs[call.input_names.index("params")].tolist()[-3:])
+
+
+def test_one_compile_per_kernel_and_type_pair(monkeypatch):
+    """The selftest builds 16 kernel programs -- (kernel, template) pairs: batch_store
+    and stage 3 input types x 2 plane types, gather and install 2 plane types --
+    one per group, and each group still runs both head geometries and both
+    layouts. Head geometry or layout back among the template values would make 64."""
+    by_group = _recorded_calls(monkeypatch)
+    assert len(by_group) == 16
+    programs = {(c.name, tuple(c.template)) for calls in by_group.values() for c in calls}
+    assert len(programs) == 16, sorted(programs, key=str)
+    h_d = {(h, d) for h, d in selftest.GEOMETRIES}
+    for group, calls in by_group.items():
+        kernel = group[0]
+        assert {(c.name, tuple(c.template)) for c in calls} == {
+            (f"muser_kv_{kernel}", tuple(calls[0].template))}, group  # one program a group
+        assert {n for n, _ in calls[0].template} == ({"T", "P"} if group[1] else {"P"})
+        seen = {_geometry(c) for c in calls}
+        if kernel in ("batch_store", "stage"):
+            assert seen == {(h, d, hm) for h, d in h_d for hm in (0, 1)}, (group, seen)
+        else:  # a token-major plane goes to gather/install as one head of kv_dim
+            assert seen == {(h, d, 1) for h, d in h_d} | {(1, h * d, 0) for h, d in h_d}, \
+                (group, seen)
+    # one kernel call per case, every case as before (592)
+    counts = {k: sum(len(c) for g, c in by_group.items() if g[0] == k) for k in selftest.KERNELS}
+    assert counts == {"batch_store": 144, "stage": 288, "gather": 80, "install": 80}, counts
+
+
+def test_default_jobs(monkeypatch):
+    """About the square root of the programs, never more than the CPUs."""
+    monkeypatch.setattr(selftest.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    assert [selftest.default_jobs(n) for n in (1, 4, 5, 16, 64)] == [1, 2, 3, 4, 8]
+    monkeypatch.setattr(selftest.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert selftest.default_jobs(16) == 2
+
+
 def test_every_kernel_passes_on_emulated_metal(emulator, monkeypatch):
     monkeypatch.setattr(mx.fast, "metal_kernel", emulator)
+    start = len(emulator.calls)
     reports = selftest.run_checks(KernelBackend("metal"), mx.cpu)
+    calls = emulator.calls[start:]
+    # 16 (kernel, template) instantiations ran every case
+    assert len({(c.kernel, c.key[8]) for c in calls}) == 16
     out = io.StringIO()
     assert selftest.summarize(reports, "emulated metal", out) == 0, out.getvalue()
     lines = out.getvalue().splitlines()
