@@ -77,8 +77,14 @@ reuse23)
     --json "$out/store_reuse_23.json"
   ;;
 floor131)
-  timeout 90 python3 -m muser_kv selftest 2>&1 | tee "$out/selftest.txt"
-  echo "selftest exit ${PIPESTATUS[0]}" | tee -a "$out/selftest.txt"
+  # cold (MLX's PTX cache, /tmp/mlx, emptied first) at 4, 8 and 16 workers, then warm at the default
+  for j in 4 8 16 0; do
+    [ "$j" = 0 ] || rm -rf /tmp/mlx
+    s=$SECONDS; timeout 60 python3 -m muser_kv selftest $([ "$j" = 0 ] || echo --jobs $j) \
+      > "$out/selftest_$j.txt" 2>&1
+    echo "selftest jobs=$j exit $? wall $((SECONDS - s)) s" | tee -a "$out/selftest.txt"
+    tail -3 "$out/selftest_$j.txt" | tee -a "$out/selftest.txt"
+  done
   b floor 470 benchmarks/batched.py --contexts 131072 --batches 1,2,4,8,16 --dtype bfloat16 \
     --blocks 3 --sliding-layout head_major --fill-chunk 32768 --json "$out/floor.json"
   ;;
