@@ -37,6 +37,7 @@ from muser_kv.serving.checkpoints import (
     prefill_pieces,
     split_segments,
 )
+from muser_kv.serving.cli import main as muser_kv_main
 from muser_kv.serving.prompt_cache import ExactPromptCache
 
 CONTEXT = 2048
@@ -337,3 +338,60 @@ def test_tokenize_cuts_only_with_a_store_and_an_interval(model_dir, running):
             s.provider.limits.tokenizer, copy.deepcopy(request), generation_args(4))
         assert types == want and sum(segments, []) == prompt
         s.stop()
+
+
+# -- generate --kv-store ---------------------------------------------------------------------
+
+
+class Recorder:
+    """mlx-lm's ``stream_generate`` (what the commands' store wraps), recording
+    each response's log-probabilities (bits)."""
+
+    def __init__(self, inner):
+        self.inner, self.first = inner, []
+
+    def __call__(self, *args, **kwargs):
+        for i, response in enumerate(self.inner(*args, **kwargs)):
+            if i == 0:
+                self.first.append(np.array(response.logprobs.astype(mx.float32)).view(np.uint32))
+            yield response
+
+
+def test_generate_reuses_the_checkpoint_below_an_edit(model_dir, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    module = importlib.import_module("mlx_lm.generate")
+    recorder = Recorder(module.stream_generate)
+    monkeypatch.setattr(module, "stream_generate", recorder)
+    prompt = ids(1100, 7)  # + the chat template's t1
+
+    def generate(tokens, store):
+        argv = ["generate", "--model", str(model_dir), "--prompt", words(tokens), "--max-tokens",
+                "8", "--temp", "0", "--kv-store", str(store), "--kv-store-checkpoint", str(EVERY)]
+        assert muser_kv_main(argv) == 0
+        out = capsys.readouterr()
+        return out.out.split("==========")[1], out.err
+
+    generate(prompt, tmp_path / "store")
+    change = edited(prompt, 700)
+    text, err = generate(change, tmp_path / "store")
+    assert "512 of the prompt's 1101 tokens rebuilt" in err
+    fresh, err = generate(change, tmp_path / "fresh")
+    assert "rebuilt" not in err
+    assert text == fresh
+    assert np.array_equal(recorder.first[1], recorder.first[2])
+    store = muser_kv.KVStore(str(tmp_path / "store"))
+    from mlx_lm import load
+
+    model, _ = load(str(model_dir))
+    muser_kv.install(model, max_context=CONTEXT)
+    assert {256, 512, 768, 1024, 1100} <= set(store.rebuildable(prompt + [1], model))
+    store.close()
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_commands_refuse_an_interval_that_is_not_a_multiple_of_a_chunk(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        muser_kv_main([command, "--model", "nowhere", "--kv-store-checkpoint", "300"])
+    assert e.value.code == 2
+    assert "--kv-store-checkpoint" in capsys.readouterr().err
