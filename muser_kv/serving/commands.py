@@ -20,8 +20,10 @@ attributes of that mlx-lm module are swapped (and restored afterwards):
 * with ``--kv-store DIR|redis://HOST:PORT``, ``stream_generate`` first asks the
   KV store for the deepest stored point of the prompt (a run of the same long
   prompt again, a chat resumed with its history) and prefills only the rest;
-  it puts the prompt less its last token (where a regenerate lands) and the
-  finished answer (``KVStore``, ``docs/store.md``);
+  it puts the prompt less its last token (where a regenerate lands), the
+  prompt's state at every multiple of ``--kv-store-checkpoint`` its prefill
+  passes (where an edit inside a long prompt lands), and the finished answer
+  (``KVStore``, ``docs/store.md``);
 * with ``--session FILE``, ``stream_generate`` is mlx-lm's followed by a save of
   the model's cache to FILE once a response is complete (after every chat turn,
   at the end of a generation); if FILE exists, the first cache mlx-lm asks the
@@ -50,6 +52,7 @@ from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core.geometry import UnsupportedModel
+from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval, prefill_pieces
 from muser_kv.serving.install import context_for, install
 from muser_kv.sessions.format import SnapshotError
 from muser_kv.sessions.reading import read_session
@@ -109,6 +112,12 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                            "of prefilled; prompts and answers are put (docs/store.md)")
     ours.add_argument("--kv-store-bytes", type=_count(0), default=None, metavar="N",
                       help="the --kv-store tier's bound in bytes (default: unbounded)")
+    ours.add_argument("--kv-store-checkpoint", type=checkpoint_interval,
+                      default=DEFAULT_CHECKPOINT, metavar="N",
+                      help="with --kv-store, also put the prompt's state at every multiple of N "
+                           "tokens its prefill passes, so an edit inside a long prompt is "
+                           "rebuilt from the checkpoint below it (a positive multiple of 256; "
+                           f"default {DEFAULT_CHECKPOINT}; 0: off)")
     return parser
 
 
@@ -258,8 +267,9 @@ class StoredPrompts:
     the prompt's tokens) the prompt is handed to mlx-lm whole, as it is when
     nothing is reused, and only the finished answer is put."""
 
-    def __init__(self, location: str, store_bytes: Optional[int]):
+    def __init__(self, location: str, store_bytes: Optional[int], checkpoint: int = 0):
         self.store = KVStore(location, store_bytes=store_bytes, write_behind=False)
+        self.checkpoint = checkpoint
         self.held: Dict[int, List[int]] = {}
 
     def wrap(self, stream_generate: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
@@ -285,8 +295,10 @@ class StoredPrompts:
                           "the KV store", file=sys.stderr, flush=True)
             rest = tokens[n:]
             if len(rest) > 1 and not kwargs.get("logits_processors"):
-                _prefill(model, cache, rest[:-1], kwargs.get("prefill_step_size", 2048))
-                self.store.put(tokens[:-1], cache, model)
+                step = kwargs.get("prefill_step_size", 2048)
+                for lo, hi in prefill_pieces(n, len(tokens) - 1, self.checkpoint):
+                    _prefill(model, cache, tokens[lo:hi], step)
+                    self.store.put(tokens[:hi], cache, model)  # a checkpoint, or the prompt
                 rest = rest[-1:]
             made: List[int] = []
             for response in stream_generate(model, tokenizer, rest, **kwargs):
@@ -356,7 +368,8 @@ def run(command: str, argv: Sequence[str]) -> int:
                                  load=Loader(module.load, ns, session))
     if session is not None:
         swaps["stream_generate"] = _saving(module.stream_generate, session)
-    stored = StoredPrompts(ns.kv_store, ns.kv_store_bytes) if ns.kv_store is not None else None
+    stored = (StoredPrompts(ns.kv_store, ns.kv_store_bytes, ns.kv_store_checkpoint)
+              if ns.kv_store is not None else None)
     if stored is not None:
         swaps["stream_generate"] = stored.wrap(module.stream_generate)
     if hasattr(module, "sharded_load"):

@@ -48,6 +48,9 @@ inserted is also put into the store, and a prompt the entries reuse less of
 than the store can rebuild (a regenerate, an edited message, a branch, an entry
 evicted, a server restarted over the same directory or sharing one Redis) is
 answered from the store. A store that fails is a log line and a fresh prefill.
+A list inserted as a ``"checkpoint"`` (``muser_kv.serving.checkpoints``: the
+server's prefill passing a multiple of ``--kv-store-checkpoint``) is put into
+the store only: it is never an entry, and costs no memory beyond the store's.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from mlx_lm.models.cache import (
 )
 
 from muser_kv.caches.base import MuseKVCache
+from muser_kv.serving.checkpoints import CHECKPOINT
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -259,7 +263,12 @@ class ExactPromptCache(LRUPromptCache):
                      cache_type: str = "assistant") -> None:
         """mlx-lm's insert, keyed by the tokens a muser-kv list holds (module doc);
         a list that holds more tokens than it is keyed by, or none, is not kept
-        (nothing would say what its extra tokens are)."""
+        (nothing would say what its extra tokens are). A ``CHECKPOINT`` list (a
+        prefill passing a multiple of ``--kv-store-checkpoint``) is only put
+        into the store, never kept as an entry."""
+        if cache_type == CHECKPOINT:
+            self._checkpoint(model, tokens, prompt_cache)
+            return
         held = held_tokens(prompt_cache)
         if held is not None and held != len(tokens):
             if held > len(tokens) or held == 0:
@@ -278,3 +287,16 @@ class ExactPromptCache(LRUPromptCache):
         except Exception:
             log.exception("muser-kv prompt cache: the KV store failed a put of %d tokens",
                           len(tokens))
+
+    def _checkpoint(self, model: Any, tokens: List[int], prompt_cache: List[Any]) -> None:
+        """Put a checkpoint's list into the store (nothing else keeps it)."""
+        store = self.store
+        owner = self._model_for(model) if store is not None else None
+        if (store is None or owner is None or held_tokens(prompt_cache) != len(tokens)
+                or not all(isinstance(c, MuseKVCache) for c in prompt_cache)):
+            return
+        try:
+            store.put(tokens, prompt_cache, owner)
+        except Exception:
+            log.exception("muser-kv prompt cache: the KV store failed a put of the checkpoint "
+                          "at %d tokens", len(tokens))

@@ -9,7 +9,8 @@ here and nowhere else (``substituted``), and put back afterwards:
 ``argparse``           the same module, whose ``ArgumentParser`` also takes
                        muser-kv's flags (``--max-context``, ``--retain``,
                        ``--plane-dtype``, ``--sliding-layout``,
-                       ``--kv-memory``, ``--kv-store*``) and refuses
+                       ``--kv-memory``, ``--kv-store``, ``--kv-store-bytes``,
+                       ``--kv-store-memory``, ``--kv-store-checkpoint``) and refuses
                        ``--kv-bits`` and ``--retain 0`` with a draft model
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
                        ``muser_kv.install`` on every model it loads, and the
@@ -20,7 +21,8 @@ here and nowhere else (``substituted``), and put back afterwards:
 ``ResponseGenerator``  ``MuseResponseGenerator``: mlx-lm's generation thread,
                        admitting each request where it tokenizes it (``admit``:
                        a prompt that cannot fit is refused, ``max_tokens`` is
-                       cut so that no write passes ``max_context``), and with
+                       cut so that no write passes ``max_context``; the
+                       prompt's segments cut at its checkpoints), and with
                        ``--kv-memory`` taking a request off the queue only
                        while its planes fit the budget (``KVBudget``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
@@ -69,6 +71,7 @@ from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
+from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval, split_segments
 from muser_kv.serving.install import context_for, install, installed
 from muser_kv.serving.policy import KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.prompt_cache import ExactPromptCache
@@ -138,6 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-store-memory", type=_non_negative, default=DEFAULT_MEMORY_BYTES,
                    help="the KV store's memory tier bound in bytes (default "
                         f"{DEFAULT_MEMORY_BYTES}; 0 with no --kv-store: no store)")
+    g.add_argument("--kv-store-checkpoint", type=checkpoint_interval, default=DEFAULT_CHECKPOINT,
+                   metavar="N",
+                   help="put a prompt's state into the KV store at every multiple of N tokens "
+                        "its prefill passes, so an edit inside a long prompt is rebuilt from "
+                        "the checkpoint below it (a positive multiple of 256; default "
+                        f"{DEFAULT_CHECKPOINT}; 0: off); batched requests only "
+                        "(docs/store.md)")
     g.add_argument("--kv-memory", type=_positive, default=None, metavar="BYTES",
                    help="bytes of KV planes the server may hold: a request waits until the "
                         "planes of the sequences it joins and its own fit (every batch slot "
@@ -469,11 +479,18 @@ class MuseResponseGenerator(server.ResponseGenerator):
             self._kv.release(key)
 
     def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+        """mlx-lm's, admitting the request, with its segments cut at the prompt's
+        checkpoints (``split_segments``) when a store is behind the prompt cache."""
         tokenized = super()._tokenize(tokenizer, request, args)
         limits = self.model_provider.limits
         if limits is None:  # pragma: no cover - mlx-lm tokenizes only after a load
             raise RuntimeError("muser-kv serve: a request tokenized with no model loaded")
         args.max_tokens = admit(limits, len(tokenized[0]), args)
+        interval = getattr(self.model_provider.cli_args, "kv_store_checkpoint", 0)
+        if interval and getattr(self.prompt_cache, "store", None) is not None:
+            prompt, segments, types, *rest = tokenized
+            segments, types = split_segments(segments, types, interval)
+            tokenized = (prompt, segments, types, *rest)
         return tokenized
 
 

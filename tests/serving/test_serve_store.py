@@ -139,3 +139,27 @@ def test_two_servers_over_one_redis_and_redis_killed_mid_use(model_dir, tmp_path
     finally:
         one.stop()
         two.stop()
+
+
+def test_an_edit_inside_a_long_prompt_comes_back_from_its_checkpoint(model_dir, tmp_path):
+    """``--kv-store-checkpoint 256``: the server puts the prompt's state at 256,
+    512, 768 and 1024 on its way through 1,100 tokens; a request editing token
+    700 is rebuilt at 512 and answers what a server with no store answers (the
+    same prefill steps: 256 tokens each)."""
+    prompt = ids(1100, 6)
+    change = list(prompt)
+    change[700] = 2 if change[700] != 2 else 3
+    a = serve(model_dir, tmp_path, "checkpoints", "--kv-store-checkpoint", "256",
+              "--prefill-step-size", "256")
+    b = serve(model_dir, tmp_path, "none", "--kv-store-memory", "0", "--prefill-step-size", "256")
+    try:
+        _, cached = complete(a, prompt, max_tokens=8)
+        assert cached == 0
+        got, cached = complete(a, change, max_tokens=8)
+        assert cached == 512
+        assert "rebuilt 512 tokens from the KV store" in a.log()
+        want, cached = complete(b, change, max_tokens=8)
+        assert cached == 0 and got == want
+    finally:
+        a.stop()
+        b.stop()

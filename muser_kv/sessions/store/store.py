@@ -425,16 +425,8 @@ class KVStore:
         level, r = divmod(n, CHUNK)
         if r and point is None:
             return None
-        pieces: List[Rows] = []
-        for j in range(level):
-            rows = self._get(chunks.object_key("G", names[j + 1]), scope)
-            if not _fits(rows, CHUNK * j, CHUNK, scope.global_layers):
-                return None
-            pieces.append(rows)
-        if point is not None and point.globals.count:
-            if not _fits(point.globals, CHUNK * level, r, scope.global_layers):
-                return None
-            pieces.append(point.globals)
+        # the window first: it is what a boundary between put points usually lacks
+        # (a lookup walks down such boundaries to a checkpoint), and it is cheap
         capacity = min((e.capacity for e in entries if e.kind is LayerKind.SLIDING), default=0)
         start = max(0, n - capacity)
         window: List[Rows] = []
@@ -456,6 +448,16 @@ class KVStore:
             take = min(CHUNK * (j + 1), n)
             window.append(rows.part(at, take))
             at = take
+        pieces: List[Rows] = []
+        for j in range(level):
+            rows = self._get(chunks.object_key("G", names[j + 1]), scope)
+            if not _fits(rows, CHUNK * j, CHUNK, scope.global_layers):
+                return None
+            pieces.append(rows)
+        if point is not None and point.globals.count:
+            if not _fits(point.globals, CHUNK * level, r, scope.global_layers):
+                return None
+            pieces.append(point.globals)
         cuts: List[LayerCut] = []
         glob_index = {layer: i for i, layer in enumerate(scope.global_layers)}
         slid_index = {layer: i for i, layer in enumerate(scope.sliding_layers)}
