@@ -558,6 +558,12 @@ class MuseKVCache(ABC):
         """Plane bytes this sequence holds (its slot's share of shared planes)."""
         return self.planes.slot_nbytes()
 
+    def fit(self) -> None:
+        """Growing planes of this sequence alone sized for its rows (``Planes.fit``):
+        a cache that is kept, not written, holds its rows and no growth headroom."""
+        if self.planes.slots == 1:
+            self.planes.fit(self.ring.extent)
+
     # -- batches (batch.py) -----------------------------------------------------------------
 
     @classmethod

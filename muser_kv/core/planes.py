@@ -176,6 +176,22 @@ class Planes:
         self.set(*grown)
         mx.eval(self.k, self.v)
 
+    def fit(self, extent: int) -> None:
+        """Growing planes that allocate more than ``rows_for(extent)`` rows move to
+        that allocation, holding rows ``[0, extent)`` bit for bit (one evaluated
+        copy per plane); other planes are left as they are. For a list that is
+        kept rather than written (a prompt-cache entry): a growth can leave up to
+        twice the live rows allocated."""
+        rows = self.rows_for(extent)
+        if not self.growing or rows >= self.rows:
+            return
+        if self.layout == kernels.TOKEN_MAJOR:
+            k, v = self.k[:, :rows, :], self.v[:, :rows, :]
+        else:
+            k, v = self.k[:, :, :rows, :], self.v[:, :, :rows, :]
+        self.set(mx.contiguous(k), mx.contiguous(v))
+        mx.eval(self.k, self.v)
+
     def physical(self, slot: int = 0) -> Pair:
         """Slot ``slot``'s rows as the kernels index them: ``[R, H*D]`` token-major,
         ``[H, R, D]`` head-major (views of the same buffers)."""

@@ -276,6 +276,9 @@ class ExactPromptCache(LRUPromptCache):
                             "under a key of %d", held, len(tokens))
                 return
             tokens = tokens[:held]
+        for c in prompt_cache:  # an entry holds its rows, not a growth's headroom
+            if isinstance(c, MuseKVCache):
+                c.fit()
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         store = self.store
         owner = self._model_for(model) if store is not None else None

@@ -295,3 +295,25 @@ def test_batch_merge_extend_extract_across_capacities(model):
         assert start == start_f
         np.testing.assert_array_equal(bits(gk), bits(fk))
         np.testing.assert_array_equal(bits(gv), bits(fv))
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_fit_gives_back_a_growths_headroom_and_nothing_else(model, layout):
+    """A list that is kept rather than written (a prompt-cache entry) is fitted:
+    each growing plane moves to its live rows rounded up to 256, the rows bit
+    for bit; the list then decodes and grows exactly like the preallocated one.
+    Preallocated planes and rings are left as they are."""
+    p = Pair(model, sliding_layout=layout)
+    p.feed(ids(520, 17))      # 520 rows: grown to 1,024
+    assert plane_rows(p.grow[3]) == 1024
+    for cache in (p.grow, p.fixed):
+        for c in cache:
+            c.fit()
+    assert plane_rows(p.grow[3]) == 768 and plane_rows(p.fixed[3]) == 1024
+    assert all(plane_rows(c) == allocated_rows(c.capacity)
+               for c in p.grow if c.kind is muser_kv.LayerKind.SLIDING)
+    p.check()
+    for t in ids(260, 18):    # 520 -> 780: grows again, past 768
+        p.feed([t])
+    p.check()
+    assert plane_rows(p.grow[3]) == 1024

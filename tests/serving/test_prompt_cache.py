@@ -229,3 +229,22 @@ def test_mlx_lm_caches_get_mlx_lm_behaviour(model):
     assert ours == theirs
     # a prefix dropped before the wrap, kept past it; an exact hit returns no tokens
     assert [n for _, n in ours[:4]] == [1, 1, 2, 3] and ([], [40] * 8) in ours[4:]
+
+
+def test_an_entry_holds_its_rows_not_a_growths_headroom():
+    """The sequential path inserts the very list it decoded with, whose growing
+    global planes may allocate up to twice their rows: the entry is fitted to
+    its rows (rounded up to 256), counted so, and reused exactly."""
+    model = tiny_model(mx.float32, max_position_embeddings=1024)
+    entry, held = build(model, prompt(510), decode=10)  # 520 rows: planes grown to 1,024
+    glob = [c for c in entry if c.kind is muser_kv.LayerKind.GLOBAL]
+    assert glob and all(c.planes.rows == 1024 for c in glob)
+    grown = sum(c.nbytes for c in entry)
+    lru = ExactPromptCache()
+    lru.insert_cache(KEY, held, entry)
+    assert all(c.planes.rows == 768 for c in glob)
+    assert lru.nbytes == sum(c.nbytes for c in entry) < grown
+    ask = held + prompt(3, seed=2)
+    cache, rest = lru.fetch_nearest_cache(KEY, ask)
+    reference, _ = build(model, prompt(510), decode=10)
+    assert np.array_equal(logits_after(model, cache, rest), logits_after(model, reference, rest))
