@@ -422,3 +422,23 @@ def test_rows_of_layers_of_two_widths_keep_a_block_each_and_round_trip_their_byt
         chunks.decode(blob[:-2], "bf16le")
     with pytest.raises(chunks.ChunkFormatError, match="format 2, got b'MKVS' 1"):
         chunks.decode(blob[:4] + (1).to_bytes(2, "little") + blob[6:], "bf16le")
+
+
+def test_a_rebuild_checks_the_lists_model_without_sampling_its_weights_again(monkeypatch):
+    model = PLANS["glimmer-w8"](mx.float16)
+    other = tiny_model(mx.float16, seed=1, num_hidden_layers=4, head_dim=32, sliding_window=8,
+                       max_position_embeddings=CONTEXT)
+    store = KVStore()
+    tokens = tokens_for(15, 300)
+    cache = new_list(model)
+    model(mx.array([tokens]), cache=cache)
+    store.put(tokens, cache)
+    store.longest_prefix(tokens + [1], other, into=new_list(other))  # both fingerprints known
+    sampled = []
+    real = muser_kv.sessions.snapshot.model_fingerprint
+    monkeypatch.setattr(muser_kv.sessions.snapshot, "model_fingerprint",
+                        lambda m: sampled.append(m) or real(m))
+    assert store.longest_prefix(tokens + [1], model, into=new_list(model))[0] == 300
+    with pytest.raises(muser_kv.ModelMismatch):  # rows of model into other's list
+        store.longest_prefix(tokens + [1], model, into=new_list(other))
+    assert sampled == []

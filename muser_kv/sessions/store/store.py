@@ -50,7 +50,13 @@ from muser_kv.core.geometry import LayerKind
 from muser_kv.core.ring import Ring
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import plane_encoding
-from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, _list_model, cache_geometry
+from muser_kv.sessions.snapshot import (
+    LayerCut,
+    SessionSnapshot,
+    _list_model,
+    cache_geometry,
+    check_model,
+)
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
 from muser_kv.sessions.store.memory import MemoryTier
@@ -476,7 +482,12 @@ class KVStore:
             return False
         snapshot = SessionSnapshot(cache_geometry(entries), n, scope.encoding, tuple(cuts),
                                    fingerprint)
-        snapshot.install(entries)
+        # install's model check, with the fingerprint this store keeps per model
+        # (install would sample every weight again, on every rebuild)
+        owner = _list_model(entries)
+        if owner is not None:
+            check_model(fingerprint, self._fingerprint(owner), "the cache list's model")
+        snapshot.install(entries, allow_other_model=True)
         return True
 
 
