@@ -20,8 +20,11 @@ while every object it needs is in some tier.
 **What a put costs.** A lookup per chunk of the prefix, and a copy only of
 what no tier holds: the new chunks' global rows, the new whole chunks of the
 window, and the point (its tail's global rows, at most two runs of sliding
-rows). The copies are gathered on the device in one evaluation; writing them to
-the directory or Redis tier happens behind, on one writer thread
+rows). The copies are gathered on the device in one evaluation, each layer's
+rows of a run of adjacent chunks at once, stacked layer-major and cut into
+chunks (``chunks.Rows``: one block per plane for all the layers of a kind), so
+neither a put nor a rebuild makes an operation per chunk and layer; writing
+them to the directory or Redis tier happens behind, on one writer thread
 (``flush`` waits for it).
 
 **Faults.** A stored object that fails its digest (the byte tiers check it),
