@@ -23,6 +23,7 @@ from model_zoo import ZOO
 import muser_kv
 from muser_kv import KVStore
 from muser_kv.sessions.store import CHUNK, chunks
+from muser_kv.sessions.store import store as store_module
 
 CONTEXT = 1024
 #: positions the producer passes through: every chunk boundary, and the put
@@ -355,3 +356,89 @@ def test_a_new_store_over_the_same_directory_rebuilds_and_passes_over_what_is_no
     assert_same(state(cache), states[703])
     assert "holds another point" in caplog.text
     again.close()
+
+
+def _extent(a: mx.array):
+    """The bytes ``a`` occupies in its buffer (the CPU's: numpy reads it in place)."""
+    start = np.asarray(a.view(mx.uint16)).__array_interface__["data"][0]
+    return start, start + a.nbytes
+
+
+def test_a_put_keeps_each_object_in_buffers_of_its_own_and_a_rebuild_joins_once_per_block(
+        monkeypatch):
+    """Rows are kept layer-major, one block per plane for all the layers of a
+    kind: a put gathers a run of chunks at once and cuts it into chunks that
+    share no buffer (the memory tier counts and frees each alone), and a rebuild
+    joins each block once per plane, whatever the number of layers or chunks."""
+    model = tiny_model(mx.float16, num_hidden_layers=8, head_dim=32, sliding_window=600,
+                       max_position_embeddings=CONTEXT)  # 2 global layers, 6 sliding
+    store = KVStore()
+    tokens = tokens_for(14, 900)
+    cache = new_list(model)
+    model(mx.array([tokens]), cache=cache)
+    store.put(tokens, cache)
+    kept = [obj for obj, _ in store.memory._objects.values()]
+    objects = [obj for obj in kept if not isinstance(obj, chunks.Index)]
+    rows = [r for o in objects for r in ((o.globals, *o.fragments) if isinstance(o, chunks.Point)
+                                         else (o,))]
+    assert {r.shape for r in rows if r.layers == (3, 7)} == {(((0, 1), 64),)}
+    assert {r.shape for r in rows if len(r.layers) == 6} == {(((0, 1, 2, 3, 4, 5), 64),)}
+    extents = sorted(_extent(a) for r in rows for a in r.arrays() if a.nbytes)
+    assert all(a[1] <= b[0] for a, b in zip(extents, extents[1:])), "stored rows share a buffer"
+    other = sum(o.nbytes for o in kept if isinstance(o, chunks.Index)) + sum(
+        8 * len(o.tail) for o in objects if isinstance(o, chunks.Point))
+    assert sum(e[1] - e[0] for e in extents) + other == store.stats().tiers[0].bytes
+    joined = []
+    real = store_module._join
+    monkeypatch.setattr(store_module, "_join", lambda blocks: joined.append(len(blocks))
+                        or real(blocks))
+    n, rebuilt = store.longest_prefix(tokens + [1], model, into=new_list(model))
+    assert n == 900
+    assert_same(state(rebuilt), state(cache))
+    # the globals: 3 chunks and the point's tail; the window [300, 900): a chunk, 2 runs
+    assert joined == [4, 4, 3, 3]
+
+
+def test_rows_of_layers_of_two_widths_keep_a_block_each_and_round_trip_their_bytes():
+    dims = (64, 128, 64)
+    assert chunks.blocks_of(dims) == ((0, 2), (1,))
+    rng = np.random.default_rng(0)
+
+    def block(at, count, dim):
+        k, v = (mx.array(rng.integers(0, 1 << 16, (len(at), count, dim), dtype=np.uint16))
+                .view(mx.bfloat16) for _ in range(2))
+        return chunks.Block(at, k, v)
+
+    rows = chunks.Rows(256, 5, (1, 4, 9), (block((0, 2), 5, 64), block((1,), 5, 128)))
+    assert rows.kv_dims == dims and rows.nbytes == 2 * 5 * (2 * 64 + 128) * 2
+    blob = chunks.encode(rows, "bf16le")
+    back = chunks.decode(blob, "bf16le")
+    assert back.shape == rows.shape and (back.start, back.count, back.layers) == (256, 5, (1, 4, 9))
+    for got, want in zip(back.arrays(), rows.arrays()):
+        assert got.shape == want.shape and (bits(got) == bits(want)).all()
+    part = back.part(257, 259)
+    assert part.count == 2 and (bits(part.blocks[1].values) == bits(rows.blocks[1].values)[:, 1:3]).all()
+    with pytest.raises(chunks.ChunkFormatError, match="truncated"):
+        chunks.decode(blob[:-2], "bf16le")
+    with pytest.raises(chunks.ChunkFormatError, match="format 2, got b'MKVS' 1"):
+        chunks.decode(blob[:4] + (1).to_bytes(2, "little") + blob[6:], "bf16le")
+
+
+def test_a_rebuild_checks_the_lists_model_without_sampling_its_weights_again(monkeypatch):
+    model = PLANS["glimmer-w8"](mx.float16)
+    other = tiny_model(mx.float16, seed=1, num_hidden_layers=4, head_dim=32, sliding_window=8,
+                       max_position_embeddings=CONTEXT)
+    store = KVStore()
+    tokens = tokens_for(15, 300)
+    cache = new_list(model)
+    model(mx.array([tokens]), cache=cache)
+    store.put(tokens, cache)
+    store.longest_prefix(tokens + [1], other, into=new_list(other))  # both fingerprints known
+    sampled = []
+    real = muser_kv.sessions.snapshot.model_fingerprint
+    monkeypatch.setattr(muser_kv.sessions.snapshot, "model_fingerprint",
+                        lambda m: sampled.append(m) or real(m))
+    assert store.longest_prefix(tokens + [1], model, into=new_list(model))[0] == 300
+    with pytest.raises(muser_kv.ModelMismatch):  # rows of model into other's list
+        store.longest_prefix(tokens + [1], model, into=new_list(other))
+    assert sampled == []

@@ -19,8 +19,10 @@ other's rows, and a chat server's users choose the tokens.
 * ``I`` (``Index``): the tail lengths ``r`` of the points stored at ``K[c]``
   (the only object that changes: a put adds its ``r``).
 
-Rows are the planes' values, never converted: ``[count, kv_dim]`` per layer in
-token order, in the planes' dtype (the layers in list order within their kind).
+Rows are the planes' values, never converted, in the planes' dtype, in token
+order, layer-major: one ``[layers, count, kv_dim]`` block per plane (K, V) for
+all the layers of a ``kv_dim`` (``blocks_of``; the layers in list order within
+their kind). Bytes: the JSON header, then each block's K then V words.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -38,8 +41,9 @@ from muser_kv.core.geometry import LayerKind, MuseGeometry
 
 #: Positions per chunk.
 CHUNK = 256
-#: The version of the object format below (part of every scope).
-FORMAT = 1
+#: The version of the object format below (part of every scope, so objects of
+#: another version are never looked up). 2: rows layer-major, one block per kv_dim.
+FORMAT = 2
 MAGIC = b"MKVS"
 _HEADER = struct.Struct("<4sHI")  # magic, format, header length
 
@@ -63,16 +67,21 @@ class Scope:
     plan: Tuple[Tuple[str, int, int], ...]
     window: int
 
-    @property
+    @cached_property  # a rebuild asks once per chunk: worked out once
     def global_layers(self) -> Tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.plan) if p[0] == LayerKind.GLOBAL.value)
 
-    @property
+    @cached_property
     def sliding_layers(self) -> Tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.plan) if p[0] == LayerKind.SLIDING.value)
 
     def kv_dims(self, layers: Sequence[int]) -> Tuple[int, ...]:
         return tuple(self.plan[i][1] * self.plan[i][2] for i in layers)
+
+    def shape(self, layers: Sequence[int]) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
+        """``Rows.shape`` of rows of ``layers`` in this scope."""
+        dims = self.kv_dims(layers)
+        return tuple((at, dims[at[0]]) for at in blocks_of(dims))
 
 
 def scope_for(geometry: MuseGeometry, encoding: str, fingerprint: Mapping[str, str]) -> Scope:
@@ -111,32 +120,72 @@ def object_key(kind: str, name: bytes, tail: Optional[Sequence[int]] = None) -> 
 # -- records -----------------------------------------------------------------------
 
 
+def blocks_of(kv_dims: Sequence[int]) -> Tuple[Tuple[int, ...], ...]:
+    """How rows of layers with these ``kv_dims`` are kept: the indices of the
+    layers, grouped by ``kv_dim`` (in order of first appearance), in order."""
+    groups: Dict[int, List[int]] = {}
+    for i, dim in enumerate(kv_dims):
+        groups.setdefault(int(dim), []).append(i)
+    return tuple(tuple(g) for g in groups.values())
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """The rows of the layers ``Rows.layers[i] for i in at``, which share one
+    ``kv_dim``, layer-major: ``keys``/``values`` are ``[len(at), count, kv_dim]``.
+    One array per plane for all of them, so joining or splitting the rows of
+    many chunks costs one operation per block, whatever the layer count."""
+
+    at: Tuple[int, ...]
+    keys: mx.array
+    values: mx.array
+
+    @property
+    def kv_dim(self) -> int:
+        return int(self.keys.shape[2])
+
+
 @dataclass(frozen=True, eq=False)
 class Rows:
-    """Rows ``[start, start + count)`` of some layers: ``keys[i]``/``values[i]``
-    are ``[count, kv_dim]`` of ``layers[i]``, in the planes' dtype."""
+    """Rows ``[start, start + count)`` of some layers, in the planes' dtype, in
+    ``blocks`` (``blocks_of`` their kv_dims: one for layers of one kind)."""
 
     start: int
     count: int
     layers: Tuple[int, ...]
-    keys: Tuple[mx.array, ...]
-    values: Tuple[mx.array, ...]
+    blocks: Tuple[Block, ...]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys + self.values)
+        return sum(b.keys.nbytes + b.values.nbytes for b in self.blocks)
 
     @property
     def end(self) -> int:
         return self.start + self.count
+
+    @property
+    def shape(self) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
+        """``(at, kv_dim)`` of each block: what ``_fits`` compares with its scope's."""
+        return tuple((b.at, b.kv_dim) for b in self.blocks)
+
+    @property
+    def kv_dims(self) -> Tuple[int, ...]:
+        dims = [0] * len(self.layers)
+        for b in self.blocks:
+            for i in b.at:
+                dims[i] = b.kv_dim
+        return tuple(dims)
+
+    def arrays(self) -> List[mx.array]:
+        return [a for b in self.blocks for a in (b.keys, b.values)]
 
     def part(self, lo: int, hi: int) -> "Rows":
         """Positions ``[lo, hi)`` of these rows (views)."""
         a, b = lo - self.start, hi - self.start
         if not 0 <= a <= b <= self.count:
             raise ValueError(f"rows [{lo}, {hi}) outside [{self.start}, {self.end})")
-        return Rows(lo, hi - lo, self.layers, tuple(k[a:b] for k in self.keys),
-                    tuple(v[a:b] for v in self.values))
+        return Rows(lo, hi - lo, self.layers,
+                    tuple(Block(k.at, k.keys[:, a:b], k.values[:, a:b]) for k in self.blocks))
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,7 +225,7 @@ def nbytes(obj: Stored) -> int:
 
 def _rows_doc(rows: Rows) -> Dict[str, Any]:
     return {"start": rows.start, "count": rows.count, "layers": list(rows.layers),
-            "kv_dims": [int(k.shape[1]) if k.ndim == 2 else 0 for k in rows.keys]}
+            "kv_dims": list(rows.kv_dims)}
 
 
 def _raw(a: mx.array) -> bytes:
@@ -190,11 +239,11 @@ def encode(obj: Stored, encoding: str) -> bytes:
         doc: Dict[str, Any] = {"kind": "I", "tails": sorted(obj.tails)}
     elif isinstance(obj, Rows):
         doc = {"kind": "R", "rows": [_rows_doc(obj)]}
-        arrays = [a for pair in zip(obj.keys, obj.values) for a in pair]
+        arrays = obj.arrays()
     elif isinstance(obj, Point):
         parts = (obj.globals, *obj.fragments)
         doc = {"kind": "P", "tail": list(obj.tail), "rows": [_rows_doc(r) for r in parts]}
-        arrays = [a for r in parts for pair in zip(r.keys, r.values) for a in pair]
+        arrays = [a for r in parts for a in r.arrays()]
     else:
         raise TypeError(f"not a stored object: {type(obj).__name__}")
     doc["encoding"] = encoding
@@ -219,18 +268,25 @@ def decode(blob: bytes, encoding: str) -> Stored:
         dtype = DTYPES[encoding]
         parts = []
         for r in doc["rows"]:
-            keys: List[mx.array] = []
-            values: List[mx.array] = []
-            for dim in r["kv_dims"]:
-                size = 2 * int(r["count"]) * int(dim)
-                for out in (keys, values):
-                    if at + size > len(blob):
-                        raise ChunkFormatError(f"truncated: {len(blob)} bytes, rows need {at + size}")
-                    words = np.frombuffer(blob, dtype="<u2", count=size // 2, offset=at)
-                    out.append(mx.array(words).view(dtype).reshape(int(r["count"]), int(dim)))
-                    at += size
-            parts.append(Rows(int(r["start"]), int(r["count"]), tuple(int(i) for i in r["layers"]),
-                              tuple(keys), tuple(values)))
+            count, layers = int(r["count"]), tuple(int(i) for i in r["layers"])
+            dims = [int(d) for d in r["kv_dims"]]
+            if len(dims) != len(layers) or count < 0 or min(dims, default=1) <= 0:
+                raise ChunkFormatError(f"rows of {len(layers)} layers with kv_dims {dims}, "
+                                       f"count {count}")
+            blocks = []
+            for group in blocks_of(dims):
+                shape = (len(group), count, dims[group[0]])
+                words = shape[0] * shape[1] * shape[2]
+                pair = []
+                for _ in ("keys", "values"):
+                    if at + 2 * words > len(blob):
+                        raise ChunkFormatError(f"truncated: {len(blob)} bytes, rows need "
+                                               f"{at + 2 * words}")
+                    raw = np.frombuffer(blob, dtype="<u2", count=words, offset=at)
+                    pair.append(mx.array(raw).view(dtype).reshape(shape))
+                    at += 2 * words
+                blocks.append(Block(group, pair[0], pair[1]))
+            parts.append(Rows(int(r["start"]), count, layers, tuple(blocks)))
         if at != len(blob):
             raise ChunkFormatError(f"{len(blob) - at} bytes past the last row")
         if doc["kind"] == "R" and len(parts) == 1:

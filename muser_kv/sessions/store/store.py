@@ -20,8 +20,11 @@ while every object it needs is in some tier.
 **What a put costs.** A lookup per chunk of the prefix, and a copy only of
 what no tier holds: the new chunks' global rows, the new whole chunks of the
 window, and the point (its tail's global rows, at most two runs of sliding
-rows). The copies are gathered on the device in one evaluation; writing them to
-the directory or Redis tier happens behind, on one writer thread
+rows). The copies are gathered on the device in one evaluation, each layer's
+rows of a run of adjacent chunks at once, stacked layer-major and cut into
+chunks (``chunks.Rows``: one block per plane for all the layers of a kind), so
+neither a put nor a rebuild makes an operation per chunk and layer; writing
+them to the directory or Redis tier happens behind, on one writer thread
 (``flush`` waits for it).
 
 **Faults.** A stored object that fails its digest (the byte tiers check it),
@@ -40,7 +43,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -50,7 +53,13 @@ from muser_kv.core.geometry import LayerKind
 from muser_kv.core.ring import Ring
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import plane_encoding
-from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, _list_model, cache_geometry
+from muser_kv.sessions.snapshot import (
+    LayerCut,
+    SessionSnapshot,
+    _list_model,
+    cache_geometry,
+    check_model,
+)
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
 from muser_kv.sessions.store.memory import MemoryTier
@@ -260,41 +269,46 @@ class KVStore:
         # every ring holds [held, n): the window's rows (the latest origin, should they differ)
         held = max((e.ring.origin_logical for e in entries if e.kind is LayerKind.SLIDING),
                    default=n)
-        plan: List[Tuple[str, Callable[[], Any]]] = []
+        glob_keys: List[str] = []
+        glob_ranges: List[Tuple[int, int]] = []
         found = 0
         for j in range(c):
             key = chunks.object_key("G", names[j + 1])
             if self._has(key):
                 found += 1
             else:
-                plan.append((key, _gatherer(entries, glob, CHUNK * j, CHUNK * (j + 1))))
+                glob_keys.append(key)
+                glob_ranges.append((CHUNK * j, CHUNK * (j + 1)))
         first = -(-held // CHUNK) * CHUNK  # the first boundary at or after the window's start
         whole = range(first // CHUNK, c) if first <= CHUNK * c else range(0)
+        slid_keys: List[str] = []
+        slid_ranges: List[Tuple[int, int]] = []
         for j in whole:
             key = chunks.object_key("S", names[j + 1])
             if self._has(key):
                 found += 1
             else:
-                plan.append((key, _gatherer(entries, slid, CHUNK * j, CHUNK * (j + 1))))
+                slid_keys.append(key)
+                slid_ranges.append((CHUNK * j, CHUNK * (j + 1)))
         if whole:
             runs = [(held, first), (CHUNK * c, n)]
         else:
             runs = [(held, n)]
         tail = tuple(tokens[CHUNK * c:])
         point_key = chunks.object_key("P", names[c], tail)
-        point_parts: Optional[Tuple[Callable[[], Any], List[Callable[[], Any]]]] = None
-        if self._has(point_key):
+        has_point = self._has(point_key)
+        if has_point:
             found += 1
         else:
-            point_parts = (_gatherer(entries, glob, CHUNK * c, n),
-                           [_gatherer(entries, slid, lo, hi) for lo, hi in runs if hi > lo])
-        made = [(key, make()) for key, make in plan]
+            glob_ranges.append((CHUNK * c, n))
+            slid_ranges.extend((lo, hi) for lo, hi in runs if hi > lo)
+        glob_rows = _gather(entries, glob, glob_ranges)
+        slid_rows = _gather(entries, slid, slid_ranges)
+        made = list(zip(glob_keys, glob_rows)) + list(zip(slid_keys, slid_rows))
         point = None
-        if point_parts is not None:
-            point = Point(tail, point_parts[0](), tuple(f() for f in point_parts[1]))
-        mx.eval([a for _, r in made for a in r.keys + r.values]
-                + ([a for r in (point.globals, *point.fragments) for a in r.keys + r.values]
-                   if point is not None else []))
+        if not has_point:
+            point = Point(tail, glob_rows[-1], tuple(slid_rows[len(slid_keys):]))
+        mx.eval([a for r in glob_rows + slid_rows for a in r.arrays()])
         copied = 0
         for key, rows in made:
             self._keep(key, rows, scope)
@@ -425,6 +439,8 @@ class KVStore:
         level, r = divmod(n, CHUNK)
         if r and point is None:
             return None
+        glob, slid = scope.global_layers, scope.sliding_layers
+        glob_shape, slid_shape = scope.shape(glob), scope.shape(slid)
         # the window first: it is what a boundary between put points usually lacks
         # (a lookup walks down such boundaries to a checkpoint), and it is cheap
         capacity = min((e.capacity for e in entries if e.kind is LayerKind.SLIDING), default=0)
@@ -434,7 +450,7 @@ class KVStore:
         fragments = {f.start: f for f in point.fragments} if point is not None else {}
         while at < n:
             frag = fragments.get(at)
-            if frag is not None and frag.count and _fits(frag, at, frag.count, scope.sliding_layers):
+            if frag is not None and frag.count and _fits(frag, at, frag.count, slid, slid_shape):
                 take = min(frag.end, n)
                 window.append(frag.part(at, take) if take < frag.end else frag)
                 at = take
@@ -443,7 +459,7 @@ class KVStore:
             if j + 1 >= len(names) or CHUNK * (j + 1) > n:  # a partial chunk: a point's alone
                 return None
             rows = self._get(chunks.object_key("S", names[j + 1]), scope)
-            if not _fits(rows, CHUNK * j, CHUNK, scope.sliding_layers):
+            if not _fits(rows, CHUNK * j, CHUNK, slid, slid_shape):
                 return None
             take = min(CHUNK * (j + 1), n)
             window.append(rows.part(at, take))
@@ -451,26 +467,17 @@ class KVStore:
         pieces: List[Rows] = []
         for j in range(level):
             rows = self._get(chunks.object_key("G", names[j + 1]), scope)
-            if not _fits(rows, CHUNK * j, CHUNK, scope.global_layers):
+            if not _fits(rows, CHUNK * j, CHUNK, glob, glob_shape):
                 return None
             pieces.append(rows)
         if point is not None and point.globals.count:
-            if not _fits(point.globals, CHUNK * level, r, scope.global_layers):
+            if not _fits(point.globals, CHUNK * level, r, glob, glob_shape):
                 return None
             pieces.append(point.globals)
-        cuts: List[LayerCut] = []
-        glob_index = {layer: i for i, layer in enumerate(scope.global_layers)}
-        slid_index = {layer: i for i, layer in enumerate(scope.sliding_layers)}
-        for layer, e in enumerate(entries):
-            shape = (e.kv_heads, e.head_dim)
-            if e.kind is LayerKind.GLOBAL:
-                i, parts, first = glob_index[layer], pieces, 0
-            else:
-                i, parts, first = slid_index[layer], window, start
-            k = _join([p.keys[i] for p in parts], shape, e.dtype)
-            v = _join([p.values[i] for p in parts], shape, e.dtype)
-            cuts.append(LayerCut(first, k, v))
-        return cuts
+        cuts: List[Optional[LayerCut]] = [None] * len(entries)
+        _cut(cuts, entries, glob, glob_shape, pieces, 0)
+        _cut(cuts, entries, slid, slid_shape, window, start)
+        return [cut for cut in cuts if cut is not None]
 
     def _rebuild(self, cache: List[Any], entries: List[MuseKVCache], scope: Scope,
                  fingerprint: Dict[str, str], names: List[bytes], n: int,
@@ -480,7 +487,12 @@ class KVStore:
             return False
         snapshot = SessionSnapshot(cache_geometry(entries), n, scope.encoding, tuple(cuts),
                                    fingerprint)
-        snapshot.install(entries)
+        # install's model check, with the fingerprint this store keeps per model
+        # (install would sample every weight again, on every rebuild)
+        owner = _list_model(entries)
+        if owner is not None:
+            check_model(fingerprint, self._fingerprint(owner), "the cache list's model")
+        snapshot.install(entries, allow_other_model=True)
         return True
 
 
@@ -525,39 +537,91 @@ def _entries(cache: Sequence[Any]) -> List[MuseKVCache]:
     return list(cache)
 
 
-def _fits(rows: Any, start: int, count: int, layers: Tuple[int, ...]) -> bool:
-    """Whether a stored object is the rows its key promises (else it is passed over)."""
+def _fits(rows: Any, start: int, count: int, layers: Tuple[int, ...],
+          shape: Tuple[Tuple[Tuple[int, ...], int], ...]) -> bool:
+    """Whether a stored object is the rows its key promises, kept as its scope
+    keeps them (``Scope.shape``); else it is passed over."""
     ok = (isinstance(rows, Rows) and rows.start == start and rows.count == count
-          and rows.layers == layers)
+          and rows.layers == layers and rows.shape == shape)
     if not ok and rows is not None:
         log.warning("KV store: an object under a key for rows [%d, %d) holds other rows; "
                     "passed over", start, start + count)
     return ok
 
 
-def _join(parts: List[mx.array], shape: Tuple[int, int], dtype: mx.Dtype) -> mx.array:
-    if not parts:
-        return mx.zeros((0, *shape), dtype)
-    rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-    return rows.reshape(rows.shape[0], *shape)
+def _cut(cuts: List[Optional[LayerCut]], entries: List[MuseKVCache], layers: Tuple[int, ...],
+         shape: Tuple[Tuple[Tuple[int, ...], int], ...], parts: List[Rows], first: int) -> None:
+    """The cuts of ``layers`` from ``parts`` (consecutive rows, from ``first``):
+    per block, one concatenate per plane along the rows, whatever the number of
+    layers (on a GPU, a copy per part), then a view of it per layer."""
+    for g, (at, _) in enumerate(shape):
+        if parts:
+            k = _join([p.blocks[g].keys for p in parts])
+            v = _join([p.blocks[g].values for p in parts])
+        else:
+            e = entries[layers[at[0]]]
+            k = v = mx.zeros((len(at), 0, e.kv_dim), e.dtype)
+        for row, i in enumerate(at):
+            e = entries[layers[i]]
+            rows = (int(k.shape[1]), e.kv_heads, e.head_dim)
+            # a slice, not k[row]: an integer index is a gather (a copy), a slice a view
+            cuts[layers[i]] = LayerCut(first, k[row:row + 1].reshape(rows),
+                                       v[row:row + 1].reshape(rows))
 
 
-def _gatherer(entries: List[MuseKVCache], layers: Tuple[int, ...], lo: int,
-              hi: int) -> Callable[[], Rows]:
-    """Rows ``[lo, hi)`` of ``layers`` as fresh buffers, gathered when called."""
+def _join(blocks: List[mx.array]) -> mx.array:
+    return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=1)
 
-    def make() -> Rows:
-        keys, values = [], []
-        for i in layers:
-            e = entries[i]
-            if hi > lo:
-                ring = e.ring
-                sub = Ring(ring.capacity, hi - lo, lo, ring.physical(lo), e.layer)
-                k, v = e.backend.gather(*e.planes.physical(e.slot), e.layout, sub)
+
+def _gather(entries: List[MuseKVCache], layers: Tuple[int, ...],
+            ranges: List[Tuple[int, int]]) -> List[Rows]:
+    """Rows ``[lo, hi)`` of ``layers`` for each of ``ranges`` (disjoint), each
+    in fresh buffers of its own (the memory tier counts and frees them one by
+    one). Per block of layers, each layer's rows of a run of adjacent ranges are
+    gathered at once (the backend's ``gather``, which un-rotates a ring) and
+    stacked into one layer-major block, then cut into the ranges: the number of
+    operations grows with the layers or with the ranges, not their product."""
+    blocks: List[List[chunks.Block]] = [[] for _ in ranges]
+    order = sorted((i for i, (lo, hi) in enumerate(ranges) if hi > lo), key=lambda i: ranges[i])
+    for at in chunks.blocks_of([entries[i].kv_dim for i in layers]):
+        for i, (lo, hi) in enumerate(ranges):
+            if hi == lo:
+                e = entries[layers[at[0]]]
+                empty = mx.zeros((len(at), 0, e.kv_dim), e.dtype)
+                blocks[i].append(chunks.Block(at, empty, empty))
+        # a block of one layer is a gather of each range: a part of a shared one
+        # would be a view of it, not a buffer of its own
+        for run in (_adjacent(ranges, order) if len(at) > 1 else [[i] for i in order]):
+            lo, hi = ranges[run[0]][0], ranges[run[-1]][1]
+            rows = [_gather_layer(entries[layers[i]], lo, hi) for i in at]
+            if len(at) == 1:
+                k, v = rows[0][0][None], rows[0][1][None]
             else:
-                k = v = mx.zeros((0, e.kv_dim), e.dtype)
-            keys.append(k)
-            values.append(v)
-        return Rows(lo, hi - lo, layers, tuple(keys), tuple(values))
+                k, v = mx.stack([r[0] for r in rows]), mx.stack([r[1] for r in rows])
+            for i in run:
+                a, b = ranges[i][0] - lo, ranges[i][1] - lo
+                if b - a == hi - lo:
+                    blocks[i].append(chunks.Block(at, k, v))
+                else:  # several layers: a part is strided, so contiguous copies it
+                    blocks[i].append(chunks.Block(at, mx.contiguous(k[:, a:b]),
+                                                  mx.contiguous(v[:, a:b])))
+    return [Rows(lo, hi - lo, layers, tuple(b)) for (lo, hi), b in zip(ranges, blocks)]
 
-    return make
+
+def _adjacent(ranges: List[Tuple[int, int]], order: List[int]) -> List[List[int]]:
+    """``order`` (indices of ranges, ascending) in runs of adjacent ranges."""
+    runs: List[List[int]] = []
+    for i in order:
+        if runs and ranges[runs[-1][-1]][1] == ranges[i][0]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _gather_layer(e: MuseKVCache, lo: int, hi: int) -> Tuple[mx.array, mx.array]:
+    """Rows ``[lo, hi)`` of one layer, ``[hi - lo, kv_dim]`` each, in fresh buffers."""
+    ring = e.ring
+    sub = Ring(ring.capacity, hi - lo, lo, ring.physical(lo), e.layer)
+    k, v = e.backend.gather(*e.planes.physical(e.slot), e.layout, sub)
+    return k, v
