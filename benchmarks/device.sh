@@ -80,7 +80,7 @@ floor131)
   # cold (MLX's PTX cache, /tmp/mlx, emptied first) at 4, 8 and 16 workers, then warm at the default
   for j in 4 8 16 0; do
     [ "$j" = 0 ] || rm -rf /tmp/mlx
-    s=$SECONDS; timeout 60 python3 -m muser_kv selftest $([ "$j" = 0 ] || echo --jobs $j) \
+    s=$SECONDS; timeout 40 python3 -m muser_kv selftest $([ "$j" = 0 ] || echo --jobs $j) \
       > "$out/selftest_$j.txt" 2>&1
     echo "selftest jobs=$j exit $? wall $((SECONDS - s)) s" | tee -a "$out/selftest.txt"
     tail -3 "$out/selftest_$j.txt" | tee -a "$out/selftest.txt"
