@@ -34,6 +34,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     metal_plugin.terminal_summary(terminalreporter)
 
 
+@pytest.fixture(autouse=True)
+def mlx_lm_kernel_standins(request):
+    """Muse Spark's forward calls mlx-lm's fused Metal kernels: on a device
+    without Metal every test runs it on their stand-ins (``mlx_lm_kernels``),
+    mlx-lm's caches and muser-kv's alike, but a test marked
+    ``mlx_lm_metal_kernels`` (what a user without Metal gets)."""
+    import mlx_lm_kernels
+
+    if request.node.get_closest_marker("mlx_lm_metal_kernels"):
+        yield False
+        return
+    with mlx_lm_kernels.standins() as patched:
+        yield patched
+
+
 @pytest.fixture(scope="session")
 def emulator():
     """The Metal emulator (tests/metal_emulator.py). Without clang++ it skips on a
