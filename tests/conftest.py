@@ -8,6 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import metal_plugin  # noqa: E402
 import mlx.core as mx  # noqa: E402
+import mlx_lm_kernels  # noqa: E402  (before the emulator: mlx-lm builds its kernels at import)
 from mlx_lm.models import muse_glimmer  # noqa: E402
 
 if os.environ.get(metal_plugin.EMULATOR_ENV):  # a child process of an emulated-Metal run
@@ -40,8 +41,6 @@ def mlx_lm_kernel_standins(request):
     without Metal every test runs it on their stand-ins (``mlx_lm_kernels``),
     mlx-lm's caches and muser-kv's alike, but a test marked
     ``mlx_lm_metal_kernels`` (what a user without Metal gets)."""
-    import mlx_lm_kernels
-
     if request.node.get_closest_marker("mlx_lm_metal_kernels"):
         yield False
         return

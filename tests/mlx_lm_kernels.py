@@ -31,6 +31,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
+# mlx-lm builds its kernels when its kernels package is imported: here, with
+# MLX's own mx.fast.metal_kernel, before ``--metal-emulator`` replaces it with
+# an emulator that models muser-kv's kernels only (conftest imports this module
+# first)
+from mlx_lm.models import muse_spark
+
 F32 = mx.float32
 #: the names Muse Spark imports from mlx_lm.kernels
 NAMES = ("expert_routing", "norm_add_norm", "post_expert_norm_combine", "pre_norm", "qk_norm",
@@ -216,8 +222,6 @@ def standins() -> Iterator[bool]:
     if not needed():
         yield False
         return
-    from mlx_lm.models import muse_spark
-
     saved = _patch(muse_spark)
     try:
         yield True
@@ -230,7 +234,5 @@ def install() -> bool:
     """``standins()`` for the rest of this process (a child the tests start)."""
     if not needed():
         return False
-    from mlx_lm.models import muse_spark
-
     _patch(muse_spark)
     return True

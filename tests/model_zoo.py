@@ -6,7 +6,9 @@ the modules muser-kv refuses, each with the reason it must name;
 ``tiny(name, dtype)`` builds either. Windows are small (8) so a few dozen tokens wrap every ring;
 ``MAX_CONTEXT`` is what the tests preallocate (several of these configs carry
 no ``max_position_embeddings``: the real checkpoints' config.json has it, but
-mlx-lm's ``ModelArgs`` drops it).
+mlx-lm's ``ModelArgs`` drops it). Muse Spark's forward calls mlx-lm's fused
+Metal kernels: off Apple silicon it runs on ``mlx_lm_kernels``' stand-ins,
+which conftest patches in for every test.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Species:
     #: what the checkpoint's config.json carries beside the args (transformers
     #: reads it too, where the tokenizer is loaded)
     config: Dict[str, Any] = field(default_factory=dict)
+    #: the weight dtypes the conformance suite runs it in
+    dtypes: Tuple[str, ...] = ("f16", "bf16")
 
 
 ZOO: Dict[str, Species] = {
@@ -82,7 +86,14 @@ ZOO: Dict[str, Species] = {
         # its experts only, as its own quant_predicate (which keeps the first and last layers'
         # experts whole: unquantized they would need MLX's f32-only CPU gather_mm); a quantized
         # lm_head would break its forward, which casts the hidden state to lm_head.weight.dtype
-        quantize=".mlp.experts."),
+        quantize=".mlp.experts.",
+        # a bf16 model: its forward casts the attention input to bf16, so f16 weights would
+        # compute attention in f32, whose rows mlx-lm's caches keep and muser-kv's f16 planes
+        # round (test_an_f16_muse_spark_attends_in_f32)
+        dtypes=("bf16",),
+        # transformers' MuseSparkConfig (read where the tokenizer loads) checks that its default
+        # audio tower projects onto the text model's width
+        config=dict(audio_config=dict(out_hidden_size=64))),
     "olmo3": Species("olmo3", dict(_COMMON, num_hidden_layers=8, head_dim=32, rms_norm_eps=1e-6,
                                    max_position_embeddings=MAX_CONTEXT, sliding_window=WINDOW,
                                    rope_theta=10000.0)),
