@@ -8,6 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import metal_plugin  # noqa: E402
 import mlx.core as mx  # noqa: E402
+import mlx_lm_kernels  # noqa: E402  (before the emulator: mlx-lm builds its kernels at import)
 from mlx_lm.models import muse_glimmer  # noqa: E402
 
 if os.environ.get(metal_plugin.EMULATOR_ENV):  # a child process of an emulated-Metal run
@@ -32,6 +33,19 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     metal_plugin.terminal_summary(terminalreporter)
+
+
+@pytest.fixture(autouse=True)
+def mlx_lm_kernel_standins(request):
+    """Muse Spark's forward calls mlx-lm's fused Metal kernels: on a device
+    without Metal every test runs it on their stand-ins (``mlx_lm_kernels``),
+    mlx-lm's caches and muser-kv's alike, but a test marked
+    ``mlx_lm_metal_kernels`` (what a user without Metal gets)."""
+    if request.node.get_closest_marker("mlx_lm_metal_kernels"):
+        yield False
+        return
+    with mlx_lm_kernels.standins() as patched:
+        yield patched
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import dataclasses
 import importlib
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,10 +43,11 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
 
 
 def write_local_model(directory: Path, *, model_type: str = "muse_glimmer",
-                      dtype: str = "bfloat16", seed: int = 0, quantize: bool = False,
+                      dtype: str = "bfloat16", seed: int = 0, quantize: Union[bool, str] = False,
                       config_extra: Dict[str, Any] | None = None, **args: Any) -> Path:
     """Write a random-weight ``model_type`` checkpoint (weights in ``dtype``;
-    8-bit quantized where ``quantize``; ``config_extra`` added to its
+    8-bit quantized where ``quantize``: every layer that can be, or where it is a
+    string only the modules whose path holds it; ``config_extra`` added to its
     config.json) with the local tokenizer into ``directory`` (created if
     missing)."""
     directory = Path(directory)
@@ -59,16 +60,22 @@ def write_local_model(directory: Path, *, model_type: str = "muse_glimmer",
     model.set_dtype(getattr(mx, dtype))
     quantization = dict(group_size=32, bits=8)
     if quantize:
-        nn.quantize(model, **quantization, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+        only = quantize if isinstance(quantize, str) else ""
+        nn.quantize(model, **quantization,
+                    class_predicate=lambda path, m: hasattr(m, "to_quantized") and only in path)
     mx.eval(model.parameters())
     save_model(directory, model)
-    config = dataclasses.asdict(model_args)
+    # args left at a None default stay out, as from a real checkpoint (transformers
+    # validates Muse Spark's: out_hidden_size must be an int where present)
+    config = {k: v for k, v in dataclasses.asdict(model_args).items() if v is not None or k in fields}
     config["torch_dtype"] = dtype
     if quantize:
         config["quantization"] = quantization
     config.update(config_extra or {})
     save_config(config, directory / "config.json")
-    save_tokenizer(model_args.vocab_size, directory)
+    # a multimodal model's args (Muse Spark's) keep the language model's in text_config
+    vocab_size = fields["vocab_size"] if "vocab_size" in fields else fields["text_config"]["vocab_size"]
+    save_tokenizer(vocab_size, directory)
     tokenizer_config = directory / "tokenizer_config.json"
     settings = json.loads(tokenizer_config.read_text())
     settings["chat_template"] = CHAT_TEMPLATE

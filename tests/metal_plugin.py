@@ -12,9 +12,10 @@ The kernel-form tests (host C++, NVRTC, the Metal module itself, the selftest's)
 drive each form directly rather than through the selected backend: they are
 deselected in this run, which the default run already covers. So are the tests
 that build no cache (ring arithmetic, policy, counts, install, geometry, the
-session file format: no kernel runs there) and the ``slow`` ones, which repeat
-other tests' kernel calls at the real window (the same Metal text, larger
-grids), to keep this run within CI's budget. The session fails if no kernel
+session file format, the stand-ins for mlx-lm's kernels: no muser-kv kernel
+runs there) and the ``slow`` ones, which repeat other tests' kernel calls at
+the real window (the same Metal text, larger grids), to keep this run within
+CI's budget. The session fails if no kernel
 (or not every kernel) went through the emulator: the option cannot pass by
 running the reference path.
 
@@ -36,7 +37,7 @@ EMULATOR_ENV = "MUSER_KV_METAL_EMULATOR"
 DIRECT_KERNEL_TESTS = ("test_kernels_host.py", "test_kernels_nvrtc.py", "test_kernels_metal.py",
                        "test_selftest.py")
 NO_KERNEL_TESTS = ("test_ring.py", "test_policy.py", "test_counts.py", "test_install.py",
-                   "test_geometry.py", "test_session_files.py")
+                   "test_geometry.py", "test_session_files.py", "test_mlx_lm_kernels.py")
 KERNELS = ("batch_store", "stage", "gather", "install")
 
 _installed = None

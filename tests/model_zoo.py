@@ -6,14 +6,16 @@ the modules muser-kv refuses, each with the reason it must name;
 ``tiny(name, dtype)`` builds either. Windows are small (8) so a few dozen tokens wrap every ring;
 ``MAX_CONTEXT`` is what the tests preallocate (several of these configs carry
 no ``max_position_embeddings``: the real checkpoints' config.json has it, but
-mlx-lm's ``ModelArgs`` drops it).
+mlx-lm's ``ModelArgs`` drops it). Muse Spark's forward calls mlx-lm's fused
+Metal kernels: off Apple silicon it runs on ``mlx_lm_kernels``' stand-ins,
+which conftest patches in for every test.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,11 +35,15 @@ class Species:
     module: str
     args: Dict[str, Any] = field(default_factory=dict)
     #: 8-bit experts, as mlx-community ships these MoE models: MLX's CPU
-    #: gather_mm runs f32 only, its quantized gather runs f16 and bf16
-    quantize: bool = False
+    #: gather_mm runs f32 only, its quantized gather runs f16 and bf16. True
+    #: quantizes every layer that can be; a string only the modules whose path
+    #: holds it (``quantizes``)
+    quantize: Union[bool, str] = False
     #: what the checkpoint's config.json carries beside the args (transformers
     #: reads it too, where the tokenizer is loaded)
     config: Dict[str, Any] = field(default_factory=dict)
+    #: the weight dtypes the conformance suite runs it in
+    dtypes: Tuple[str, ...] = ("f16", "bf16")
 
 
 ZOO: Dict[str, Species] = {
@@ -76,7 +82,18 @@ ZOO: Dict[str, Species] = {
         + ["full_attention"],
         sliding_window=WINDOW, final_logit_softcapping=20.0, output_multiplier=0.2,
         num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=32,
-        moe_intermediate_size=64)), quantize=True),
+        moe_intermediate_size=64)),
+        # its experts only, as its own quant_predicate (which keeps the first and last layers'
+        # experts whole: unquantized they would need MLX's f32-only CPU gather_mm); a quantized
+        # lm_head would break its forward, which casts the hidden state to lm_head.weight.dtype
+        quantize=".mlp.experts.",
+        # a bf16 model: its forward casts the attention input to bf16, so f16 weights would
+        # compute attention in f32, whose rows mlx-lm's caches keep and muser-kv's f16 planes
+        # round (test_an_f16_muse_spark_attends_in_f32)
+        dtypes=("bf16",),
+        # transformers' MuseSparkConfig (read where the tokenizer loads) checks that its default
+        # audio tower projects onto the text model's width
+        config=dict(audio_config=dict(out_hidden_size=64))),
     "olmo3": Species("olmo3", dict(_COMMON, num_hidden_layers=8, head_dim=32, rms_norm_eps=1e-6,
                                    max_position_embeddings=MAX_CONTEXT, sliding_window=WINDOW,
                                    rope_theta=10000.0)),
@@ -183,6 +200,12 @@ REFUSED: Dict[str, Tuple[Species, str]] = {
 }
 
 
+def quantizes(quantize: Union[bool, str]) -> Callable[[str, Any], bool]:
+    """``nn.quantize``'s class predicate for a ``Species.quantize``."""
+    only = quantize if isinstance(quantize, str) else ""
+    return lambda path, m: hasattr(m, "to_quantized") and only in path
+
+
 def tiny(name: str, dtype: Any = mx.float16, seed: int = 0) -> Any:
     """The tiny ``name`` model (``ZOO`` or ``REFUSED``) in ``dtype``, weights seeded."""
     species = ZOO[name] if name in ZOO else REFUSED[name][0]
@@ -192,7 +215,6 @@ def tiny(name: str, dtype: Any = mx.float16, seed: int = 0) -> Any:
     model = module.Model(args)
     model.set_dtype(dtype)
     if species.quantize:
-        nn.quantize(model, group_size=32, bits=8,
-                    class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+        nn.quantize(model, group_size=32, bits=8, class_predicate=quantizes(species.quantize))
     mx.eval(model.parameters())
     return model

@@ -37,16 +37,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """``muser-kv serve`` in a subprocess; ``stop`` ends it (terminate, then kill)."""
+#: ``python -m muser_kv``, with the tests' stand-ins for mlx-lm's Metal kernels
+#: installed first (``mlx_lm_kernels``: Muse Spark's forward, off Apple silicon)
+WITH_STANDINS = ("import sys, mlx_lm_kernels; mlx_lm_kernels.install(); "
+                 "from muser_kv.serving.cli import main; sys.exit(main(sys.argv[1:]))")
 
-    def __init__(self, model: Path, log: Path, *flags: str):
+
+class Server:
+    """``muser-kv serve`` in a subprocess; ``stop`` ends it (terminate, then kill).
+    ``mlx_lm_standins``: the child runs Muse Spark on ``mlx_lm_kernels``' stand-ins
+    where it has no Metal, as the tests in this process do."""
+
+    def __init__(self, model: Path, log: Path, *flags: str, mlx_lm_standins: bool = False):
         self.port = free_port()
         self.log_path = log
         self._log = open(log, "w")
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        command = [sys.executable, "-m", "muser_kv"]
+        if mlx_lm_standins:
+            env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+            command = [sys.executable, "-c", WITH_STANDINS]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "muser_kv", "serve", "--model", str(model), "--host",
+            [*command, "serve", "--model", str(model), "--host",
              "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING", *flags],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 

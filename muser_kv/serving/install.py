@@ -113,6 +113,18 @@ def checkpoint_context(path: Any) -> Optional[int]:
     return None
 
 
+def vocab_size(model: Any) -> int:
+    """The size of ``model``'s vocabulary, from its mlx-lm args, or from its
+    language model's where a multimodal model keeps them apart (Muse Spark:
+    ``args.text``)."""
+    args = getattr(model, "args", None)
+    for fields in (args, getattr(args, "text", None)):
+        value = getattr(fields, "vocab_size", None)
+        if value is not None:
+            return int(value)
+    raise TypeError(f"{type(model).__name__}'s args name no vocab_size (nor their text's)")
+
+
 def context_for(model: Any, path: Any, max_context: Optional[int]) -> Optional[int]:
     """``max_context``, or, where the model's args carry no context length, the
     checkpoint's (``checkpoint_context``); ``None`` leaves it to ``install``."""

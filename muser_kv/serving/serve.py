@@ -72,7 +72,7 @@ from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
 from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval, split_segments
-from muser_kv.serving.install import context_for, install, installed
+from muser_kv.serving.install import context_for, install, installed, vocab_size
 from muser_kv.serving.policy import KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.prompt_cache import ExactPromptCache
 from muser_kv.serving.request_checks import Limits, ModelKey, RequestRefused, admit, check_body
@@ -302,7 +302,7 @@ class MuseModelProvider(server.ModelProvider):
             if budget is not None and planes is not None:
                 check_budget(budget, planes)
             self.limits = Limits(loaded.model_key, loaded.tokenizer, min(contexts),
-                                 int(loaded.model.args.vocab_size), planes)
+                                 vocab_size(loaded.model), planes)
         except Exception:
             self.reset()  # no model is left serving without muser-kv's caches
             raise

@@ -56,6 +56,7 @@ from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.core.counts import count
 from muser_kv.core.geometry import Footprint, MuseGeometry, footprint
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
+from muser_kv.serving.install import vocab_size
 from muser_kv.serving.policy import (
     ChatTurns,
     ContextPolicy,
@@ -209,7 +210,7 @@ class SlotPool:
         self.prefill_chunk = prefill_chunk
         self.retain = count(retain, "retain")
         self.plane_dtype = plane_dtype_for(model, plane_dtype)
-        self.vocab_size = int(args.vocab_size)
+        self.vocab_size = vocab_size(model)
         self.slots = slots
         self._lock = threading.RLock()
         # every session's planes, staging's too, are slots of shared planes: a

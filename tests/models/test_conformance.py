@@ -1,6 +1,8 @@
 """One conformance suite over every sliding-window family muser-kv serves
 (``tests/model_zoo.py``: tiny random-weight models from each mlx-lm module's own
-``ModelArgs``, windows of 8 so a few dozen tokens wrap every ring), f16 and bf16.
+``ModelArgs``, windows of 8 so a few dozen tokens wrap every ring), f16 and bf16
+(Muse Spark, a bf16 model, in bf16; off Apple silicon its forward runs on the
+stand-ins for mlx-lm's Metal kernels, ``tests/mlx_lm_kernels.py``).
 
 For every model, against mlx-lm's own caches (its ``make_cache()``) and its own
 code paths: the list muser-kv builds is the model's list, entry for entry;
@@ -27,16 +29,19 @@ from oracle import bits16
 import muser_kv
 from muser_kv import LayerKind
 
-#: every model the zoo builds on this machine (Muse Spark's attention needs a
-#: Metal kernel of mlx-lm's own, so it runs on Apple silicon only)
-RUNNABLE = [name for name in ZOO if name != "muse_spark" or mx.metal.is_available()]
+#: every model the zoo builds (Muse Spark's forward calls mlx-lm's own Metal
+#: kernels: without Metal it runs on the tests' stand-ins, ``mlx_lm_kernels``,
+#: which conftest's autouse fixture patches in for every test here)
+RUNNABLE = list(ZOO)
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16}
 PROMPT = [(7 * i) % 100 + 1 for i in range(13)]  # longer than the window: the prefill wraps
 STEPS = 20
 
 
-@pytest.fixture(scope="module", params=[(n, d) for n in RUNNABLE for d in DTYPES],
-                ids=[f"{n}-{d}" for n in RUNNABLE for d in DTYPES])
+PARAMS = [(n, d) for n in RUNNABLE for d in DTYPES if d in ZOO[n].dtypes]
+
+
+@pytest.fixture(scope="module", params=PARAMS, ids=[f"{n}-{d}" for n, d in PARAMS])
 def model(request):
     name, dtype = request.param
     return tiny(name, DTYPES[dtype])
@@ -69,6 +74,12 @@ def assert_same_tokens(got, want, what):
     assert ON_GPU, f"{what}: tokens differ at {first} on the CPU"
     top2 = np.sort(want[first][1])[-2:]
     assert top2[1] - top2[0] < NEAR_TIE, f"{what}: tokens differ at {first} at a clear margin"
+
+
+def logit_bits(x):
+    """The bit patterns of a forward's logits: the model's dtype, or f32 (Muse
+    Spark's soft-capped logits)."""
+    return np.array(x.view(mx.uint32)) if x.dtype == mx.float32 else bits16(x)
 
 
 def ours(model, **kw):
@@ -185,7 +196,8 @@ def test_a_session_file_round_trips_bitwise(model, tmp_path):
     loaded = muser_kv.load_session(tmp_path / "s.safetensors", model)
     assert rows(loaded) == rows(live)
     step = mx.array([[5]])
-    assert np.array_equal(bits16(model(step, cache=loaded)), bits16(model(step, cache=live)))
+    assert np.array_equal(logit_bits(model(step, cache=loaded)),
+                          logit_bits(model(step, cache=live)))
 
 
 def test_a_prompt_cache_file_round_trips_bitwise(model, tmp_path):
@@ -195,7 +207,8 @@ def test_a_prompt_cache_file_round_trips_bitwise(model, tmp_path):
     loaded = load_prompt_cache(str(tmp_path / "p.safetensors"))
     assert rows(loaded) == rows(live)
     step = mx.array([[5]])
-    assert np.array_equal(bits16(model(step, cache=loaded)), bits16(model(step, cache=live)))
+    assert np.array_equal(logit_bits(model(step, cache=loaded)),
+                          logit_bits(model(step, cache=live)))
     # rebuilt one cache at a time, the list is one unit from its first forward on
     c = loaded[1]
     one = mx.zeros((1, c.kv_heads, 1, c.head_dim), c.dtype)
@@ -242,15 +255,16 @@ def test_the_footprint_is_the_planes_bytes_per_layer_kind(model):
         assert kind_bytes == sum(c.nbytes for c in layers)
 
 
-@pytest.mark.skipif(mx.metal.is_available(), reason="Apple silicon runs Muse Spark in the suite")
-@pytest.mark.skipif(bool(os.environ.get(EMULATOR_ENV)),
-                    reason="the emulated-Metal run routes mx.fast.metal_kernel to the emulator, "
-                           "which models muser-kv's kernels, not mlx-lm's own (Muse Spark's)")
-def test_muse_spark_is_read_but_needs_mlx_lms_metal_kernel_to_run():
+@pytest.mark.mlx_lm_metal_kernels  # without the stand-ins: what a user without Metal gets
+@pytest.mark.skipif(mx.metal.is_available(), reason="Apple silicon runs mlx-lm's Metal kernels")
+def test_without_metal_muse_spark_is_read_but_refused_naming_the_failed_forward():
     """Muse Spark's plan is read like every other (its make_cache()), but its
-    attention runs mlx-lm's own Metal kernel (qk_norm_rope), so no forward runs
-    on this machine: make_prompt_cache refuses, naming why, rather than guess
-    the K/V shapes."""
+    forward runs mlx-lm's own fused Metal kernels (qk_norm_rope, ...), so on a
+    machine without Metal, mlx-lm's modules as they are, no forward runs:
+    make_prompt_cache refuses, naming why, rather than guess the K/V shapes.
+    (The suite runs it on the tests' stand-ins for those kernels.) In the
+    emulated-Metal run too: mlx-lm's kernels are MLX's own there (conftest
+    imports them before the emulator replaces mx.fast.metal_kernel)."""
     from muser_kv.core.probe import own_caches
 
     model = tiny("muse_spark")
@@ -259,6 +273,19 @@ def test_muse_spark_is_read_but_needs_mlx_lms_metal_kernel_to_run():
     with pytest.raises(muser_kv.UnsupportedModel, match=r"a lazy one-token forward.*failed on this "
                                                          r"device.*Metal"):
         muser_kv.make_prompt_cache(model, MAX_CONTEXT)
+
+
+def test_an_f16_muse_spark_attends_in_f32():
+    """Why Muse Spark runs the suite in bf16 only (``ZOO[...].dtypes``): its
+    forward casts the attention input to bf16 (mlx-lm's muse_spark.py), so with
+    f16 weights its projections promote to f32 and hand the caches f32 keys,
+    which mlx-lm's caches keep and muser-kv's planes store as f16 (its rule for
+    f32 attention): mlx-lm's caches are no bitwise oracle there. In bf16, its
+    checkpoints' dtype, the attention is bf16 and so are both caches' rows."""
+    from muser_kv.core.precision import attention_dtype
+
+    assert attention_dtype(tiny("muse_spark", mx.float16)) == mx.float32
+    assert attention_dtype(tiny("muse_spark", mx.bfloat16)) == mx.bfloat16
 
 
 @pytest.mark.parametrize("name", REFUSED)
@@ -299,7 +326,15 @@ def test_muser_kv_generate_prints_what_mlx_lm_generate_prints(name, tmp_path, ca
     """The command path: a checkpoint on disk (bf16, the zoo's tiny geometry; its
     config.json has max_position_embeddings, which mlx-lm's args drop for
     Cohere2 and GPT-OSS), mlx-lm's own generate main() on muser-kv's caches
-    against mlx-lm's, in this process; the session holds every token."""
+    against mlx-lm's, in this process; the session holds every token.
+
+    The prompt is 2 windows + 1 tokens: mlx-lm prefills all but the last, so
+    its RotatingKVCache then holds each position p at row p % window, as
+    muser-kv's rings do, and both attend over their rows in the same order past
+    the wrap: the same logits bit for bit, so the same text whatever the ties.
+    (At another rotation the logits may differ in their last bits, and a
+    near tie of a tiny random model's logits flips a token: Muse Spark's did,
+    at 13 prompt tokens; ``test_greedy_past_the_wrap_gives_mlx_lms_tokens``.)"""
     import importlib
 
     from local_model import write_local_model
@@ -310,7 +345,7 @@ def test_muser_kv_generate_prints_what_mlx_lm_generate_prints(name, tmp_path, ca
     path = write_local_model(tmp_path / name, model_type=species.module, quantize=species.quantize,
                              config_extra=dict(species.config, max_position_embeddings=MAX_CONTEXT),
                              **species.args)
-    argv = ["--model", str(path), "--prompt", " ".join(f"t{i}" for i in range(4, 17)),
+    argv = ["--model", str(path), "--prompt", " ".join(f"t{i}" for i in range(4, 5 + 2 * WINDOW)),
             "--max-tokens", str(STEPS), "--temp", "0", "--ignore-chat-template"]
     monkeypatch.setattr("sys.argv", ["mlx_lm.generate", *argv])
     importlib.import_module("mlx_lm.generate").main()
@@ -367,7 +402,8 @@ def served(tmp_path_factory):
                                      config_extra=dict(species.config,
                                                        max_position_embeddings=MAX_CONTEXT),
                                      **species.args)
-            started[name] = (Server(path, root / f"{name}.log", "--retain", "6"), path)
+            started[name] = (Server(path, root / f"{name}.log", "--retain", "6",
+                                    mlx_lm_standins=True), path)
         for server, _ in started.values():
             server.wait_ready()
         yield started

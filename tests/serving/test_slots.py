@@ -517,3 +517,12 @@ def test_step_refuses_before_any_work(model):
         pool.step({0: 10**6})
     assert_same(live_bits(pool.slot(0).cache), before)
     assert pool.step({}) == {}
+
+
+def test_a_pool_reads_the_vocabulary_a_multimodal_model_keeps_in_its_text_args():
+    """Muse Spark's args hold the language model's (``args.text``): the pool
+    checks token ids against its vocabulary all the same."""
+    from model_zoo import MAX_CONTEXT, tiny
+
+    pool = SlotPool(tiny("muse_spark", mx.bfloat16), max_context=MAX_CONTEXT)
+    assert pool.vocab_size == 128
