@@ -162,8 +162,10 @@ def batch(model, system: str, fill: int, max_context: int, b: int, args) -> List
 
 
 def footprint(model, max_context: int) -> int:
-    """One sequence's preallocated planes (what each slot of a batch holds)."""
-    return sum(c.nbytes for c in muser_kv.make_prompt_cache(model, max_context=max_context))
+    """One sequence's preallocated planes: the most each slot of a batch holds
+    (growing global planes stay within them)."""
+    return sum(c.nbytes for c in muser_kv.make_prompt_cache(model, max_context=max_context,
+                                                            preallocate=True))
 
 
 def live_kv(caches: Sequence[BatchKVCache]) -> List[mx.array]:
