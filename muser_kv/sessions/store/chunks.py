@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from muser_kv.core.geometry import LayerKind, MuseGeometry
+from muser_kv.sessions import managed
 
 #: Positions per chunk.
 CHUNK = 256
@@ -282,8 +283,11 @@ def decode(blob: bytes, encoding: str) -> Stored:
                     if at + 2 * words > len(blob):
                         raise ChunkFormatError(f"truncated: {len(blob)} bytes, rows need "
                                                f"{at + 2 * words}")
-                    raw = np.frombuffer(blob, dtype="<u2", count=words, offset=at)
-                    pair.append(mx.array(raw).view(dtype).reshape(shape))
+                    raw = mx.array(np.frombuffer(blob, dtype="<u2", count=words, offset=at))
+                    # on MLX CUDA a host-made array is managed memory: moved to the
+                    # GPU now, in bulk, not page by page by the rebuild's first copy
+                    managed.to_gpu(np.asarray(raw))
+                    pair.append(raw.view(dtype).reshape(shape))
                     at += 2 * words
                 blocks.append(Block(group, pair[0], pair[1]))
             parts.append(Rows(int(r["start"]), count, layers, tuple(blocks)))
