@@ -15,7 +15,10 @@ of ``--steps`` steps.
 model and every live K/V row of the batch (a sum over each array, all in one
 evaluation: the rows a decode step must read, at the speed this device reads
 them), timed as a third system in the same alternation. Each step is reported
-as a fraction of it (``floor ms / step ms``; 1.0 = at the floor).
+as a fraction of it (``floor ms / step ms``; 1.0 = at the floor). MLX's reduction
+reads more slowly than its matmuls (2.6 TB/s against 4.0 on the H200) and a
+batch's strided views more slowly still, so the table also gives the same bytes
+at ``--bandwidth`` (default 4.0 TB/s, the H200's B = 1 weight matmuls).
 
 **Reaching the model's full context**: every system decodes ``--warmup`` +
 ``--blocks`` x ``--steps`` tokens past the fill. A context that leaves no room
@@ -92,6 +95,10 @@ def parse_args(argv=None):
                    help="the sliding rings' layout (default token_major; muser-kv serve: head_major)")
     p.add_argument("--floor-repeats", type=int, default=3,
                    help="floor passes per block, the median (default 3)")
+    p.add_argument("--bandwidth", type=float, default=4.0e12,
+                   help="bytes per second of the second floor, the bytes a step must read over "
+                        "this rate (default 4.0e12: what the H200's B = 1 weight matmuls reach, "
+                        "benchmarks/profile_step.py)")
     p.add_argument("--family", choices=["muse-glimmer", *H.FAMILIES], default="muse-glimmer",
                    help="the model: Muse Glimmer at the geometry flags (default), or a family "
                         "at its real checkpoint's shapes")
@@ -269,10 +276,13 @@ def decode_main(args, model) -> Dict[str, Any]:
 
             def get(s: str, k: str, cell=cell) -> float:
                 return cell[s][k] if s in cell else float("nan")
+            bytes_ms = 1e3 * (weight_bytes + kv_bytes) / args.bandwidth
             rows.append([context, fill, b, get("muser-kv", "tok_s"), get("mlx-lm", "tok_s"),
                          get("muser-kv", "tok_s") / get("mlx-lm", "tok_s"),
                          get("muser-kv", "ms_per_step"), get("mlx-lm", "ms_per_step"), floor_ms,
-                         get("muser-kv", "of_floor"), get("mlx-lm", "of_floor")])
+                         get("muser-kv", "of_floor"), get("mlx-lm", "of_floor"), bytes_ms,
+                         bytes_ms / get("muser-kv", "ms_per_step"),
+                         bytes_ms / get("mlx-lm", "ms_per_step")])
             bound = b * slot + act
             peak = get("muser-kv", "peak_bytes")
             mem.append([context, b, peak / H.GIB, b * slot / H.GIB, act / H.GIB, bound / H.GIB,
@@ -282,15 +292,20 @@ def decode_main(args, model) -> Dict[str, Any]:
                                         for x in rows[-1] + mem[-1][2:]), flush=True)
             results.append({"context": context, "filled": fill, "batch": b, "systems": cell,
                             "floor_ms": floor_ms, "floor_bytes": weight_bytes + kv_bytes,
+                            "bytes_floor_ms": bytes_ms, "bandwidth": args.bandwidth,
                             "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
                             "footprint_bytes": b * slot, "activation_bytes": act})
     print()
     H.table(["context", "filled", "B", "muser-kv tok/s", "mlx-lm tok/s", "muser / mlx-lm",
-             "muser ms/step", "mlx-lm ms/step", "floor ms", "muser of floor", "mlx-lm of floor"],
+             "muser ms/step", "mlx-lm ms/step", "pass ms", "muser of pass", "mlx-lm of pass",
+             "bytes ms", "muser of bytes", "mlx-lm of bytes"],
             rows, note="tok/s: aggregate over the batch, median block; filled: where decode began "
-                       "(the steps end at or below max_position_embeddings); floor: one pass "
+                       "(the steps end at or below max_position_embeddings); pass: one pass "
                        "summing every weight and every live K/V row of the batch, median, in the "
-                       "same alternation; of floor = floor ms / step ms (1.0: at the floor)")
+                       "same alternation (MLX's reduction reads slower than its matmuls, and a "
+                       "batch's strided views slower still: from B = 16 at 131k it outlasts the "
+                       "step, and is no floor there); bytes: the same bytes at --bandwidth; "
+                       "of X = X ms / step ms (1.0: at it)")
     H.table(["context", "B", "muser-kv peak GiB", "B x footprint GiB", "activations GiB",
              "bound GiB", "peak <= bound", "mlx-lm peak GiB"], mem, digits=3,
             note="peak: peak memory during the timed decode above everything but the system's "
