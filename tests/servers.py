@@ -179,3 +179,23 @@ class RedisServer:
     def stop(self) -> None:
         end(self.proc)
         self._log.close()
+
+
+def serve_args(argv: Sequence[str]) -> Any:
+    """The namespace ``muser-kv serve argv`` parses, through mlx-lm's own
+    ``main`` with its server loop stubbed out; the substituted names are put back."""
+    from muser_kv.serving import serve
+
+    captured: Dict[str, Any] = {}
+
+    def run(host: str, port: int, provider: Any) -> None:
+        captured["args"] = provider.cli_args
+
+    with serve.substituted(list(argv)):
+        saved, serve.server.run = serve.server.run, run
+        try:
+            serve.server.main()
+        finally:
+            serve.server.run = saved
+    assert serve.server.ModelProvider is not serve.MuseModelProvider  # put back
+    return captured["args"]

@@ -26,7 +26,7 @@ import mlx_lm.server as mlx_server
 import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import words
+from servers import serve_args, words
 
 import muser_kv
 from muser_kv.serving import serve
@@ -108,18 +108,7 @@ def test_serve_refuses_an_interval_that_is_not_a_multiple_of_a_chunk(capsys):
 
 
 def parse(argv: List[str]) -> Any:
-    captured = {}
-
-    def run(host, port, provider):
-        captured["args"] = provider.cli_args
-
-    with serve.substituted(argv):
-        saved, serve.server.run = serve.server.run, run
-        try:
-            serve.server.main()
-        finally:
-            serve.server.run = saved
-    return captured["args"]
+    return serve_args(argv)
 
 
 def test_a_checkpoints_put_copies_its_intervals_global_rows_and_the_windows_sliding_rows():

@@ -47,7 +47,7 @@ import metal_plugin
 import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, words
+from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, serve_args, words
 
 import muser_kv
 from muser_kv.serving import serve
@@ -439,20 +439,8 @@ def test_a_draft_model_muser_kv_does_not_serve_keeps_mlx_lm_caches(model_dir):
     assert not isinstance(provider.draft_model.make_cache()[0], muser_kv.MuseKVCache)
 
 
-def parse(argv: List[str]):
-    captured = {}
-
-    def run(host, port, provider):
-        captured["args"] = provider.cli_args
-
-    with serve.substituted(argv):
-        saved, serve.server.run = serve.server.run, run
-        try:
-            serve.server.main()
-        finally:
-            serve.server.run = saved
-    assert serve.server.ModelProvider is not serve.MuseModelProvider  # put back
-    return captured["args"]
+def parse(argv: List[str]) -> Any:
+    return serve_args(argv)
 
 
 def test_mlx_lm_flags_and_muser_kv_flags_parse_together(model_dir):
