@@ -23,7 +23,7 @@ from model_zoo import ZOO
 import muser_kv
 from muser_kv import KVStore
 from muser_kv.sessions.store import CHUNK, chunks
-from muser_kv.sessions.store import store as store_module
+from muser_kv.sessions.store import rows as rows_module
 
 CONTEXT = 1024
 #: positions the producer passes through: every chunk boundary, and the put
@@ -389,8 +389,8 @@ def test_a_put_keeps_each_object_in_buffers_of_its_own_and_a_rebuild_joins_once_
         8 * len(o.tail) for o in objects if isinstance(o, chunks.Point))
     assert sum(e[1] - e[0] for e in extents) + other == store.stats().tiers[0].bytes
     joined = []
-    real = store_module._join
-    monkeypatch.setattr(store_module, "_join", lambda blocks: joined.append(len(blocks))
+    real = rows_module._join
+    monkeypatch.setattr(rows_module, "_join", lambda blocks: joined.append(len(blocks))
                         or real(blocks))
     n, rebuilt = store.longest_prefix(tokens + [1], model, into=new_list(model))
     assert n == 900

@@ -50,7 +50,6 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
-from muser_kv.core.ring import Ring
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import plane_encoding
 from muser_kv.sessions.snapshot import (
@@ -63,6 +62,7 @@ from muser_kv.sessions.snapshot import (
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
 from muser_kv.sessions.store.memory import MemoryTier
+from muser_kv.sessions.store.rows import cut, fits, gather
 
 if TYPE_CHECKING:
     from muser_kv.sessions.store.tiers import BlobTier
@@ -302,8 +302,8 @@ class KVStore:
         else:
             glob_ranges.append((CHUNK * c, n))
             slid_ranges.extend((lo, hi) for lo, hi in runs if hi > lo)
-        glob_rows = _gather(entries, glob, glob_ranges)
-        slid_rows = _gather(entries, slid, slid_ranges)
+        glob_rows = gather(entries, glob, glob_ranges)
+        slid_rows = gather(entries, slid, slid_ranges)
         made = list(zip(glob_keys, glob_rows)) + list(zip(slid_keys, slid_rows))
         point = None
         if not has_point:
@@ -450,7 +450,7 @@ class KVStore:
         fragments = {f.start: f for f in point.fragments} if point is not None else {}
         while at < n:
             frag = fragments.get(at)
-            if frag is not None and frag.count and _fits(frag, at, frag.count, slid, slid_shape):
+            if frag is not None and frag.count and fits(frag, at, frag.count, slid, slid_shape):
                 take = min(frag.end, n)
                 window.append(frag.part(at, take) if take < frag.end else frag)
                 at = take
@@ -459,7 +459,7 @@ class KVStore:
             if j + 1 >= len(names) or CHUNK * (j + 1) > n:  # a partial chunk: a point's alone
                 return None
             rows = self._get(chunks.object_key("S", names[j + 1]), scope)
-            if not _fits(rows, CHUNK * j, CHUNK, slid, slid_shape):
+            if not fits(rows, CHUNK * j, CHUNK, slid, slid_shape):
                 return None
             take = min(CHUNK * (j + 1), n)
             window.append(rows.part(at, take))
@@ -467,16 +467,16 @@ class KVStore:
         pieces: List[Rows] = []
         for j in range(level):
             rows = self._get(chunks.object_key("G", names[j + 1]), scope)
-            if not _fits(rows, CHUNK * j, CHUNK, glob, glob_shape):
+            if not fits(rows, CHUNK * j, CHUNK, glob, glob_shape):
                 return None
             pieces.append(rows)
         if point is not None and point.globals.count:
-            if not _fits(point.globals, CHUNK * level, r, glob, glob_shape):
+            if not fits(point.globals, CHUNK * level, r, glob, glob_shape):
                 return None
             pieces.append(point.globals)
         cuts: List[Optional[LayerCut]] = [None] * len(entries)
-        _cut(cuts, entries, glob, glob_shape, pieces, 0)
-        _cut(cuts, entries, slid, slid_shape, window, start)
+        cut(cuts, entries, glob, glob_shape, pieces, 0)
+        cut(cuts, entries, slid, slid_shape, window, start)
         return [cut for cut in cuts if cut is not None]
 
     def _rebuild(self, cache: List[Any], entries: List[MuseKVCache], scope: Scope,
@@ -535,93 +535,3 @@ def _entries(cache: Sequence[Any]) -> List[MuseKVCache]:
         raise TypeError(f"KV store: expected a list of muser-kv caches (make_prompt_cache), got "
                         f"{kinds or 'an empty list'}")
     return list(cache)
-
-
-def _fits(rows: Any, start: int, count: int, layers: Tuple[int, ...],
-          shape: Tuple[Tuple[Tuple[int, ...], int], ...]) -> bool:
-    """Whether a stored object is the rows its key promises, kept as its scope
-    keeps them (``Scope.shape``); else it is passed over."""
-    ok = (isinstance(rows, Rows) and rows.start == start and rows.count == count
-          and rows.layers == layers and rows.shape == shape)
-    if not ok and rows is not None:
-        log.warning("KV store: an object under a key for rows [%d, %d) holds other rows; "
-                    "passed over", start, start + count)
-    return ok
-
-
-def _cut(cuts: List[Optional[LayerCut]], entries: List[MuseKVCache], layers: Tuple[int, ...],
-         shape: Tuple[Tuple[Tuple[int, ...], int], ...], parts: List[Rows], first: int) -> None:
-    """The cuts of ``layers`` from ``parts`` (consecutive rows, from ``first``):
-    per block, one concatenate per plane along the rows, whatever the number of
-    layers (on a GPU, a copy per part), then a view of it per layer."""
-    for g, (at, _) in enumerate(shape):
-        if parts:
-            k = _join([p.blocks[g].keys for p in parts])
-            v = _join([p.blocks[g].values for p in parts])
-        else:
-            e = entries[layers[at[0]]]
-            k = v = mx.zeros((len(at), 0, e.kv_dim), e.dtype)
-        for row, i in enumerate(at):
-            e = entries[layers[i]]
-            rows = (int(k.shape[1]), e.kv_heads, e.head_dim)
-            # a slice, not k[row]: an integer index is a gather (a copy), a slice a view
-            cuts[layers[i]] = LayerCut(first, k[row:row + 1].reshape(rows),
-                                       v[row:row + 1].reshape(rows))
-
-
-def _join(blocks: List[mx.array]) -> mx.array:
-    return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=1)
-
-
-def _gather(entries: List[MuseKVCache], layers: Tuple[int, ...],
-            ranges: List[Tuple[int, int]]) -> List[Rows]:
-    """Rows ``[lo, hi)`` of ``layers`` for each of ``ranges`` (disjoint), each
-    in fresh buffers of its own (the memory tier counts and frees them one by
-    one). Per block of layers, each layer's rows of a run of adjacent ranges are
-    gathered at once (the backend's ``gather``, which un-rotates a ring) and
-    stacked into one layer-major block, then cut into the ranges: the number of
-    operations grows with the layers or with the ranges, not their product."""
-    blocks: List[List[chunks.Block]] = [[] for _ in ranges]
-    order = sorted((i for i, (lo, hi) in enumerate(ranges) if hi > lo), key=lambda i: ranges[i])
-    for at in chunks.blocks_of([entries[i].kv_dim for i in layers]):
-        for i, (lo, hi) in enumerate(ranges):
-            if hi == lo:
-                e = entries[layers[at[0]]]
-                empty = mx.zeros((len(at), 0, e.kv_dim), e.dtype)
-                blocks[i].append(chunks.Block(at, empty, empty))
-        # a block of one layer is a gather of each range: a part of a shared one
-        # would be a view of it, not a buffer of its own
-        for run in (_adjacent(ranges, order) if len(at) > 1 else [[i] for i in order]):
-            lo, hi = ranges[run[0]][0], ranges[run[-1]][1]
-            rows = [_gather_layer(entries[layers[i]], lo, hi) for i in at]
-            if len(at) == 1:
-                k, v = rows[0][0][None], rows[0][1][None]
-            else:
-                k, v = mx.stack([r[0] for r in rows]), mx.stack([r[1] for r in rows])
-            for i in run:
-                a, b = ranges[i][0] - lo, ranges[i][1] - lo
-                if b - a == hi - lo:
-                    blocks[i].append(chunks.Block(at, k, v))
-                else:  # several layers: a part is strided, so contiguous copies it
-                    blocks[i].append(chunks.Block(at, mx.contiguous(k[:, a:b]),
-                                                  mx.contiguous(v[:, a:b])))
-    return [Rows(lo, hi - lo, layers, tuple(b)) for (lo, hi), b in zip(ranges, blocks)]
-
-
-def _adjacent(ranges: List[Tuple[int, int]], order: List[int]) -> List[List[int]]:
-    """``order`` (indices of ranges, ascending) in runs of adjacent ranges."""
-    runs: List[List[int]] = []
-    for i in order:
-        if runs and ranges[runs[-1][-1]][1] == ranges[i][0]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
-
-
-def _gather_layer(e: MuseKVCache, lo: int, hi: int) -> Tuple[mx.array, mx.array]:
-    """Rows ``[lo, hi)`` of one layer, ``[hi - lo, kv_dim]`` each, in fresh buffers."""
-    ring = e.ring
-    sub = Ring(ring.capacity, hi - lo, lo, ring.physical(lo), e.layer)
-    k, v = e.backend.gather(*e.planes.physical(e.slot), e.layout, sub)
-    return k, v
