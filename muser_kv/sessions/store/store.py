@@ -477,7 +477,7 @@ class KVStore:
         cuts: List[Optional[LayerCut]] = [None] * len(entries)
         cut(cuts, entries, glob, glob_shape, pieces, 0)
         cut(cuts, entries, slid, slid_shape, window, start)
-        return [cut for cut in cuts if cut is not None]
+        return [c for c in cuts if c is not None]
 
     def _rebuild(self, cache: List[Any], entries: List[MuseKVCache], scope: Scope,
                  fingerprint: Dict[str, str], names: List[bytes], n: int,
