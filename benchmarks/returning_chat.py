@@ -138,9 +138,11 @@ class Server:
     def request(self, prompt: List[int],
                 max_tokens: Optional[int] = None) -> Tuple[float, int, List[int]]:
         """(time to first token, prompt tokens reused, the answer of ``max_tokens``
-        tokens, default ``--answer``)."""
+        tokens, default ``--answer``). ``self.fetch_s``: the prompt cache's part
+        of the first token's time (its lookup, and what it evaluated)."""
         t0 = H.now()
         cache, rest = self.lru.fetch_nearest_cache(self.key, prompt)
+        self.fetch_s = H.now() - t0
         reused = len(prompt) - len(rest)
         tokens = self.args.answer if max_tokens is None else max_tokens
         if self.batch is None:

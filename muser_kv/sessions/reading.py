@@ -194,6 +194,13 @@ def _destination(entry: tensorfile.Entry) -> "Future[mx.array]":
     return _allocators().zeros(entry.shape, _MLX_STORAGE[entry.dtype])
 
 
+def host_bytes(n: int) -> Tuple[mx.array, np.ndarray]:
+    """A new evaluated ``uint8`` MLX array of ``n`` bytes in host-visible memory
+    (from any thread: see ``_Allocators``) and its bytes as a writable view."""
+    x = _allocators().zeros((n,), mx.uint8).result()
+    return x, _writable(x)
+
+
 def _writable(x: mx.array) -> np.ndarray:
     """The bytes of the evaluated array ``x`` that no one else holds, as a
     writable numpy view of MLX's own buffer. The read lands there and the

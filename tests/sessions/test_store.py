@@ -339,11 +339,14 @@ def test_a_new_store_over_the_same_directory_rebuilds_and_passes_over_what_is_no
     first = KVStore(tmp_path / "store")
     states, _ = converse(model, tokens, first)
     first.close()
+    assert first.stats().read_bytes == 0  # what it rebuilt, it had in memory
     again = KVStore(tmp_path / "store", memory_bytes=0)  # every read from the directory
     for n in PUTS:
         got, cache = again.longest_prefix(tokens[:n + 1], model, into=new_list(model))
         assert got == n
         assert_same(state(cache), states[n])
+    read = again.stats()
+    assert read.read_bytes > 0 and read.read_s > 0
     # the point at 900 replaced by the bytes of the point at 703
     scope = again._scope(new_list(model), model)[0]
     names = chunks.chain(scope, tokens, 900 // CHUNK)
@@ -400,7 +403,7 @@ def test_a_put_keeps_each_object_in_buffers_of_its_own_and_a_rebuild_joins_once_
 
 
 def test_rows_of_layers_of_two_widths_keep_a_block_each_and_round_trip_their_bytes():
-    dims = (64, 128, 64)
+    dims = (24, 128, 24)  # a [2, 5, 24] block of 480 bytes: the next array starts after padding
     assert chunks.blocks_of(dims) == ((0, 2), (1,))
     rng = np.random.default_rng(0)
 
@@ -409,18 +412,24 @@ def test_rows_of_layers_of_two_widths_keep_a_block_each_and_round_trip_their_byt
                 .view(mx.bfloat16) for _ in range(2))
         return chunks.Block(at, k, v)
 
-    rows = chunks.Rows(256, 5, (1, 4, 9), (block((0, 2), 5, 64), block((1,), 5, 128)))
-    assert rows.kv_dims == dims and rows.nbytes == 2 * 5 * (2 * 64 + 128) * 2
+    rows = chunks.Rows(256, 5, (1, 4, 9), (block((0, 2), 5, 24), block((1,), 5, 128)))
+    assert rows.kv_dims == dims and rows.nbytes == 2 * 5 * (2 * 24 + 128) * 2
     blob = chunks.encode(rows, "bf16le")
-    back = chunks.decode(blob, "bf16le")
-    assert back.shape == rows.shape and (back.start, back.count, back.layers) == (256, 5, (1, 4, 9))
-    for got, want in zip(back.arrays(), rows.arrays()):
-        assert got.shape == want.shape and (bits(got) == bits(want)).all()
-    part = back.part(257, 259)
-    assert part.count == 2 and (bits(part.blocks[1].values) == bits(rows.blocks[1].values)[:, 1:3]).all()
+    payload = mx.array(np.frombuffer(blob, dtype=np.uint8))  # what a tier's read lands in
+    base = np.asarray(payload).ctypes.data
+    for back in (chunks.decode(blob, "bf16le"), chunks.decode(payload, "bf16le")):
+        assert back.shape == rows.shape and (back.start, back.count, back.layers) == (256, 5, (1, 4, 9))
+        for got, want in zip(back.arrays(), rows.arrays()):
+            assert got.shape == want.shape and (bits(got) == bits(want)).all()
+        part = back.part(257, 259)
+        assert part.count == 2 and (bits(part.blocks[1].values) == bits(rows.blocks[1].values)[:, 1:3]).all()
+    # decoded from a buffer, every array is an aligned view of it, not a copy
+    for got in back.arrays():
+        at = np.asarray(got.view(mx.uint16)).ctypes.data - base
+        assert 0 <= at < len(blob) and at % chunks.ALIGN == 0
     with pytest.raises(chunks.ChunkFormatError, match="truncated"):
         chunks.decode(blob[:-2], "bf16le")
-    with pytest.raises(chunks.ChunkFormatError, match="format 2, got b'MKVS' 1"):
+    with pytest.raises(chunks.ChunkFormatError, match=f"format {chunks.FORMAT}, got b'MKVS' 1"):
         chunks.decode(blob[:4] + (1).to_bytes(2, "little") + blob[6:], "bf16le")
 
 

@@ -22,7 +22,10 @@ other's rows, and a chat server's users choose the tokens.
 Rows are the planes' values, never converted, in the planes' dtype, in token
 order, layer-major: one ``[layers, count, kv_dim]`` block per plane (K, V) for
 all the layers of a ``kv_dim`` (``blocks_of``; the layers in list order within
-their kind). Bytes: the JSON header, then each block's K then V words.
+their kind). Bytes: the JSON header, then each block's K then V words, every
+array at a multiple of ``ALIGN`` bytes from the start (zero bytes pad the
+header and each array), so that a payload read into one MLX buffer is decoded
+into views of it: no copy between the tier's read and the rebuild's join.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import json
 import struct
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -43,8 +46,12 @@ from muser_kv.sessions import managed
 #: Positions per chunk.
 CHUNK = 256
 #: The version of the object format below (part of every scope, so objects of
-#: another version are never looked up). 2: rows layer-major, one block per kv_dim.
-FORMAT = 2
+#: another version are never looked up). 3: rows layer-major, one block per
+#: kv_dim, each array ``ALIGN``-aligned.
+FORMAT = 3
+#: Where each array of a payload starts: a multiple of this many bytes (what a
+#: GPU kernel's vector loads from a view of the payload's buffer need).
+ALIGN = 64
 MAGIC = b"MKVS"
 _HEADER = struct.Struct("<4sHI")  # magic, format, header length
 
@@ -233,6 +240,10 @@ def _raw(a: mx.array) -> bytes:
     return np.asarray(a.view(mx.uint16)).tobytes()  # f16 and bf16 alike: 2-byte words
 
 
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def encode(obj: Stored, encoding: str) -> bytes:
     """The bytes of a stored object (the tiers frame and digest them)."""
     arrays: List[mx.array] = []
@@ -249,22 +260,43 @@ def encode(obj: Stored, encoding: str) -> bytes:
         raise TypeError(f"not a stored object: {type(obj).__name__}")
     doc["encoding"] = encoding
     header = json.dumps(doc, sort_keys=True).encode()
-    return b"".join([_HEADER.pack(MAGIC, FORMAT, len(header)), header, *(_raw(a) for a in arrays)])
+    out = [_HEADER.pack(MAGIC, FORMAT, len(header)), header]
+    at = _HEADER.size + len(header)
+    for a in arrays:
+        out.append(bytes(_padded(at) - at))
+        out.append(_raw(a))
+        at = _padded(at) + 2 * a.size
+    out.append(bytes(_padded(at) - at))
+    return b"".join(out)
 
 
-def decode(blob: bytes, encoding: str) -> Stored:
-    """The object ``encode`` wrote, checked whole (``ChunkFormatError`` otherwise)."""
+Payload = Union[bytes, bytearray, memoryview, mx.array]
+
+
+def decode(payload: Payload, encoding: str) -> Stored:
+    """The object ``encode`` wrote, checked whole (``ChunkFormatError`` otherwise).
+    An evaluated 1-D ``uint8`` MLX array (a tier read into host-visible memory)
+    is decoded into views of it; bytes are copied into one such array first."""
+    if isinstance(payload, mx.array):
+        if payload.dtype != mx.uint8 or payload.ndim != 1:
+            raise TypeError(f"a chunk's payload array is 1-D uint8, got {payload.dtype} "
+                            f"{payload.shape}")
+        data: Optional[mx.array] = payload
+        host = np.asarray(payload)
+    else:
+        data, host = None, np.frombuffer(payload, dtype=np.uint8)
+    size = host.nbytes
     try:
-        magic, version, length = _HEADER.unpack_from(blob, 0)
+        magic, version, length = _HEADER.unpack_from(host.data, 0)
         if magic != MAGIC or version != FORMAT:
             raise ChunkFormatError(f"expected {MAGIC!r} format {FORMAT}, got {magic!r} {version}")
         at = _HEADER.size + length
-        doc = json.loads(blob[_HEADER.size:at])
+        doc = json.loads(host[_HEADER.size:at].tobytes())
         if doc.get("encoding") != encoding:
             raise ChunkFormatError(f"expected encoding {encoding}, got {doc.get('encoding')}")
         if doc["kind"] == "I":
-            if at != len(blob):
-                raise ChunkFormatError(f"index of {len(blob)} bytes, expected {at}")
+            if _padded(at) != size:
+                raise ChunkFormatError(f"index of {size} bytes, expected {_padded(at)}")
             return Index(frozenset(int(t) for t in doc["tails"]))
         dtype = DTYPES[encoding]
         parts = []
@@ -280,19 +312,19 @@ def decode(blob: bytes, encoding: str) -> Stored:
                 words = shape[0] * shape[1] * shape[2]
                 pair = []
                 for _ in ("keys", "values"):
-                    if at + 2 * words > len(blob):
-                        raise ChunkFormatError(f"truncated: {len(blob)} bytes, rows need "
+                    at = _padded(at)
+                    if at + 2 * words > size:
+                        raise ChunkFormatError(f"truncated: {size} bytes, rows need "
                                                f"{at + 2 * words}")
-                    raw = mx.array(np.frombuffer(blob, dtype="<u2", count=words, offset=at))
-                    # on MLX CUDA a host-made array is managed memory: moved to the
-                    # GPU now, in bulk, not page by page by the rebuild's first copy
-                    managed.to_gpu(np.asarray(raw))
-                    pair.append(raw.view(dtype).reshape(shape))
+                    if data is None:  # one copy of the whole payload, then views of it
+                        data = mx.array(host)
+                        managed.to_gpu(np.asarray(data))
+                    pair.append(data[at:at + 2 * words].view(dtype).reshape(shape))
                     at += 2 * words
                 blocks.append(Block(group, pair[0], pair[1]))
             parts.append(Rows(int(r["start"]), count, layers, tuple(blocks)))
-        if at != len(blob):
-            raise ChunkFormatError(f"{len(blob) - at} bytes past the last row")
+        if _padded(at) != size:
+            raise ChunkFormatError(f"{size - at} bytes past the last row")
         if doc["kind"] == "R" and len(parts) == 1:
             return parts[0]
         if doc["kind"] == "P" and parts:

@@ -4,6 +4,7 @@ default of the KV store (the invariants every tier keeps: ``tiers``)."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -12,10 +13,13 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
+
+import numpy as np
 
 from muser_kv.sessions.store.tiers import (
     KEY_PATTERN,
+    Alloc,
     BlobTier,
     FrameError,
     PathLike,
@@ -45,6 +49,21 @@ def _write_all(fd: int, *parts: memoryview) -> None:
         while view.nbytes:
             n = os.write(fd, view[:1 << 30])
             view = view[n:]
+
+
+def _read_payload(f: io.FileIO, n: int, alloc: Optional[Alloc]) -> Union[bytes, np.ndarray]:
+    """The next ``n`` bytes of ``f``: into ``alloc(n)`` if given, else as bytes
+    (fewer where the file ends early: the digest check refuses them)."""
+    if alloc is None:
+        return f.read(n) if n else b""
+    out = alloc(n)
+    view, done = out.data.cast("B"), 0
+    while done < n:
+        got = f.readinto(view[done:])
+        if not got:
+            return out[:done]
+        done += got
+    return out
 
 
 _TEMPORARY = re.compile(r"\.([0-9a-f]{32,64})\.(\d+)-[0-9a-f]{16}\.tmp")
@@ -191,6 +210,16 @@ class DirectoryTier(BlobTier):
     # -- the interface ------------------------------------------------------------
 
     def get(self, key: str) -> Optional[bytes]:
+        payload = self._get(key, None)
+        return None if payload is None else bytes(payload)
+
+    def get_into(self, key: str, alloc: Alloc) -> Optional[np.ndarray]:
+        out = self._get(key, alloc)
+        return None if out is None else np.asarray(out)
+
+    def _get(self, key: str, alloc: Optional[Alloc]) -> Union[bytes, np.ndarray, None]:
+        """The verified payload: read into ``alloc(n)`` (and digested there) if
+        given, else as bytes; None: a miss."""
         check_key(key)
         path = self._file(key)
         try:
@@ -216,7 +245,7 @@ class DirectoryTier(BlobTier):
                 if st.st_size - frame_size(key) != n:
                     raise FrameError(f"file of {st.st_size} bytes, the frame says "
                                      f"{frame_size(key)} + {n}")
-                payload = f.read(n) if n else b""
+                payload = _read_payload(f, n, alloc)
                 check_payload(key, n, digest, payload)
             except FrameError as e:
                 log.warning("store directory %s: chunk %s is corrupt (%s): deleted, a miss", self.path, key, e)

@@ -7,7 +7,10 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
+import numpy as np
+
 from muser_kv.sessions.store.tiers import (
+    Alloc,
     BlobTier,
     FrameError,
     TierStats,
@@ -125,6 +128,19 @@ class RedisTier(BlobTier):
         return out
 
     def get(self, key: str) -> Optional[bytes]:
+        view = self._get(key)
+        return None if view is None else bytes(view)
+
+    def get_into(self, key: str, alloc: Alloc) -> Optional[np.ndarray]:
+        view = self._get(key)
+        if view is None:
+            return None
+        out = alloc(view.nbytes)
+        out[...] = np.frombuffer(view, dtype=np.uint8)
+        return out
+
+    def _get(self, key: str) -> Optional[memoryview]:
+        """The verified payload of ``key``'s value, as a view of it; None: a miss."""
         check_key(key)
         value = self._call("get", lambda c: c.get(self._k(key)))
         if value is _FAILED or value is None:

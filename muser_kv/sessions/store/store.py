@@ -36,12 +36,14 @@ shallower one, and never leaves a list half-written.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -50,8 +52,9 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
+from muser_kv.sessions import managed, reading
 from muser_kv.sessions.fingerprint import model_fingerprint
-from muser_kv.sessions.format import plane_encoding
+from muser_kv.sessions.format import _workers, plane_encoding
 from muser_kv.sessions.snapshot import (
     LayerCut,
     SessionSnapshot,
@@ -95,6 +98,10 @@ class StoreStats:
     hits: int = 0
     reused_tokens: int = 0
     pending_writes: int = 0
+    #: payload bytes read from the byte tiers (directory, Redis), and the wall
+    #: seconds lookups waited for those reads (verification and migration included)
+    read_bytes: int = 0
+    read_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -144,6 +151,7 @@ class KVStore:
         self._stats = StoreStats(tiers=[])
         self._queue: "queue.Queue[Optional[Tuple[str, Any, str]]]" = queue.Queue()
         self._writer: Optional[threading.Thread] = None
+        self._pool: Optional[ThreadPoolExecutor] = None
         self._write_behind = write_behind and bool(self.tiers)
 
     # -- scope ------------------------------------------------------------------------
@@ -170,14 +178,70 @@ class KVStore:
     # -- tiers --------------------------------------------------------------------------
 
     def _get(self, key: str, scope: Scope) -> Any:
-        obj = self.memory.get(key)
-        if obj is not None:
-            return obj
-        for tier in self.tiers:
-            obj = _read(tier, key, scope.encoding)
+        return self._get_many([key], scope)[key]
+
+    def _get_many(self, keys: Sequence[str], scope: Scope) -> Dict[str, Any]:
+        """The object of every key (``None``: a miss). Those the memory tier
+        lacks are read from the byte tiers side by side, on reader threads that
+        each read, verify and migrate one payload (``_fetch``); decoding them
+        into views of those payloads stays on the calling thread, which owns
+        the MLX streams the views are built on."""
+        out: Dict[str, Any] = {}
+        missing: List[str] = []
+        for key in keys:
+            if key in out:
+                continue
+            out[key] = self.memory.get(key)
+            if out[key] is None and self.tiers:
+                missing.append(key)
+        if not missing:
+            return out
+        t0 = time.perf_counter()
+        if len(missing) > 1:
+            fetched = list(self._readers().map(self._fetch, missing))
+        else:
+            fetched = [self._fetch(key) for key in missing]
+        with self._lock:
+            self._stats.read_s += time.perf_counter() - t0
+            self._stats.read_bytes += sum(got[1].nbytes for got in fetched if got is not None)
+        for key, got in zip(missing, fetched):
+            obj = self._decode(key, got, scope.encoding)
             if obj is not None:
                 self.memory.put(key, obj)
-                return obj
+            out[key] = obj
+        return out
+
+    def _readers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv store reader")
+            return self._pool
+
+    def _fetch(self, key: str, first: int = 0) -> Optional[Tuple[int, mx.array]]:
+        """``(tier index, payload)`` from the first byte tier from ``first`` on
+        that holds ``key`` whole: read straight into a new host-visible MLX
+        buffer, verified there, and (on CUDA) moved to the GPU in bulk."""
+        for i in range(first, len(self.tiers)):
+            landed: List[mx.array] = []
+            view = self.tiers[i].get_into(key, functools.partial(_land, landed))
+            if view is not None:
+                managed.to_gpu(view)
+                return i, landed[-1]
+        return None
+
+    def _decode(self, key: str, got: Optional[Tuple[int, mx.array]], encoding: str) -> Any:
+        """The object of a fetched payload; one that is not what its key says is
+        dropped from its tier (a log line), and the next tier is asked."""
+        while got is not None:
+            i, payload = got
+            try:
+                return chunks.decode(payload, encoding)
+            except chunks.ChunkFormatError as e:
+                tier = self.tiers[i]
+                log.warning("KV store: %s tier: object %s is not what its key says (%s); dropped",
+                            tier.name, key, e)
+                tier.delete(key)
+            got = self._fetch(key, i + 1)
         return None
 
     def _has(self, key: str) -> bool:
@@ -232,6 +296,10 @@ class KVStore:
         if self._writer is not None and self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
         for tier in self.tiers:
             tier.close()
 
@@ -445,31 +513,38 @@ class KVStore:
         # (a lookup walks down such boundaries to a checkpoint), and it is cheap
         capacity = min((e.capacity for e in entries if e.kind is LayerKind.SLIDING), default=0)
         start = max(0, n - capacity)
-        window: List[Rows] = []
+        # runs of the window: (a point's fragment, or None for an S chunk, from, to)
+        runs: List[Tuple[Optional[Rows], int, int]] = []
         at = start
         fragments = {f.start: f for f in point.fragments} if point is not None else {}
         while at < n:
             frag = fragments.get(at)
             if frag is not None and frag.count and fits(frag, at, frag.count, slid, slid_shape):
-                take = min(frag.end, n)
-                window.append(frag.part(at, take) if take < frag.end else frag)
-                at = take
+                runs.append((frag, at, min(frag.end, n)))
+            elif at // CHUNK + 1 >= len(names) or CHUNK * (at // CHUNK + 1) > n:
+                return None  # a partial chunk: a point's alone
+            else:
+                runs.append((None, at, CHUNK * (at // CHUNK + 1)))
+            at = runs[-1][2]
+        slid_keys = {lo: chunks.object_key("S", names[lo // CHUNK + 1])
+                     for frag, lo, _ in runs if frag is None}
+        got = self._get_many(list(slid_keys.values()), scope)
+        window: List[Rows] = []
+        for frag, lo, hi in runs:
+            if frag is not None:
+                window.append(frag.part(lo, hi) if hi < frag.end else frag)
                 continue
-            j = at // CHUNK
-            if j + 1 >= len(names) or CHUNK * (j + 1) > n:  # a partial chunk: a point's alone
+            rows = got[slid_keys[lo]]
+            if not fits(rows, CHUNK * (lo // CHUNK), CHUNK, slid, slid_shape):
                 return None
-            rows = self._get(chunks.object_key("S", names[j + 1]), scope)
-            if not fits(rows, CHUNK * j, CHUNK, slid, slid_shape):
-                return None
-            take = min(CHUNK * (j + 1), n)
-            window.append(rows.part(at, take))
-            at = take
+            window.append(rows.part(lo, hi))
+        glob_keys = [chunks.object_key("G", names[j + 1]) for j in range(level)]
+        got = self._get_many(glob_keys, scope)
         pieces: List[Rows] = []
-        for j in range(level):
-            rows = self._get(chunks.object_key("G", names[j + 1]), scope)
-            if not fits(rows, CHUNK * j, CHUNK, glob, glob_shape):
+        for j, key in enumerate(glob_keys):
+            if not fits(got[key], CHUNK * j, CHUNK, glob, glob_shape):
                 return None
-            pieces.append(rows)
+            pieces.append(got[key])
         if point is not None and point.globals.count:
             if not fits(point.globals, CHUNK * level, r, glob, glob_shape):
                 return None
@@ -512,6 +587,14 @@ def _is_point(obj: Any, tail: Sequence[int]) -> bool:
     if not ok and obj is not None:
         log.warning("KV store: an object under a point's key holds another point; passed over")
     return ok
+
+
+def _land(landed: List[mx.array], n: int) -> Any:
+    """A tier read's destination: a new host-visible MLX buffer of ``n`` bytes
+    (kept in ``landed``), as the writable view the tier reads into."""
+    x, view = reading.host_bytes(n)
+    landed.append(x)
+    return view
 
 
 def _read(tier: Any, key: str, encoding: str) -> Any:

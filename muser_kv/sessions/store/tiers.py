@@ -36,8 +36,9 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
+import numpy as np
 import xxhash
 
 log = logging.getLogger("muser_kv.store")
@@ -57,6 +58,8 @@ FLUSH_INTERVAL_S = 2.0
 
 PathLike = Union[str, "os.PathLike[str]"]
 Blob = Union[bytes, bytearray, memoryview]
+#: ``get_into``'s destination: ``n`` -> a new writable C-contiguous uint8 array of ``n`` bytes.
+Alloc = Callable[[int], np.ndarray]
 
 
 def check_key(key: object) -> str:
@@ -112,12 +115,13 @@ def check_payload(key: str, n: int, digest: bytes, payload: Any) -> None:
         raise FrameError("the payload's XXH3-128 does not match the frame's")
 
 
-def unframe(key: str, value: bytes) -> bytes:
-    """The payload of the whole stored ``value`` of ``key``, verified; ``FrameError`` otherwise."""
+def unframe(key: str, value: bytes) -> memoryview:
+    """The payload of the whole stored ``value`` of ``key`` (a view of it),
+    verified; ``FrameError`` otherwise."""
     n, digest = parse_header(key, value)
     payload = memoryview(value)[frame_size(key):]
     check_payload(key, n, digest, payload)
-    return bytes(payload)
+    return payload
 
 
 @dataclass
@@ -193,6 +197,16 @@ class BlobTier(ABC):
     @abstractmethod
     def get(self, key: str) -> Optional[bytes]:
         """The blob, or None: absent, corrupt, truncated, or the tier failed."""
+
+    def get_into(self, key: str, alloc: Alloc) -> Optional[np.ndarray]:
+        """``get``, with the payload landing in ``alloc(len(payload))``, which is
+        returned (a tier that can reads and verifies it there, with no copy)."""
+        blob = self.get(key)
+        if blob is None:
+            return None
+        out = alloc(len(blob))
+        out[...] = np.frombuffer(blob, dtype=np.uint8)
+        return out
 
     @abstractmethod
     def put(self, key: str, blob: bytes, replace: bool = False) -> bool:
