@@ -174,10 +174,11 @@ class Rebuilds:
 def server_for(system: str, path: str, model, args, max_context: int,
                store: Optional[muser_kv.KVStore] = None, max_size: int = 10) -> Server:
     """A fresh server of ``system`` (``returning_chat.Server``); muser-kv's with
-    ``store`` attached, mlx-lm's prompt cache holding ``max_size`` entries."""
+    ``store`` attached and prepared, mlx-lm's prompt cache holding ``max_size`` entries."""
     server = Server(system, path, model, args, max_context)
     if system == "muser-kv" and store is not None:
         server.lru.attach(store, lambda key: model)
+        store.prepare(model)  # as muser-kv serve does once its model is loaded
     if system == "mlx-lm":
         server.lru.max_size = max_size
     return server

@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import logging
 import sys
 import time
@@ -247,6 +248,8 @@ class MuseModelProvider(server.ModelProvider):
     def __init__(self, cli_args: argparse.Namespace):
         super().__init__(cli_args)
         self.limits: Optional[Limits] = None  #: the loaded model's; ``None`` while none is
+        #: called with each model loaded without a draft model, before it serves
+        self.on_load: List[Callable[[Any], None]] = []
         if cli_args.model is not None:
             geometry = check_model(cli_args.model, cli_args.max_context)
             budget = getattr(cli_args, "kv_memory", None)
@@ -306,12 +309,25 @@ class MuseModelProvider(server.ModelProvider):
         except Exception:
             self.reset()  # no model is left serving without muser-kv's caches
             raise
+        if self.draft_model is None:
+            for hook in self.on_load:
+                hook(self.model)
         # mlx-lm decided batchability on its own caches; these are muser-kv's,
         # which all merge (muser_kv.batch): mlx-lm's other rule, no draft model,
         # is what remains. Decided without building a cache (one with
         # preallocated planes is 1.8 GB at 131k).
         self.is_batchable = self.draft_model is None and all(
             hasattr(cls, "merge") for cls in (SlidingKVCache, GlobalKVCache))
+
+
+def _prepare(store: KVStore, model: Any) -> None:
+    """``store.prepare(model)``: a returning chat's first lookup then finds the
+    model's fingerprint taken and its reads' buffers made (a failure is a log
+    line: the lookups make what they need as they go)."""
+    try:
+        store.prepare(model)
+    except Exception:
+        log.exception("muser-kv serve: preparing the KV store for the loaded model failed")
 
 
 def rollback_depth(cli_args: argparse.Namespace) -> int:
@@ -365,8 +381,9 @@ class MuseResponseGenerator(server.ResponseGenerator):
                                "run distributed")
         a = model_provider.cli_args
         if isinstance(prompt_cache, ExactPromptCache) and (a.kv_store or a.kv_store_memory):
-            prompt_cache.attach(KVStore(a.kv_store, memory_bytes=a.kv_store_memory,
-                                        store_bytes=a.kv_store_bytes), self._store_model)
+            store = KVStore(a.kv_store, memory_bytes=a.kv_store_memory, store_bytes=a.kv_store_bytes)
+            prompt_cache.attach(store, self._store_model)
+            model_provider.on_load.append(functools.partial(_prepare, store))
         super().__init__(model_provider, prompt_cache)
 
     def _store_model(self, key: Any) -> Any:

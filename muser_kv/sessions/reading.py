@@ -194,14 +194,20 @@ def _destination(entry: tensorfile.Entry) -> "Future[mx.array]":
     return _allocators().zeros(entry.shape, _MLX_STORAGE[entry.dtype])
 
 
+def host_zeros(shape: Sequence[int], dtype: Any) -> "Future[mx.array]":
+    """A new MLX array of zeros in host-visible memory, made on the allocator
+    threads (so from any thread: see ``_Allocators``), evaluated when done."""
+    return _allocators().zeros(shape, dtype)
+
+
 def host_bytes(n: int) -> Tuple[mx.array, np.ndarray]:
     """A new evaluated ``uint8`` MLX array of ``n`` bytes in host-visible memory
-    (from any thread: see ``_Allocators``) and its bytes as a writable view."""
-    x = _allocators().zeros((n,), mx.uint8).result()
-    return x, _writable(x)
+    and its bytes as a writable view (``writable``)."""
+    x = host_zeros((n,), mx.uint8).result()
+    return x, writable(x)
 
 
-def _writable(x: mx.array) -> np.ndarray:
+def writable(x: mx.array) -> np.ndarray:
     """The bytes of the evaluated array ``x`` that no one else holds, as a
     writable numpy view of MLX's own buffer. The read lands there and the
     digest is taken there: what is verified is what the cache installs."""
@@ -375,11 +381,11 @@ class _Reader:
             where = placements.get(e.name)
             if where is None:
                 digests[e.name] = self._pool.submit(
-                    _read_verified, f.fileno(), e, _writable(x).reshape(-1).view(np.uint8),
+                    _read_verified, f.fileno(), e, writable(x).reshape(-1).view(np.uint8),
                     self.header.digest)
             else:
                 digests[e.name] = self._pool.submit(
-                    _read_placed, f.fileno(), e, _writable(x).view(np.uint16), where,
+                    _read_placed, f.fileno(), e, writable(x).view(np.uint16), where,
                     self.header.digest, free)
         self._active = self._consume(order, arrays, digests)
         return self._active

@@ -39,6 +39,8 @@ from muser_kv.serving.checkpoints import (
 )
 from muser_kv.serving.cli import main as muser_kv_main
 from muser_kv.serving.prompt_cache import ExactPromptCache
+from muser_kv.sessions import reading
+from muser_kv.sessions.store import store as store_module
 
 CONTEXT = 2048
 EVERY = 256  # --kv-store-checkpoint in these tests
@@ -327,6 +329,29 @@ def test_tokenize_cuts_only_with_a_store_and_an_interval(model_dir, running):
             s.provider.limits.tokenizer, copy.deepcopy(request), generation_args(4))
         assert types == want and sum(segments, []) == prompt
         s.stop()
+
+
+def test_serve_prepares_its_store_when_the_model_loads(model_dir, running, tmp_path, monkeypatch):
+    """A server restarted over a store directory takes the model's fingerprint
+    and makes its reads' landing buffers when the model loads: the returning
+    request's rebuild samples no weight, and lands in buffers already made."""
+    prompt = ids(700, 7)
+    where = str(tmp_path / "store")
+    a = running(model_dir, "--kv-store", where)
+    a.ask(prompt)
+    a.stop()
+    b = running(model_dir, "--kv-store", where)
+    deadline = time.monotonic() + START_TIMEOUT
+    while not b.store.landing.nbytes:  # the hook runs on the generation thread, after limits
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sampled, on_demand = [], []
+    real_bytes = reading.host_bytes
+    monkeypatch.setattr(store_module, "model_fingerprint", lambda m: sampled.append(m))
+    monkeypatch.setattr(reading, "host_bytes", lambda n: on_demand.append(n) or real_bytes(n))
+    again = b.ask(prompt[:-1] + [3])
+    assert again["reused"] >= 512 and b.store.stats().read_bytes > 0
+    assert sampled == [] and len(on_demand) <= 1  # a point's payload: points are not stocked
 
 
 # -- generate --kv-store ---------------------------------------------------------------------

@@ -22,8 +22,11 @@ from model_zoo import ZOO
 
 import muser_kv
 from muser_kv import KVStore
+from muser_kv.sessions import reading
 from muser_kv.sessions.store import CHUNK, chunks
 from muser_kv.sessions.store import rows as rows_module
+from muser_kv.sessions.store import store as store_module
+from muser_kv.sessions.store.landing import GRAIN, Landing
 
 CONTEXT = 1024
 #: positions the producer passes through: every chunk boundary, and the put
@@ -451,3 +454,68 @@ def test_a_rebuild_checks_the_lists_model_without_sampling_its_weights_again(mon
     with pytest.raises(muser_kv.ModelMismatch):  # rows of model into other's list
         store.longest_prefix(tokens + [1], model, into=new_list(other))
     assert sampled == []
+
+
+def test_encoded_size_is_the_length_of_the_encoding():
+    model = PLANS["glimmer-w300"](mx.bfloat16)
+    store = KVStore()
+    cache = new_list(model)
+    scope, _ = store._scope(cache, model)
+    for layers, start, count in [(scope.global_layers, 0, 256), (scope.sliding_layers, 768, 256),
+                                 (scope.global_layers, 512, 13), (scope.sliding_layers, 5, 1)]:
+        rows = chunks.shaped_rows(scope, layers, start, count)
+        assert chunks.encoded_size(rows, "bf16le") == len(chunks.encode(rows, "bf16le"))
+        point = chunks.Point((1, 2, 3), rows, (rows.part(start, start + count // 2),))
+        assert chunks.encoded_size(point, "bf16le") == len(chunks.encode(point, "bf16le"))
+    index = chunks.Index(frozenset({0, 7, 255}))
+    assert chunks.encoded_size(index, "bf16le") == len(chunks.encode(index, "bf16le"))
+
+
+def test_a_prepared_store_rebuilds_from_disk_into_buffers_made_ahead(tmp_path, monkeypatch):
+    """``prepare`` takes the model's fingerprint and makes landing buffers of the
+    sizes its chunks have: the first rebuild after a restart takes its chunks'
+    buffers from that stock and samples no weight, and is exact all the same
+    (a stocked buffer is rounded up past its payload: the decode is of a slice)."""
+    model = PLANS["glimmer-w300"](mx.float16)
+    tokens = tokens_for(21)
+    first = KVStore(tmp_path / "store")
+    states, _ = converse(model, tokens, first)
+    first.close()
+    again = KVStore(tmp_path / "store", memory_bytes=0)
+    again.prepare(model)
+    stocked = again.landing.nbytes
+    assert stocked > 0
+    on_demand, sampled = [], []
+    real_bytes, real_fingerprint = reading.host_bytes, store_module.model_fingerprint
+    monkeypatch.setattr(reading, "host_bytes", lambda n: on_demand.append(n) or real_bytes(n))
+    monkeypatch.setattr(store_module, "model_fingerprint",
+                        lambda m: sampled.append(m) or real_fingerprint(m))
+    got, cache = again.longest_prefix(tokens[:901], model, into=new_list(model))
+    assert got == 900
+    assert_same(state(cache), states[900])
+    assert sampled == []
+    assert len(on_demand) <= 1  # the point's: points come in every size, and are not stocked
+    assert again.stats().read_bytes > sum(on_demand)
+    again.close()
+    assert again.landing.nbytes == 0
+
+
+def test_the_landing_stock_keeps_its_bound_and_hands_out_each_buffer_once():
+    landing = Landing(max_bytes=5 * GRAIN)
+    landing.plan({100: 2, 3 * GRAIN: 4})  # 2 of one grain, then what fits of 3 grains: 1
+    landing.restock(wait=True)
+    assert landing.nbytes == 2 * GRAIN + 3 * GRAIN
+    a, view_a = landing.take(100)
+    b, view_b = landing.take(100)
+    assert a.size == b.size == GRAIN and view_a.nbytes == view_b.nbytes == 100
+    view_a[:] = 1
+    view_b[:] = 2
+    assert (np.asarray(a)[:100] == 1).all() and (np.asarray(b)[:100] == 2).all()
+    c, view_c = landing.take(100)  # the stock of that size is spent: made now, exactly
+    assert c.size == 100 and view_c.flags.writeable
+    assert landing.nbytes == 3 * GRAIN
+    landing.close()
+    landing.restock(wait=True)
+    assert landing.nbytes == 0
+    with pytest.raises(ValueError, match="landing_bytes"):
+        Landing(max_bytes=-1)

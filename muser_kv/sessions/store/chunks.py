@@ -224,6 +224,17 @@ class Index:
 Stored = Any  # Rows | Point | Index
 
 
+def shaped_rows(scope: Scope, layers: Sequence[int], start: int, count: int) -> Rows:
+    """Rows ``[start, start + count)`` of ``layers`` as ``scope`` shapes them,
+    of zeros never evaluated: what an object's size is worked out from."""
+    dims, dtype = scope.kv_dims(layers), DTYPES[scope.encoding]
+    blocks = []
+    for at in blocks_of(dims):
+        shape = (len(at), count, dims[at[0]])
+        blocks.append(Block(at, mx.zeros(shape, dtype), mx.zeros(shape, dtype)))
+    return Rows(start, count, tuple(layers), tuple(blocks))
+
+
 def nbytes(obj: Stored) -> int:
     return int(obj.nbytes)
 
@@ -244,8 +255,8 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def encode(obj: Stored, encoding: str) -> bytes:
-    """The bytes of a stored object (the tiers frame and digest them)."""
+def _layout(obj: Stored, encoding: str) -> Tuple[bytes, List[mx.array]]:
+    """What ``encode`` writes for ``obj``: its header's bytes and its arrays."""
     arrays: List[mx.array] = []
     if isinstance(obj, Index):
         doc: Dict[str, Any] = {"kind": "I", "tails": sorted(obj.tails)}
@@ -260,8 +271,23 @@ def encode(obj: Stored, encoding: str) -> bytes:
         raise TypeError(f"not a stored object: {type(obj).__name__}")
     doc["encoding"] = encoding
     header = json.dumps(doc, sort_keys=True).encode()
-    out = [_HEADER.pack(MAGIC, FORMAT, len(header)), header]
-    at = _HEADER.size + len(header)
+    return _HEADER.pack(MAGIC, FORMAT, len(header)) + header, arrays
+
+
+def encoded_size(obj: Stored, encoding: str) -> int:
+    """``len(encode(obj, encoding))``, from shapes alone (no array is evaluated)."""
+    head, arrays = _layout(obj, encoding)
+    at = len(head)
+    for a in arrays:
+        at = _padded(at) + 2 * a.size
+    return _padded(at)
+
+
+def encode(obj: Stored, encoding: str) -> bytes:
+    """The bytes of a stored object (the tiers frame and digest them)."""
+    head, arrays = _layout(obj, encoding)
+    out = [head]
+    at = len(head)
     for a in arrays:
         out.append(bytes(_padded(at) - at))
         out.append(_raw(a))

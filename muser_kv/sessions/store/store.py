@@ -52,7 +52,7 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
-from muser_kv.sessions import managed, reading
+from muser_kv.sessions import managed
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import _workers, plane_encoding
 from muser_kv.sessions.snapshot import (
@@ -64,6 +64,7 @@ from muser_kv.sessions.snapshot import (
 )
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
+from muser_kv.sessions.store.landing import DEFAULT_LANDING_BYTES, Landing
 from muser_kv.sessions.store.memory import MemoryTier
 from muser_kv.sessions.store.rows import cut, fits, gather
 
@@ -138,11 +139,15 @@ class KVStore:
 
     ``location``: ``None`` keeps the memory tier only; a directory path adds the
     directory tier, ``redis://HOST:PORT`` the Redis tier (``open_tier``).
-    ``memory_bytes`` bounds the memory tier, ``store_bytes`` the other."""
+    ``memory_bytes`` bounds the memory tier, ``store_bytes`` the other, and
+    ``landing_bytes`` the buffers a store with a byte tier makes ahead for its
+    reads once ``prepare`` asks for them (``landing``)."""
 
     def __init__(self, location: Optional[str] = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 store_bytes: Optional[int] = None, write_behind: bool = True):
+                 store_bytes: Optional[int] = None, write_behind: bool = True,
+                 landing_bytes: int = DEFAULT_LANDING_BYTES):
         self.memory = MemoryTier(memory_bytes)
+        self.landing = Landing(landing_bytes)
         self.tiers: List[Any] = []
         if location is not None:
             self.tiers.append(open_tier(str(location), store_bytes))
@@ -203,7 +208,7 @@ class KVStore:
             fetched = [self._fetch(key) for key in missing]
         with self._lock:
             self._stats.read_s += time.perf_counter() - t0
-            self._stats.read_bytes += sum(got[1].nbytes for got in fetched if got is not None)
+            self._stats.read_bytes += sum(got[2] for got in fetched if got is not None)
         for key, got in zip(missing, fetched):
             obj = self._decode(key, got, scope.encoding)
             if obj is not None:
@@ -217,25 +222,31 @@ class KVStore:
                 self._pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv store reader")
             return self._pool
 
-    def _fetch(self, key: str, first: int = 0) -> Optional[Tuple[int, mx.array]]:
-        """``(tier index, payload)`` from the first byte tier from ``first`` on
-        that holds ``key`` whole: read straight into a new host-visible MLX
-        buffer, verified there, and (on CUDA) moved to the GPU in bulk."""
+    def _fetch(self, key: str, first: int = 0) -> Optional[Tuple[int, mx.array, int]]:
+        """``(tier index, buffer, payload bytes)`` from the first byte tier from
+        ``first`` on that holds ``key`` whole: read straight into a host-visible
+        MLX buffer (``landing``), verified there, and (on CUDA) moved to the GPU
+        in bulk."""
         for i in range(first, len(self.tiers)):
             landed: List[mx.array] = []
-            view = self.tiers[i].get_into(key, functools.partial(_land, landed))
+            view = self.tiers[i].get_into(key, functools.partial(self._land, landed))
             if view is not None:
                 managed.to_gpu(view)
-                return i, landed[-1]
+                return i, landed[-1], view.nbytes
         return None
 
-    def _decode(self, key: str, got: Optional[Tuple[int, mx.array]], encoding: str) -> Any:
+    def _land(self, landed: List[mx.array], n: int) -> Any:
+        x, view = self.landing.take(n)
+        landed.append(x)
+        return view
+
+    def _decode(self, key: str, got: Optional[Tuple[int, mx.array, int]], encoding: str) -> Any:
         """The object of a fetched payload; one that is not what its key says is
         dropped from its tier (a log line), and the next tier is asked."""
         while got is not None:
-            i, payload = got
+            i, buffer, n = got
             try:
-                return chunks.decode(payload, encoding)
+                return chunks.decode(buffer if buffer.size == n else buffer[:n], encoding)
             except chunks.ChunkFormatError as e:
                 tier = self.tiers[i]
                 log.warning("KV store: %s tier: object %s is not what its key says (%s); dropped",
@@ -300,6 +311,7 @@ class KVStore:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown()
+        self.landing.close()
         for tier in self.tiers:
             tier.close()
 
@@ -416,6 +428,31 @@ class KVStore:
 
     # -- lookup ------------------------------------------------------------------------
 
+    def prepare(self, model: Any) -> None:
+        """Make ready now what lookups for ``model`` need, so that the first one
+        (after a restart, say) does not wait for it: ``model``'s fingerprint
+        and, with a byte tier, the reader threads and the landing stock
+        (``muser-kv serve`` calls this once its model is loaded)."""
+        entries = _entries(fresh_list(model))
+        scope, _ = self._scope(entries, model)
+        if self.tiers:
+            self._plan_landing(scope, entries)
+            self.landing.restock(wait=True)
+            self._readers()
+            managed.prefetcher()
+
+    def _plan_landing(self, scope: Scope, entries: List[MuseKVCache]) -> None:
+        """Stock buffers for a rebuild of lists like ``entries`` as deep as they
+        go: the window's sliding chunks first, then global chunks."""
+        deepest = cache_geometry(entries).max_context // CHUNK * CHUNK
+        sizes = {}
+        for layers, count in ((scope.sliding_layers, scope.window // CHUNK + 2),
+                              (scope.global_layers, deepest // CHUNK)):
+            if layers and count:
+                rows = chunks.shaped_rows(scope, layers, max(0, deepest - CHUNK), CHUNK)
+                sizes[chunks.encoded_size(rows, scope.encoding)] = count
+        self.landing.plan(sizes)
+
     def longest_prefix(self, tokens: Sequence[int], model: Any, into: Optional[List[Any]] = None,
                        beyond: int = 0) -> Tuple[int, List[Any]]:
         """``(n, cache)``: the deepest position ``n <= len(tokens) - 1`` this store
@@ -433,6 +470,13 @@ class KVStore:
         scope, fingerprint = self._scope(entries, model)
         with self._lock:
             self._stats.lookups += 1
+        try:
+            return self._deepest(tokens, cache, entries, scope, fingerprint, beyond)
+        finally:
+            self.landing.restock()  # what the lookup took from a planned stock, made behind it
+
+    def _deepest(self, tokens: List[int], cache: List[Any], entries: List[MuseKVCache],
+                 scope: Scope, fingerprint: Dict[str, str], beyond: int) -> Tuple[int, List[Any]]:
         limit = len(tokens) - 1
         if limit <= 0:
             return 0, cache
@@ -587,14 +631,6 @@ def _is_point(obj: Any, tail: Sequence[int]) -> bool:
     if not ok and obj is not None:
         log.warning("KV store: an object under a point's key holds another point; passed over")
     return ok
-
-
-def _land(landed: List[mx.array], n: int) -> Any:
-    """A tier read's destination: a new host-visible MLX buffer of ``n`` bytes
-    (kept in ``landed``), as the writable view the tier reads into."""
-    x, view = reading.host_bytes(n)
-    landed.append(x)
-    return view
 
 
 def _read(tier: Any, key: str, encoding: str) -> Any:
