@@ -83,6 +83,8 @@ from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 log = logging.getLogger(__name__)
 
 PROG = "muser-kv serve"
+#: Landing buffers made per idle wait of the generation thread (its waits are 0.1 s).
+IDLE_RESTOCK_BYTES = 64 << 20
 
 #: what ``substituted`` replaces in ``mlx_lm.server``; a server without them is
 #: not the one this module was written against
@@ -419,11 +421,14 @@ class MuseResponseGenerator(server.ResponseGenerator):
         return super().generate(request, generation_args, progress_callback)
 
     def _next_request(self, timeout: Optional[float] = None) -> Any:
-        """mlx-lm's next request, under ``--kv-memory``: the queue's head is taken
+        """mlx-lm's next request. An idle wait first restocks the store's landing
+        buffers (``_restock``). Under ``--kv-memory`` the queue's head is taken
         only once its planes and those of every admitted sequence fit the budget
         (until then the generation thread serves the batch it has); one whose
         planes alone exceed it is refused. Prompt-cache entries are evicted,
         oldest first, to stay within what the admitted sequences leave."""
+        if timeout is not None:  # mlx-lm waits only when it has no batch to run: idle
+            self._restock()
         if self._kv_memory is None:
             return super()._next_request(timeout)
         kv = self._budget()
@@ -461,6 +466,14 @@ class MuseResponseGenerator(server.ResponseGenerator):
         self.prompt_cache.trim_to(n_bytes=kv.budget - kv.cost(
             list(kv.admitted.values()) + [positions]))
         return self._admitted(item, kv, positions)
+
+    def _restock(self) -> None:
+        """Make ``IDLE_RESTOCK_BYTES`` of the landing buffers the store's lookups
+        took, while idle: a request arriving meanwhile shares the CPU with at
+        most that much being made."""
+        store = getattr(self.prompt_cache, "store", None)
+        if store is not None:
+            store.restock(IDLE_RESTOCK_BYTES)
 
     def _budget(self) -> Optional[KVBudget]:
         limits = self.model_provider.limits

@@ -334,7 +334,8 @@ def test_tokenize_cuts_only_with_a_store_and_an_interval(model_dir, running):
 def test_serve_prepares_its_store_when_the_model_loads(model_dir, running, tmp_path, monkeypatch):
     """A server restarted over a store directory takes the model's fingerprint
     and makes its reads' landing buffers when the model loads: the returning
-    request's rebuild samples no weight, and lands in buffers already made."""
+    request's rebuild samples no weight, and lands in buffers already made,
+    which the idle server makes again."""
     prompt = ids(700, 7)
     where = str(tmp_path / "store")
     a = running(model_dir, "--kv-store", where)
@@ -345,6 +346,7 @@ def test_serve_prepares_its_store_when_the_model_loads(model_dir, running, tmp_p
     while not b.store.landing.nbytes:  # the hook runs on the generation thread, after limits
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    prepared = b.store.landing.nbytes
     sampled, on_demand = [], []
     real_bytes = reading.host_bytes
     monkeypatch.setattr(store_module, "model_fingerprint", lambda m: sampled.append(m))
@@ -352,6 +354,9 @@ def test_serve_prepares_its_store_when_the_model_loads(model_dir, running, tmp_p
     again = b.ask(prompt[:-1] + [3])
     assert again["reused"] >= 512 and b.store.stats().read_bytes > 0
     assert sampled == [] and len(on_demand) <= 1  # a point's payload: points are not stocked
+    while b.store.landing.nbytes < prepared:  # made again while the server idles
+        assert time.monotonic() < deadline + START_TIMEOUT
+        time.sleep(0.01)
 
 
 # -- generate --kv-store ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -496,6 +497,12 @@ def test_a_prepared_store_rebuilds_from_disk_into_buffers_made_ahead(tmp_path, m
     assert sampled == []
     assert len(on_demand) <= 1  # the point's: points come in every size, and are not stocked
     assert again.stats().read_bytes > sum(on_demand)
+    left = again.landing.nbytes
+    assert left < stocked and again.restock() == stocked - left  # what the lookup took, again
+    deadline = time.monotonic() + 30
+    while again.landing.nbytes < stocked:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     again.close()
     assert again.landing.nbytes == 0
 
@@ -514,6 +521,8 @@ def test_the_landing_stock_keeps_its_bound_and_hands_out_each_buffer_once():
     c, view_c = landing.take(100)  # the stock of that size is spent: made now, exactly
     assert c.size == 100 and view_c.flags.writeable
     assert landing.nbytes == 3 * GRAIN
+    assert landing.restock(max_bytes=GRAIN + 1, wait=True) == GRAIN  # one of the two taken
+    assert landing.nbytes == 4 * GRAIN
     landing.close()
     landing.restock(wait=True)
     assert landing.nbytes == 0

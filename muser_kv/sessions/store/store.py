@@ -441,6 +441,12 @@ class KVStore:
             self._readers()
             managed.prefetcher()
 
+    def restock(self, max_bytes: Optional[int] = None) -> int:
+        """Make again, on the allocator threads, up to ``max_bytes`` of the
+        landing buffers lookups took since ``prepare`` (the bytes set to be
+        made). For idle time: making them slows whatever the GPU runs meanwhile."""
+        return self.landing.restock(max_bytes)
+
     def _plan_landing(self, scope: Scope, entries: List[MuseKVCache]) -> None:
         """Stock buffers for a rebuild of lists like ``entries`` as deep as they
         go: the window's sliding chunks first, then global chunks."""
@@ -470,10 +476,7 @@ class KVStore:
         scope, fingerprint = self._scope(entries, model)
         with self._lock:
             self._stats.lookups += 1
-        try:
-            return self._deepest(tokens, cache, entries, scope, fingerprint, beyond)
-        finally:
-            self.landing.restock()  # what the lookup took from a planned stock, made behind it
+        return self._deepest(tokens, cache, entries, scope, fingerprint, beyond)
 
     def _deepest(self, tokens: List[int], cache: List[Any], entries: List[MuseKVCache],
                  scope: Scope, fingerprint: Dict[str, str], beyond: int) -> Tuple[int, List[Any]]:
