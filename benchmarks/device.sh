@@ -22,6 +22,7 @@
 #                                        # 32 chats of 2k at max_context 131,072
 #   bash benchmarks/device.sh reuse130   # KV store at 130k after traffic; memory; restart at 32k
 #   bash benchmarks/device.sh families   # Gemma 3 27B returning chat; BatchGenerator, both families
+#   bash benchmarks/device.sh restart    # the first request after a restart: 32k (twice), 130k
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -103,6 +104,14 @@ reuse130)
     --dtype bfloat16 --json "$out/reuse130.json"
   b reuse23 260 benchmarks/store_reuse.py --parts 2,3 --history 32768 --dtype bfloat16 \
     --json "$out/reuse23.json"
+  ;;
+restart)
+  for i in 1 2; do
+    b restart 200 benchmarks/store_reuse.py --parts 3 --history 32768 --dtype bfloat16 \
+      --json "$out/restart_32k_$i.json"
+  done
+  b restart 300 benchmarks/store_reuse.py --parts 3 --history 130000 --dtype bfloat16 \
+    --json "$out/restart_130k.json"
   ;;
 families)
   b gemma_chat 230 benchmarks/returning_chat.py --family gemma3-27b --history 32768 --answer 160 \

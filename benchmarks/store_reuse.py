@@ -35,8 +35,13 @@ server's retention defaults (a prompt cache of 10 entries; muser-kv's
    tokens with a store over a directory (``--store DIR``, else a temporary one),
    flushes it and drops its model; a fresh process (this script,
    ``--restart-child``) builds the same model, warms up, and serves the chat's
-   next request: muser-kv from the directory tier, mlx-lm (its cache gone with
-   the process) with a full prefill.
+   next request: muser-kv from the directory tier (its store prepared, as
+   ``muser-kv serve`` prepares it when the model loads), mlx-lm (its cache gone
+   with the process) with a full prefill. Then muser-kv serves two more, each
+   on a fresh server and store: another message as long (the process warm) and
+   one a token shorter (prefill shapes not seen yet); printed per request: the
+   prompt cache's part of TTFT, the rebuild, the directory reads inside it
+   (``KVStore.stats().read_s``), and the rest (prefill and first token).
 
 Every goal of the issue is printed beside its measurement with met / not met;
 they are the H200's (the real geometry at 32k and 130k): on a small CPU model
