@@ -476,10 +476,6 @@ class KVStore:
         scope, fingerprint = self._scope(entries, model)
         with self._lock:
             self._stats.lookups += 1
-        return self._deepest(tokens, cache, entries, scope, fingerprint, beyond)
-
-    def _deepest(self, tokens: List[int], cache: List[Any], entries: List[MuseKVCache],
-                 scope: Scope, fingerprint: Dict[str, str], beyond: int) -> Tuple[int, List[Any]]:
         limit = len(tokens) - 1
         if limit <= 0:
             return 0, cache
