@@ -36,14 +36,12 @@ shallower one, and never leaves a list half-written.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -52,9 +50,8 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
-from muser_kv.sessions import managed
 from muser_kv.sessions.fingerprint import model_fingerprint
-from muser_kv.sessions.format import _workers, plane_encoding
+from muser_kv.sessions.format import plane_encoding
 from muser_kv.sessions.snapshot import (
     LayerCut,
     SessionSnapshot,
@@ -66,6 +63,7 @@ from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
 from muser_kv.sessions.store.landing import DEFAULT_LANDING_BYTES, Landing
 from muser_kv.sessions.store.memory import MemoryTier
+from muser_kv.sessions.store.reader import TierReader, read_object
 from muser_kv.sessions.store.rows import cut, fits, gather
 
 if TYPE_CHECKING:
@@ -151,12 +149,12 @@ class KVStore:
         self.tiers: List[Any] = []
         if location is not None:
             self.tiers.append(open_tier(str(location), store_bytes))
+        self._reader = TierReader(self.tiers, self.landing)
         self._lock = threading.Lock()
         self._models: Dict[int, _Model] = {}
         self._stats = StoreStats(tiers=[])
         self._queue: "queue.Queue[Optional[Tuple[str, Any, str]]]" = queue.Queue()
         self._writer: Optional[threading.Thread] = None
-        self._pool: Optional[ThreadPoolExecutor] = None
         self._write_behind = write_behind and bool(self.tiers)
 
     # -- scope ------------------------------------------------------------------------
@@ -186,74 +184,15 @@ class KVStore:
         return self._get_many([key], scope)[key]
 
     def _get_many(self, keys: Sequence[str], scope: Scope) -> Dict[str, Any]:
-        """The object of every key (``None``: a miss). Those the memory tier
-        lacks are read from the byte tiers side by side, on reader threads that
-        each read, verify and migrate one payload (``_fetch``); decoding them
-        into views of those payloads stays on the calling thread, which owns
-        the MLX streams the views are built on."""
-        out: Dict[str, Any] = {}
-        missing: List[str] = []
-        for key in keys:
-            if key in out:
-                continue
-            out[key] = self.memory.get(key)
-            if out[key] is None and self.tiers:
-                missing.append(key)
-        if not missing:
-            return out
-        t0 = time.perf_counter()
-        if len(missing) > 1:
-            fetched = list(self._readers().map(self._fetch, missing))
-        else:
-            fetched = [self._fetch(key) for key in missing]
-        with self._lock:
-            self._stats.read_s += time.perf_counter() - t0
-            self._stats.read_bytes += sum(got[2] for got in fetched if got is not None)
-        for key, got in zip(missing, fetched):
-            obj = self._decode(key, got, scope.encoding)
+        """The object of every key (``None``: a miss): from the memory tier, else
+        read from the byte tiers side by side (``reader``) and kept in memory."""
+        out = {key: self.memory.get(key) for key in dict.fromkeys(keys)}
+        read = self._reader.read([key for key, obj in out.items() if obj is None], scope.encoding)
+        for key, obj in read.items():
             if obj is not None:
                 self.memory.put(key, obj)
             out[key] = obj
         return out
-
-    def _readers(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv store reader")
-            return self._pool
-
-    def _fetch(self, key: str, first: int = 0) -> Optional[Tuple[int, mx.array, int]]:
-        """``(tier index, buffer, payload bytes)`` from the first byte tier from
-        ``first`` on that holds ``key`` whole: read straight into a host-visible
-        MLX buffer (``landing``), verified there, and (on CUDA) moved to the GPU
-        in bulk."""
-        for i in range(first, len(self.tiers)):
-            landed: List[mx.array] = []
-            view = self.tiers[i].get_into(key, functools.partial(self._land, landed))
-            if view is not None:
-                managed.to_gpu(view)
-                return i, landed[-1], view.nbytes
-        return None
-
-    def _land(self, landed: List[mx.array], n: int) -> Any:
-        x, view = self.landing.take(n)
-        landed.append(x)
-        return view
-
-    def _decode(self, key: str, got: Optional[Tuple[int, mx.array, int]], encoding: str) -> Any:
-        """The object of a fetched payload; one that is not what its key says is
-        dropped from its tier (a log line), and the next tier is asked."""
-        while got is not None:
-            i, buffer, n = got
-            try:
-                return chunks.decode(buffer if buffer.size == n else buffer[:n], encoding)
-            except chunks.ChunkFormatError as e:
-                tier = self.tiers[i]
-                log.warning("KV store: %s tier: object %s is not what its key says (%s); dropped",
-                            tier.name, key, e)
-                tier.delete(key)
-            got = self._fetch(key, i + 1)
-        return None
 
     def _has(self, key: str) -> bool:
         return self.memory.contains(key) or any(t.contains(key) for t in self.tiers)
@@ -288,7 +227,7 @@ class KVStore:
     def _write(self, key: str, obj: Any, encoding: str) -> None:
         for tier in self.tiers:
             if isinstance(obj, Index):
-                have = _read(tier, key, encoding)
+                have = read_object(tier, key, encoding)
                 if isinstance(have, Index):
                     if obj.tails <= have.tails:
                         continue
@@ -307,11 +246,7 @@ class KVStore:
         if self._writer is not None and self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown()
-        self.landing.close()
+        self._reader.close()
         for tier in self.tiers:
             tier.close()
 
@@ -319,6 +254,7 @@ class KVStore:
         with self._lock:
             s = StoreStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"},
                            tiers=[self.memory.stats(), *(t.stats() for t in self.tiers)])
+        s.read_bytes, s.read_s = self._reader.read_bytes, self._reader.read_s
         s.pending_writes = self._queue.unfinished_tasks
         return s
 
@@ -421,7 +357,7 @@ class KVStore:
         if isinstance(have, Index):
             tails |= have.tails
         for tier in self.tiers:
-            obj = _read(tier, key, scope.encoding)
+            obj = read_object(tier, key, scope.encoding)
             if isinstance(obj, Index):
                 tails |= obj.tails
         return frozenset(tails)
@@ -438,8 +374,7 @@ class KVStore:
         if self.tiers:
             self._plan_landing(scope, entries)
             self.landing.restock(wait=True)
-            self._readers()
-            managed.prefetcher()
+            self._reader.start()
 
     def restock(self, max_bytes: Optional[int] = None) -> int:
         """Make again, on the allocator threads, up to ``max_bytes`` of the
@@ -630,21 +565,6 @@ def _is_point(obj: Any, tail: Sequence[int]) -> bool:
     if not ok and obj is not None:
         log.warning("KV store: an object under a point's key holds another point; passed over")
     return ok
-
-
-def _read(tier: Any, key: str, encoding: str) -> Any:
-    """The object a byte tier holds under ``key``, or ``None``: absent, or not
-    what its key says (then dropped from the tier, with a log line)."""
-    blob = tier.get(key)
-    if blob is None:
-        return None
-    try:
-        return chunks.decode(blob, encoding)
-    except chunks.ChunkFormatError as e:
-        log.warning("KV store: %s tier: object %s is not what its key says (%s); dropped",
-                    tier.name, key, e)
-        tier.delete(key)
-        return None
 
 
 def _entries(cache: Sequence[Any]) -> List[MuseKVCache]:

@@ -1,0 +1,109 @@
+"""``muser-kv serve``'s own flags: added to mlx-lm's server parser (a group of
+its own, after mlx-lm's flags), and the combinations it refuses."""
+
+from __future__ import annotations
+
+import argparse
+import types
+from typing import Any, Iterable, Optional, Sequence
+
+from muser_kv.caches.speculative import DEFAULT_RETAIN
+from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval
+from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
+
+PROG = "muser-kv serve"
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """muser-kv's flags, as one group of the server's parser."""
+    g = parser.add_argument_group("muser-kv caches")
+    g.add_argument("--max-context", type=positive, default=None,
+                   help="positions each sequence's caches hold (default: the model's "
+                        "max_position_embeddings); global planes grow to it as a sequence "
+                        "does")
+    g.add_argument("--retain", type=non_negative, default=DEFAULT_RETAIN,
+                   help="overwritten rows each sliding ring keeps: how many tokens a cache "
+                        "past the wrap can trim exactly, for prompt-cache reuse and "
+                        f"speculative rollback (default {DEFAULT_RETAIN}; raised to "
+                        "--num-draft-tokens when a draft model is loaded; 0: none)")
+    g.add_argument("--sliding-layout", choices=("head_major", "token_major"), default="head_major",
+                   help="the sliding rings' layout (default head_major: a batch's sliding "
+                        "attention on CUDA reads head-major rings 3.8x faster at 16 sequences; "
+                        "docs/batching.md)")
+    g.add_argument("--plane-dtype", choices=("float16", "bfloat16"), default=None,
+                   help="the planes' dtype (default: the model's attention dtype, bf16 for a "
+                        "bf16 model, else f16)")
+    g.add_argument("--kv-store", default=None, metavar="DIR|redis://HOST:PORT",
+                   help="a KV store tier behind the prompt cache: a directory (kept across "
+                        "restarts) or a Redis server (shared between servers); the memory tier "
+                        "is always there (docs/store.md)")
+    g.add_argument("--kv-store-bytes", type=non_negative, default=None,
+                   help="the --kv-store tier's bound in bytes, least recently used out "
+                        "(default: unbounded)")
+    g.add_argument("--kv-store-memory", type=non_negative, default=DEFAULT_MEMORY_BYTES,
+                   help="the KV store's memory tier bound in bytes (default "
+                        f"{DEFAULT_MEMORY_BYTES}; 0 with no --kv-store: no store)")
+    g.add_argument("--kv-store-checkpoint", type=checkpoint_interval, default=DEFAULT_CHECKPOINT,
+                   metavar="N",
+                   help="put a prompt's state into the KV store at every multiple of N tokens "
+                        "its prefill passes, so an edit inside a long prompt is rebuilt from "
+                        "the checkpoint below it (a positive multiple of 256; default "
+                        f"{DEFAULT_CHECKPOINT}; 0: off); batched requests only "
+                        "(docs/store.md)")
+    g.add_argument("--kv-memory", type=positive, default=None, metavar="BYTES",
+                   help="bytes of KV planes the server may hold: a request waits until the "
+                        "planes of the sequences it joins and its own fit (every batch slot "
+                        "at the longest sequence's planes), one whose planes alone do not "
+                        "fit is refused, and prompt-cache entries are evicted to stay within "
+                        "it (default: no bound)")
+
+
+def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.draft_model is not None and ns.retain == 0:
+        parser.error("--retain 0 keeps no overwritten rows, so no speculative rollback past the "
+                     "wrap is exact; a --draft-model needs --retain >= --num-draft-tokens "
+                     f"({ns.num_draft_tokens})")
+    if ns.kv_bits is not None:
+        parser.error("--kv-bits quantizes the KV cache through mlx-lm's to_quantized; "
+                     "muser-kv's planes are exact f16/bf16 and are never quantized (mlx-lm's "
+                     "own Muse Glimmer caches refuse it too: RotatingKVCache.to_quantized is "
+                     "not implemented)")
+
+
+def argparse_with(argv: Sequence[str]) -> types.ModuleType:
+    """``argparse``, whose ``ArgumentParser`` is the server's parser with
+    muser-kv's flags added, reading ``argv`` (not ``sys.argv``)."""
+
+    class ArgumentParser(argparse.ArgumentParser):
+        def __init__(self, *args: Any, **kwargs: Any):
+            kwargs["prog"] = PROG
+            kwargs["description"] = ("mlx-lm's HTTP server (mlx_lm.server: the same flags) with "
+                                     "muser-kv's exact, preallocated KV caches")
+            super().__init__(*args, **kwargs)
+            self._muser_kv = False
+
+        def parse_args(self, args: Optional[Iterable[str]] = None, namespace: Any = None) -> Any:
+            if not self._muser_kv:  # after mlx-lm's own flags, so --help lists them last
+                add_arguments(self)
+                self._muser_kv = True
+            ns = super().parse_args(list(argv) if args is None else args, namespace)
+            check_arguments(self, ns)
+            return ns
+
+    module = types.ModuleType("argparse")
+    module.__dict__.update(argparse.__dict__, ArgumentParser=ArgumentParser)
+    return module
