@@ -267,7 +267,8 @@ class ExactPromptCache(LRUPromptCache):
         prefill passing a multiple of ``--kv-store-checkpoint``) is only put
         into the store, never kept as an entry."""
         if cache_type == CHECKPOINT:
-            self._checkpoint(model, tokens, prompt_cache)
+            if held_tokens(prompt_cache) == len(tokens):
+                self._put(model, tokens, prompt_cache)
             return
         held = held_tokens(prompt_cache)
         if held is not None and held != len(tokens):
@@ -280,9 +281,15 @@ class ExactPromptCache(LRUPromptCache):
             if isinstance(c, MuseKVCache):
                 c.fit()
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        if held is not None:
+            self._put(model, tokens, prompt_cache)
+
+    def _put(self, model: Any, tokens: List[int], prompt_cache: List[Any]) -> None:
+        """Put a muser-kv list holding ``tokens`` into the store, where there is
+        one and it keeps ``model``'s lists; a failure is a log line."""
         store = self.store
         owner = self._model_for(model) if store is not None else None
-        if store is None or owner is None or held is None or not all(
+        if store is None or owner is None or not all(
                 isinstance(c, MuseKVCache) for c in prompt_cache):
             return
         try:
@@ -290,16 +297,3 @@ class ExactPromptCache(LRUPromptCache):
         except Exception:
             log.exception("muser-kv prompt cache: the KV store failed a put of %d tokens",
                           len(tokens))
-
-    def _checkpoint(self, model: Any, tokens: List[int], prompt_cache: List[Any]) -> None:
-        """Put a checkpoint's list into the store (nothing else keeps it)."""
-        store = self.store
-        owner = self._model_for(model) if store is not None else None
-        if (store is None or owner is None or held_tokens(prompt_cache) != len(tokens)
-                or not all(isinstance(c, MuseKVCache) for c in prompt_cache)):
-            return
-        try:
-            store.put(tokens, prompt_cache, owner)
-        except Exception:
-            log.exception("muser-kv prompt cache: the KV store failed a put of the checkpoint "
-                          "at %d tokens", len(tokens))
