@@ -198,15 +198,10 @@ class BlobTier(ABC):
     def get(self, key: str) -> Optional[bytes]:
         """The blob, or None: absent, corrupt, truncated, or the tier failed."""
 
+    @abstractmethod
     def get_into(self, key: str, alloc: Alloc) -> Optional[np.ndarray]:
         """``get``, with the payload landing in ``alloc(len(payload))``, which is
-        returned (a tier that can reads and verifies it there, with no copy)."""
-        blob = self.get(key)
-        if blob is None:
-            return None
-        out = alloc(len(blob))
-        out[...] = np.frombuffer(blob, dtype=np.uint8)
-        return out
+        returned (the directory reads and verifies it there, with no copy)."""
 
     @abstractmethod
     def put(self, key: str, blob: bytes, replace: bool = False) -> bool:
