@@ -278,6 +278,53 @@ def test_rows_of_one_model_or_dtype_are_never_read_into_another():
     assert store.longest_prefix(tokens + [1], other, into=new_list(other))[0] == 0
 
 
+def glimmer(seed):
+    return tiny_model(mx.float16, seed=seed, num_hidden_layers=4, head_dim=32, sliding_window=8,
+                      max_position_embeddings=CONTEXT)
+
+
+@pytest.mark.parametrize("tier", ["memory", "dir", "redis"])
+def test_a_list_is_put_under_its_own_models_scope_or_refused(tier, tmp_path, request):
+    """A list made for B put with model=A is refused before any tier holds a
+    byte of it: its rows would be rebuilt into A's lists, and a byte tier keeps
+    them for every later process running A."""
+    location = {"memory": None, "dir": str(tmp_path / "store"),
+                "redis": lambda: request.getfixturevalue("redis_server").url}[tier]
+    location = location() if callable(location) else location
+    a, b = glimmer(0), glimmer(1)
+    tokens = tokens_for(16, 450)
+    cache_b = muser_kv.make_prompt_cache(b)
+    b(mx.array([tokens]), cache=cache_b)
+    mx.eval([c.state for c in cache_b])
+    live = state(cache_b)
+    store = KVStore(location)
+
+    def reopen(store):  # a later process, where the store outlives one
+        if location is None:
+            return store
+        store.close()
+        return KVStore(location)
+
+    with pytest.raises(muser_kv.ModelMismatch, match="made for another model than model="):
+        store.put(tokens, cache_b, model=a)
+    store.flush()
+    s = store.stats()
+    assert s.puts == 0 and [t.chunks for t in s.tiers] == [0] * len(s.tiers)
+    assert_same(state(cache_b), live)  # the list is untouched
+    store = reopen(store)
+    assert store.longest_prefix(tokens + [1], a)[0] == 0
+    # the list's own model, named or not, and a model of the same weights: its scope
+    store.put(tokens, cache_b, model=b)
+    store.put(tokens, cache_b)
+    store.put(tokens, cache_b, model=glimmer(1))
+    store = reopen(store)
+    assert store.longest_prefix(tokens + [1], a)[0] == 0
+    n, rebuilt = store.longest_prefix(tokens + [1], b)
+    assert n == 450
+    assert_same(state(rebuilt), live)
+    store.close()
+
+
 def test_the_memory_tier_keeps_its_byte_bound_and_a_gap_is_passed_over():
     model = PLANS["glimmer-w8"](mx.float16)
     tokens = tokens_for(11, 900)

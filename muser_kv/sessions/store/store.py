@@ -50,8 +50,8 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
-from muser_kv.sessions.fingerprint import model_fingerprint
-from muser_kv.sessions.format import plane_encoding
+from muser_kv.sessions.fingerprint import differs, model_fingerprint
+from muser_kv.sessions.format import ModelMismatch, plane_encoding
 from muser_kv.sessions.snapshot import (
     LayerCut,
     SessionSnapshot,
@@ -272,10 +272,13 @@ class KVStore:
         if offsets != {n}:
             raise ValueError(f"KV store put: the list holds {sorted(offsets)} tokens, "
                              f"got {n} tokens to record")
-        model = model if model is not None else _list_model(cache)
+        owner = _list_model(entries)
+        model = model if model is not None else owner
         if model is None:
             raise ValueError("KV store put: the list does not know its model (built without "
                              "make_prompt_cache(model)): pass model=")
+        if owner is not None and owner is not model:
+            self._check_owner(owner, model)
         scope, _ = self._scope(entries, model)
         if n == 0:
             return PutReport(0, 0, 0, 0, time.perf_counter() - t0)
@@ -337,6 +340,18 @@ class KVStore:
             self._stats.puts += 1
             self._stats.copied_bytes += copied
         return PutReport(n, len(made) + (point is not None), copied, found, time.perf_counter() - t0)
+
+    def _check_owner(self, owner: Any, model: Any) -> None:
+        """Refuse to put rows of a list made for ``owner`` under ``model``'s scope
+        unless the two are one model (one fingerprint): another model's rows
+        there would be rebuilt into every later list of ``model``, and a byte
+        tier would keep them for every later process."""
+        part = differs(self._fingerprint(owner), self._fingerprint(model))
+        if part is not None:
+            raise ModelMismatch(
+                f"model fingerprint {part} (a KV store put of a list made for another model "
+                "than model=; put it with the model it was made for, or with none)",
+                self._fingerprint(model).get(part), self._fingerprint(owner).get(part))
 
     def _add_tail(self, name: bytes, r: int, scope: Scope) -> None:
         key = chunks.object_key("I", name)
