@@ -325,6 +325,40 @@ def test_a_list_is_put_under_its_own_models_scope_or_refused(tier, tmp_path, req
     store.close()
 
 
+def test_redis_keys_of_another_type_are_dropped_and_a_later_put_stores_them_again(redis_server):
+    """Every key of a stored state replaced by a Redis list (``DEL k; RPUSH k a
+    b``): a lookup misses, and the next put (after that lookup, or without one)
+    stores every object again, whole."""
+    import redis
+
+    model = glimmer(0)
+    tokens = tokens_for(17, 450)
+    cache = muser_kv.make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    live = state(cache)
+    store = KVStore(redis_server.url)
+    store.put(tokens, cache)
+    store.close()
+    client = redis.Redis.from_url(redis_server.url)
+    keys = sorted(client.scan_iter(match="muser-kv:chunk:*"))
+    assert len(keys) >= 3  # the global chunk, the point, the indexes
+    for look_first in (True, False):
+        for k in keys:
+            client.delete(k)
+            client.rpush(k, b"a", b"b")
+        store = KVStore(redis_server.url)  # a later process: nothing in its memory
+        if look_first:
+            assert store.longest_prefix(tokens + [1], model)[0] == 0
+        store.put(tokens, cache)
+        store.close()
+        assert sorted(client.scan_iter(match="muser-kv:chunk:*", _type="string")) == keys
+        store = KVStore(redis_server.url)
+        n, rebuilt = store.longest_prefix(tokens + [1], model)
+        assert n == 450
+        assert_same(state(rebuilt), live)
+        store.close()
+
+
 def test_the_memory_tier_keeps_its_byte_bound_and_a_gap_is_passed_over():
     model = PLANS["glimmer-w8"](mx.float16)
     tokens = tokens_for(11, 900)

@@ -501,6 +501,35 @@ def test_redis_refuses_a_value_too_large_without_going_down(redis_server, monkey
     t.close()
 
 
+@pytest.mark.parametrize("via", ["get", "get_into", "put"])
+def test_redis_a_key_of_another_type_is_a_miss_dropped_and_stored_again(redis_server, via, caplog):
+    """A key of ours holding a list is no chunk: not contained, and the first
+    get or put deletes it (a put then stores the chunk, whole)."""
+    t = RedisTier(redis_server.url)
+    assert t.put(key(1), blob(1)) and t.put(key(2), blob(2))
+    c = redis_client(redis_server.url)
+    c.delete(RedisTier.PREFIX + key(1))
+    c.rpush(RedisTier.PREFIX + key(1), b"a", b"b")
+    assert not t.contains(key(1))
+    with caplog.at_level(logging.WARNING, "muser_kv.store"):
+        if via == "get":
+            assert t.get(key(1)) is None
+        elif via == "get_into":
+            assert t.get_into(key(1), lambda n: np.zeros(n, dtype=np.uint8)) is None
+        else:
+            assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)
+    lines = store_warnings(caplog)
+    assert len(lines) == 1 and key(1) in lines[0].getMessage() and "type" in lines[0].getMessage()
+    assert t.get(key(2)) == blob(2)  # not a fault: the tier is not marked down
+    if via != "put":
+        assert not c.exists(RedisTier.PREFIX + key(1))
+        assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)  # stored anew, whole
+    assert c.type(RedisTier.PREFIX + key(1)) == b"string" and t.contains(key(1))
+    s = t.stats()
+    assert (s.chunks, s.hits, s.misses, s.errors) == (2, 2, via != "put", 1)
+    t.close()
+
+
 def test_redis_counters_are_shared(redis_server):
     a, b = (RedisTier(redis_server.url) for _ in range(2))
     assert a.put(key(1), blob(1)) and b.get(key(1)) == blob(1) and a.get(key(2)) is None

@@ -35,10 +35,19 @@ class _Failed:
 _FAILED = _Failed()
 
 
+class _WrongType:
+    """A key of ours that holds another Redis type than a string (a list, a hash)."""
+
+
+_WRONG_TYPE = _WrongType()
+
+
 class RedisTier(BlobTier):
     """Chunks as Redis strings ``muser-kv:chunk:<key>``, each one framed value
     set whole by one ``SET NX`` (atomic; a second put of the key is a ``TOUCH``,
-    a lookup that refreshes its recency, not a write).
+    a lookup that refreshes its recency, not a write). A key of ours holding
+    another type (a list, a hash) is no chunk: ``contains`` says so, and ``get``
+    and ``put`` delete it, as they would a corrupt string.
 
     * **The bound is Redis's own** ``maxmemory`` with ``maxmemory-policy
       allkeys-lru``, set by whoever runs the server: Redis is shared by many
@@ -142,29 +151,59 @@ class RedisTier(BlobTier):
     def _get(self, key: str) -> Optional[memoryview]:
         """The verified payload of ``key``'s value, as a view of it; None: a miss."""
         check_key(key)
-        value = self._call("get", lambda c: c.get(self._k(key)))
+        value = self._call("get", lambda c: self._value(c, key))
         if value is _FAILED or value is None:
             self._counts.add(misses=1)
             return None
         try:
+            if value is _WRONG_TYPE:
+                raise FrameError("a Redis value of another type than a string")
             payload = unframe(key, value)
         except FrameError as e:
-            log.warning("redis %s: chunk %s is corrupt (%s): deleted, a miss", self.url, key, e)
-            self._call("delete", lambda c: c.delete(self._k(key)))
-            self._counts.add(misses=1, errors=1)
+            self._drop(key, str(e), "a miss")
+            self._counts.add(misses=1)
             return None
         self._counts.add(hits=1)
         self._maybe_flush()
         return payload
 
+    def _value(self, client: Any, key: str) -> Any:
+        """``GET`` of ``key``; ``_WRONG_TYPE`` where the key holds another type:
+        a value that is not what its key promises, to drop like a corrupt one
+        (as a fault of the tier it would be kept, and every later put of the
+        key would find it present)."""
+        try:
+            return client.get(self._k(key))
+        except self._redis.ResponseError as e:
+            if str(e).startswith("WRONGTYPE"):
+                return _WRONG_TYPE
+            raise
+
+    def _drop(self, key: str, why: str, then: str) -> None:
+        """Delete ``key``'s value, which is not what its key promises (``why``)."""
+        log.warning("redis %s: chunk %s is corrupt (%s): deleted, %s", self.url, key, why, then)
+        self._call("delete", lambda c: c.delete(self._k(key)))
+        self._counts.add(errors=1)
+
+    def _kind(self, client: Any, key: str) -> str:
+        """The Redis type of ``key`` (``none``: absent), its recency refreshed
+        where present: ``TYPE`` and ``TOUCH`` in one round trip."""
+        pipe = client.pipeline(transaction=False)
+        pipe.type(self._k(key))
+        pipe.touch(self._k(key))
+        kind = pipe.execute()[0]
+        return kind.decode() if isinstance(kind, bytes) else str(kind)
+
     def put(self, key: str, blob: bytes, replace: bool = False) -> bool:
         check_key(key)
         payload = payload_view(blob)
-        present = False if replace else self._call("touch", lambda c: c.touch(self._k(key)))
-        if present is _FAILED:
+        kind = "none" if replace else self._call("touch", lambda c: self._kind(c, key))
+        if kind is _FAILED:
             return False
-        if present:
+        if kind == "string":
             return True
+        if kind != "none":
+            self._drop(key, f"a Redis value of type {kind}, not a string", "stored again")
         if payload.nbytes + frame_size(key) > REDIS_MAX_VALUE:
             self._counts.add(errors=1)
             self._warn("put:size", "redis %s: chunk %s of %d bytes is larger than a Redis value may be "
@@ -176,9 +215,10 @@ class RedisTier(BlobTier):
         return done is not _FAILED  # None: another client set it first, one copy
 
     def contains(self, key: str) -> bool:
+        """Whether ``key`` holds a chunk (a value of another type does not)."""
         check_key(key)
-        out = self._call("contains", lambda c: c.exists(self._k(key)))
-        return out is not _FAILED and bool(out)
+        out = self._call("contains", lambda c: c.type(self._k(key)))
+        return out is not _FAILED and out in (b"string", "string")
 
     def delete(self, key: str) -> None:
         check_key(key)
