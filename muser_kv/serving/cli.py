@@ -187,10 +187,17 @@ def _store_bytes(n: Optional[int]) -> str:
 
 
 def cmd_store(ns: argparse.Namespace) -> int:
-    """``stats``: a tier's chunks, bytes, bound and hit rate; ``gc``: evict to the bound."""
+    """``stats``: a tier's chunks, bytes, bound and hit rate; ``gc``: evict to the bound.
+    Both read or shrink a store that exists: anything else at the location
+    (nothing, a file, a directory that is no store) is exit 2 with one line on
+    stderr, and nothing is made there."""
     from muser_kv.sessions.store.store import open_tier
 
-    tier = open_tier(ns.location)
+    try:
+        tier = open_tier(ns.location, create=False)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"muser-kv store {ns.action}: {e}", file=sys.stderr)
+        return 2
     try:
         before = tier.stats()
         if ns.action == "stats":

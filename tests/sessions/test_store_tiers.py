@@ -573,6 +573,47 @@ def test_cli_store_stats_and_gc(tmp_path):
 
 
 
+def tree(root: Path) -> list:
+    """Every path under ``root`` with its bytes (None: a directory)."""
+    return sorted((str(p.relative_to(root)), None if p.is_dir() else p.read_bytes())
+                  for p in root.rglob("*"))
+
+
+NOT_A_STORE = {
+    "missing": ("no/such", lambda at: None, "does not exist"),
+    "a file": ("file", lambda at: at.write_text("mine"), "not a directory"),
+    "an empty directory": ("empty", lambda at: at.mkdir(), "has no store.json"),
+    "other files": ("mine", lambda at: (at.mkdir(), (at / "notes.txt").write_text("mine")),
+                    "holds other files"),
+    "a marker that is not JSON": ("bad", lambda at: (at.mkdir(), (at / "store.json").write_text("{")),
+                                  "marker (JSON)"),
+    "a marker of another format": (
+        "other", lambda at: (at.mkdir(), (at / "store.json").write_text('{"format": "other-tool"}')),
+        "expected format 'muser-kv-store'"),
+}
+
+
+@pytest.mark.parametrize("action", ["stats", "gc"])
+@pytest.mark.parametrize("case", sorted(NOT_A_STORE))
+def test_cli_store_refuses_a_location_that_is_not_a_store(tmp_path, case, action):
+    """``stats`` and ``gc`` read or shrink a store that exists: anything else
+    is exit 2 and one line on stderr, and nothing is made or changed there."""
+    name, make_it, why = NOT_A_STORE[case]
+    root = tmp_path / "root"
+    root.mkdir()
+    at = root / name
+    make_it(at)
+    before = tree(root)
+    out = subprocess.run([sys.executable, "-m", "muser_kv", "store", action, str(at)],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         cwd=str(ROOT), timeout=60)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"muser-kv store {action}: "), out.stderr
+    assert str(at) in lines[0] and why in lines[0], lines[0]
+    assert tree(root) == before
+
+
 def test_cli_store_on_redis(redis_server, capsys):
     from muser_kv.serving.cli import main
 

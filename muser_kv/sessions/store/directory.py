@@ -98,10 +98,15 @@ class DirectoryTier(BlobTier):
 
     name = "dir"
 
-    def __init__(self, path: PathLike, max_bytes: Optional[int] = None):
-        super().__init__()
+    def __init__(self, path: PathLike, max_bytes: Optional[int] = None, *, create: bool = True):
+        """``create=False`` opens only a store that exists (what ``stats`` and
+        ``gc`` read or shrink): a missing path, a regular file or a directory
+        without a valid ``store.json`` is a ``ValueError``, and nothing is made."""
         self.path = Path(path)
         bound = check_bound(max_bytes)
+        if not create:
+            self._check_exists()
+        super().__init__()
         self._lock = threading.RLock()
         self._index: "OrderedDict[str, int]" = OrderedDict()  # key -> payload bytes, LRU first
         self._bytes = 0
@@ -111,9 +116,13 @@ class DirectoryTier(BlobTier):
         self._writing: set = set()
         recorded = None
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            recorded = self._open_marker(bound)
+            if create:
+                self.path.mkdir(parents=True, exist_ok=True)
+            recorded = self._open_marker(bound, create)
         except OSError as e:
+            if not create:
+                raise ValueError(f"{self.path}: expected a muser-kv store directory, it cannot "
+                                 f"be read ({e})") from None
             self._warn("open", "store directory %s cannot be opened (%s): every lookup misses until it can",
                        self.path, e)
         self.max_bytes = bound if bound is not None else recorded
@@ -124,8 +133,18 @@ class DirectoryTier(BlobTier):
     def _file(self, key: str) -> Path:
         return self.path / key[:2] / key
 
-    def _open_marker(self, bound: Optional[int]) -> Optional[int]:
-        """Check (or write) ``store.json``; the bound it records."""
+    def _check_exists(self) -> None:
+        """Refuse a path that is not a directory (its marker is checked when it
+        is opened)."""
+        if not self.path.exists():
+            raise ValueError(f"{self.path}: expected a muser-kv store directory, got a path that "
+                             "does not exist")
+        if not self.path.is_dir():
+            raise ValueError(f"{self.path}: expected a muser-kv store directory, got a file "
+                             "that is not a directory")
+
+    def _open_marker(self, bound: Optional[int], create: bool = True) -> Optional[int]:
+        """Check (or, with ``create``, write) ``store.json``; the bound it records."""
         marker = self.path / "store.json"
         try:
             meta = json.loads(marker.read_text())
@@ -136,6 +155,9 @@ class DirectoryTier(BlobTier):
             if foreign:
                 raise ValueError(f"{self.path} is not a muser-kv store directory: it has no store.json "
                                  f"and holds other files ({', '.join(foreign[:5])})") from None
+            if not create:
+                raise ValueError(f"{self.path} is not a muser-kv store directory: it has no "
+                                 "store.json") from None
             meta = None
         except ValueError as e:
             raise ValueError(f"{marker}: expected a muser-kv store marker (JSON), got unreadable "

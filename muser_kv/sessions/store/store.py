@@ -113,9 +113,10 @@ class _Model:
     ref: Any = field(repr=False, default=None)
 
 
-def open_tier(location: str, max_bytes: Optional[int] = None) -> "BlobTier":
+def open_tier(location: str, max_bytes: Optional[int] = None, *, create: bool = True) -> "BlobTier":
     """``redis://HOST:PORT[/db]`` (or ``rediss://``) -> ``RedisTier``;
-    anything else is a directory path -> ``DirectoryTier``."""
+    anything else is a directory path -> ``DirectoryTier`` (made a store there
+    unless ``create=False``: then only an existing store, else ``ValueError``)."""
     if not isinstance(location, (str, os.PathLike)):
         raise TypeError(f"a store location is a directory path or redis:// URL, got {location!r}")
     text = os.fspath(location)
@@ -125,7 +126,7 @@ def open_tier(location: str, max_bytes: Optional[int] = None) -> "BlobTier":
         return RedisTier(text, max_bytes)
     from muser_kv.sessions.store.directory import DirectoryTier
 
-    return DirectoryTier(text, max_bytes)
+    return DirectoryTier(text, max_bytes, create=create)
 
 
 def _tokens(tokens: Sequence[int]) -> List[int]:
