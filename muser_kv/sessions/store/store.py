@@ -264,7 +264,10 @@ class KVStore:
     def put(self, tokens: Sequence[int], cache: Sequence[Any], model: Any = None) -> PutReport:
         """Record what the live list ``cache`` holds for ``tokens``
         (``len(tokens)`` must be every layer's offset), so that its position and
-        the chunk boundaries of its window can be rebuilt (module doc)."""
+        the chunk boundaries of its window can be rebuilt (module doc). The rows
+        go under the scope of the model the list was made for, where it knows
+        it: ``model`` must be that model or one of its fingerprint, else
+        ``ModelMismatch`` before anything is kept."""
         t0 = time.perf_counter()
         tokens = _tokens(tokens)
         n = len(tokens)
