@@ -2,7 +2,9 @@
 # On the lent H200 (after ../shared/tools/device-mlx-cuda.sh's install), one phase
 # per device call (each well under ten minutes), every command under its own
 # timeout so what finished comes back. Output: $OUT/*.md and logs.
-#   bash benchmarks/device.sh suite      # the selftest, the whole suite on MLX CUDA
+#   bash benchmarks/device.sh suite [K N] # the selftest, then shard K of N of the suite on MLX
+#                                        # CUDA (pytest --shard K/N, 12 xdist workers), each
+#                                        # shard inside one ten-minute call
 #   bash benchmarks/device.sh decode     # decode f16 + bf16, aligned + unaligned max_context
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
 #   bash benchmarks/device.sh batched    # batched decode, B = 1, 2, 4, 8 at 8k and 32k
@@ -35,7 +37,9 @@ suite)
   python3 -c 'import mlx.core as mx, muser_kv.core.kernels as k; print("mlx", mx.__version__, "device", mx.default_device(), "backend", k.get_backend().name)' | tee "$out/backend.txt"
   timeout 120 python3 -m muser_kv selftest 2>&1 | tee "$out/selftest.txt"
   echo "selftest exit ${PIPESTATUS[0]}" | tee -a "$out/selftest.txt"
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -15
+  shard="${2:-1}/${3:-1}"
+  timeout 480 python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-12}" --shard "$shard" \
+    -o addopts="-ra" tests 2>&1 | tee "$out/tests_${2:-1}_of_${3:-1}.log" | tail -60
   ;;
 decode)
   for dt in float16 bfloat16; do

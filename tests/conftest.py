@@ -17,6 +17,10 @@ if os.environ.get(metal_plugin.EMULATOR_ENV):  # a child process of an emulated-
 
 def pytest_addoption(parser):
     metal_plugin.addoption(parser)
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N shards (1-based) of the collected tests, dealt "
+                          "round-robin in collection order (the GPU runs the suite one "
+                          "device call per shard: benchmarks/device.sh suite K N)")
 
 
 def pytest_configure(config):
@@ -25,6 +29,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     metal_plugin.collection_modifyitems(config, items)
+    shard = config.getoption("--shard")
+    if shard:
+        k, n = (int(x) for x in shard.split("/"))
+        if not 1 <= k <= n:
+            raise pytest.UsageError(f"--shard K/N needs 1 <= K <= N, got {shard}")
+        config.hook.pytest_deselected(items=[x for i, x in enumerate(items) if i % n != k - 1])
+        items[:] = [x for i, x in enumerate(items) if i % n == k - 1]
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -38,7 +38,7 @@ from muser_kv.caches import cachelist
 from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core import kernels
 from muser_kv.core.counts import count
-from muser_kv.core.geometry import ROW_GRANULE, LayerKind, sized_rows
+from muser_kv.core.geometry import ROW_GRANULE, LayerKind, canonical_rows
 from muser_kv.core.kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Trim, Write
@@ -400,9 +400,9 @@ class MuseKVCache(ABC):
 
     def install_shape(self, ring: Ring) -> Tuple[int, ...]:
         """The one-slot memory shape (``memory_shape[1:]``) of the planes an
-        install leaving ``ring`` builds: sized for its rows for a growing
+        install leaving ``ring`` builds: canonical for its rows for a growing
         sequence (``Planes.rows_for``), the preallocated size otherwise."""
-        rows = sized_rows(ring.extent, self.capacity) if self.growing else self.planes.limit
+        rows = canonical_rows(ring.extent, self.capacity) if self.growing else self.planes.limit
         return self.planes.memory_shape_for(rows)[1:]
 
     def install_ring(self, start: int, n: int) -> Ring:

@@ -29,10 +29,11 @@ What a step costs, and what it copies:
   (every sequence copied once); ``make_prompt_cache(..., batch_slots=N)``
   preallocates ``N`` slots when the caches are merged, so that never happens.
 
-A global layer's batch planes grow as its sequences' planes do (``Planes.reserve``):
-every slot holds the rows of the longest sequence, doubling before the write that
-needs more. They are preallocated when any merged sequence's are. A sequence
-extracted from a batch gets planes of its own regime, sized for its rows.
+A global layer's batch planes are allocated as its sequences' planes are
+(``Planes.settle``): every slot holds ``canonical_rows`` of the longest sequence's
+rows, settled before each write. They are preallocated when any merged sequence's
+are. A sequence extracted from a batch gets planes of its own regime, canonical
+for its rows.
 
 mlx-lm's left padding (``prepare(left_padding=...)``) is not taken: its own
 ``BatchGenerator`` right-pads, and a left-padded batch is refused before
@@ -53,7 +54,7 @@ from muser_kv.caches.masks import additive_mask, batch_chunk_mask, batch_decode_
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.writes import ContextOverflow, evaluated_with
 from muser_kv.core import kernels
-from muser_kv.core.geometry import LayerKind, MuseGeometry, sized_rows
+from muser_kv.core.geometry import LayerKind, MuseGeometry, canonical_rows
 from muser_kv.core.planes import Planes
 
 Pair = Tuple[mx.array, mx.array]
@@ -226,7 +227,7 @@ class BatchKVCache:
         rows, slots = [], []
         active = self.active or [True] * len(self.seqs)
         if self.kind is LayerKind.GLOBAL:  # room for every ring's extent after its token
-            self.planes.reserve(max(s.ring.len + on for s, on in zip(self.seqs, active)))
+            self.planes.settle(max(s.ring.len + on for s, on in zip(self.seqs, active)))
         for b, (s, on) in enumerate(zip(self.seqs, active)):
             if not on:
                 continue
@@ -272,7 +273,7 @@ class BatchKVCache:
         held: List[mx.array] = []
         if self.kind is LayerKind.GLOBAL:
             rows = min(max(s.ring.len for s in self.seqs) + n, self.planes.limit)
-            self.planes.reserve(rows)  # the rows the read spans, padding included
+            self.planes.settle(rows)  # the rows the read spans, padding included
             for b, (s, r) in enumerate(zip(self.seqs, real)):
                 if r:
                     plan = s.ring.write(s.ring.end, r)
@@ -501,9 +502,9 @@ def _offsets(positions: Tuple[int, ...]) -> mx.array:
 
 
 def _rows(growing: bool, extent: int, capacity: int) -> Optional[int]:
-    """The allocation of new planes for rows ``[0, extent)``: sized for them
+    """The allocation of new planes for rows ``[0, extent)``: canonical for them
     when growing, else the preallocated size (``None``)."""
-    return sized_rows(extent, capacity) if growing else None
+    return canonical_rows(extent, capacity) if growing else None
 
 
 def _token_rows(x: mx.array, dtype: mx.Dtype) -> mx.array:

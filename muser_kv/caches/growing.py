@@ -7,11 +7,12 @@ inside its bounds), a write is one slice update per plane, the read is rows
 again, and a later write overwrites them).
 
 The allocation is the planes' business (``Planes``): preallocated to
-``max_context`` rows (rounded up to 256), or growing, doubling from 256 rows
-before the write that needs more (``Planes.reserve``: one bitwise copy per
-doubling, never past the preallocated size). A read returns rows ``[0,
-offset)`` either way, so a growth is invisible to attention; the decode path
-pays one comparison for it.
+``max_context`` rows (rounded up to 256), or growing, settled before each
+write on ``geometry.canonical_rows`` of the rows live after it (doubling from
+256 rows as decode goes on: one bitwise copy per doubling; after a trim or a
+``fit`` the next write moves back to it). A read returns rows ``[0, offset)``
+of that allocation, so a list hands attention the same views however it came
+to its offset; the decode path pays two comparisons for it.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class GlobalKVCache(MuseKVCache):
             planes = self.planes
             if dtype != planes.dtype:
                 keys, values = self._plane_rows(keys, values)
-            if ring.len >= planes.rows:  # the ring's extent after this token (it never wraps)
-                planes.reserve(ring.len + 1)
+            live = ring.len + 1  # the ring's extent after this token (it never wraps)
+            if not planes.low < live <= planes.high:
+                planes.settle(live)
             row = ring.append(ring.end)
             if planes.slots == 1:  # Planes.put_one and .prefix, inlined (the hot path)
                 planes.k[:, :, row:row + 1, :] = keys
@@ -74,7 +76,7 @@ class GlobalKVCache(MuseKVCache):
         n = self.check_input(keys, values)
         self.check_write(n)
         plan = ring.write(ring.end, n)
-        self.planes.reserve(plan.after.extent)
+        self.planes.settle(plan.after.extent)
         self._store(keys, values, plan)
         ring.assign(plan.after)
         return self.planes.prefix(ring.len, self.slot)

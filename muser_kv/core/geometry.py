@@ -38,27 +38,51 @@ def allocated_rows(rows: int) -> int:
     return -(-rows // ROW_GRANULE) * ROW_GRANULE
 
 
-def sized_rows(live: int, capacity: int) -> int:
-    """The rows a growing plane allocates to hold ``live`` rows from scratch (a
-    load, a merge, an extract): ``live`` rounded up to ``ROW_GRANULE`` (one
-    granule at least), never more than the preallocated ``allocated_rows(capacity)``."""
+def compact_rows(live: int, capacity: int) -> int:
+    """The smallest allocation that holds ``live`` rows: ``live`` rounded up to
+    ``ROW_GRANULE`` (one granule at least), never more than the preallocated
+    ``allocated_rows(capacity)``. What a list that is kept, not written, holds
+    (a prompt-cache entry, ``Planes.fit``); its next write moves it to
+    ``canonical_rows``."""
     return min(allocated_rows(max(live, 1)), allocated_rows(capacity))
 
 
-def grown_rows(rows: int, needed: int, capacity: int) -> int:
-    """The rows a growing plane of ``rows`` rows moves to when it must hold
-    ``needed``: ``rows`` doubled until it holds them, never more than the
-    preallocated ``allocated_rows(capacity)``. Doubling keeps the allocation
-    within 2x of the live rows (rounded up to ``ROW_GRANULE``) and costs one
-    bitwise copy per doubling, so decode never concatenates per token."""
+def canonical_rows(live: int, capacity: int) -> int:
+    """The allocation of a growing plane whose live rows are ``live`` when
+    attention reads it: ``ROW_GRANULE`` times the smallest power of two that
+    holds them, never more than the preallocated ``allocated_rows(capacity)``.
+
+    It is a function of the live rows alone because MLX's CUDA attention picks
+    its kernel by the strides of the views it is handed, and a head-major
+    plane's head stride is its allocation: two lists holding the same rows in
+    other allocations would run other kernels and give other bits. Every path
+    that builds or writes planes (decode, prefill, install, merge, extract,
+    a write after a trim or after ``fit``) lands here, so a list gives the same
+    logits however it came to its position. Doubling from one granule reaches
+    the same values, so decode grows with one bitwise copy per doubling; the
+    cost is up to twice the live rows allocated."""
     limit = allocated_rows(capacity)
-    if needed > limit:
+    if live > limit:
         raise ValueError(f"a plane of capacity {capacity} holds at most {limit} rows, "
-                         f"asked for {needed}")
-    out = max(rows, ROW_GRANULE)
-    while out < needed:
-        out *= 2
-    return min(out, limit)
+                         f"asked for {live}")
+    rows = ROW_GRANULE
+    while rows < live:
+        rows *= 2
+    return min(rows, limit)
+
+
+def canonical_span(rows: int, capacity: int) -> Tuple[int, int]:
+    """``(low, high)`` such that ``canonical_rows(n, capacity) == rows`` exactly
+    when ``low < n <= high``; ``(0, 0)`` when ``rows`` is no canonical
+    allocation (a compact one). Lets a write check its allocation with two
+    comparisons."""
+    limit = allocated_rows(capacity)
+    low, high = 0, ROW_GRANULE
+    while high < min(rows, limit):
+        low, high = high, high * 2
+    if rows == limit:
+        return low, limit
+    return (low, rows) if high == rows else (0, 0)
 
 
 class LayerKind(str, enum.Enum):

@@ -14,11 +14,11 @@ the row stride MLX's CUDA attention needs for its fast path. Preallocated
 planes (the seeds' planes; ``growing=False``) allocate the ring's capacity
 rounded up to 256 once, and rows past the capacity are zero and never read or
 written. Growing planes (``growing=True``: a global layer's plane where a
-server holds many short chats) start small and double (``reserve``: one
-bitwise copy into larger zero-filled planes, before the write that needs the
-rows), never past the preallocated size, so they hold at most twice their
-live rows rounded up to 256. Nothing but the allocation differs: the rows a
-read returns, and so every bit attention computes, are the same in both.
+server holds many short chats) allocate ``geometry.canonical_rows`` of their
+live rows whenever they are written (``settle``: one bitwise copy into
+zero-filled planes of the new allocation, before the write that needs it), so
+they hold at most twice their live rows rounded up to 256, and what attention
+is handed depends on the live rows alone, never on how the planes got there.
 
 Every write goes through MLX's own updates (slice update, scatter), which reuse
 a donatable buffer (O(rows)) and copy it otherwise; either way MLX tracks the
@@ -37,7 +37,8 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 
 from muser_kv.core import kernels
-from muser_kv.core.geometry import ROW_GRANULE, allocated_rows, grown_rows, sized_rows
+from muser_kv.core.geometry import (ROW_GRANULE, allocated_rows, canonical_rows, canonical_span,
+                                   compact_rows)
 from muser_kv.core.ring import Run
 
 Pair = Tuple[mx.array, mx.array]
@@ -63,7 +64,9 @@ class Planes:
         #: the most rows these planes ever allocate: the preallocated size
         self.limit = allocated_rows(capacity)
         self.rows = self._check_rows(
-            rows if rows is not None else sized_rows(0, capacity) if growing else self.limit)
+            rows if rows is not None else canonical_rows(0, capacity) if growing else self.limit)
+        #: a write that leaves ``n`` rows live needs no ``settle`` when ``low < n <= high``
+        self.low, self.high = self._span(self.rows)
         self.k: mx.array
         self.v: mx.array
         if allocate:
@@ -92,10 +95,13 @@ class Planes:
         return (self.slots, self.kv_heads, self.rows, self.head_dim)
 
     def rows_for(self, extent: int) -> int:
-        """The allocation that holds physical rows ``[0, extent)`` made from
-        scratch (an install, a merge, an extract): sized for them on growing
-        planes, the preallocated size otherwise."""
-        return sized_rows(extent, self.capacity) if self.growing else self.limit
+        """The allocation attention reads with physical rows ``[0, extent)`` live
+        (``geometry.canonical_rows`` on growing planes, the preallocated size
+        otherwise): what an install, a merge or an extract builds."""
+        return canonical_rows(extent, self.capacity) if self.growing else self.limit
+
+    def _span(self, rows: int) -> Tuple[int, int]:
+        return canonical_span(rows, self.capacity) if self.growing else (0, self.limit)
 
     def _check_rows(self, rows: int) -> int:
         if (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1
@@ -127,6 +133,7 @@ class Planes:
             raise ValueError(f"keys and values planes differ: {tuple(k.shape)} and {tuple(v.shape)}")
         self.k, self.v = self._adopt(k, rows), self._adopt(v, rows)
         self.rows = rows
+        self.low, self.high = self._span(rows)
 
     def _rows_of(self, x: mx.array) -> int:
         shape = tuple(x.shape)
@@ -148,48 +155,63 @@ class Planes:
         return x
 
     def reserve(self, extent: int) -> None:
-        """Hold physical rows ``[0, extent)``: growing planes too small for them
-        double (``grown_rows``) into new zero-filled planes holding these rows
-        bit for bit, one copy per plane; planes that hold them already are left
-        as they are (preallocated planes always do, up to their capacity). Call
-        it before the write that needs the rows, so no write is ever half done.
-        The copy is evaluated at once, so the old planes are released before
-        another layer grows: a growth holds one layer's old planes at a time
-        (what ``muser-kv serve --kv-memory`` counts), at the cost of one wait on
-        the rare step that grows."""
+        """Hold physical rows ``[0, extent)`` without giving up any row held now:
+        growing planes too small for them move to ``canonical_rows(extent)``
+        (``settle``); planes that hold them already are left as they are
+        (preallocated planes always do, up to their capacity). For a caller that
+        adds one slot's rows beside others' (an install into a batch, an
+        extend); a write settles on the extent of every slot instead."""
         if extent <= self.rows:
             return
         if not self.growing:
             raise ValueError(f"preallocated planes of {self.rows} rows cannot hold {extent}")
-        rows = grown_rows(self.rows, extent, self.capacity)
-        token_major = self.layout == kernels.TOKEN_MAJOR
-        grown = []
-        for plane in (self.k, self.v):
-            if token_major:  # memory order [S, R, H, D]: the rows are axis 1
-                plane = plane.transpose(0, 2, 1, 3)
-                pad = (self.slots, rows - self.rows, self.kv_heads, self.head_dim)
-                grown.append(mx.concatenate([plane, mx.zeros(pad, self.dtype)], axis=1)
-                             .reshape(self.slots, rows, self.kv_dim))
-            else:
-                pad = (self.slots, self.kv_heads, rows - self.rows, self.head_dim)
-                grown.append(mx.concatenate([plane, mx.zeros(pad, self.dtype)], axis=2))
-        self.set(*grown)
-        mx.eval(self.k, self.v)
+        self.settle(extent)
+
+    def settle(self, extent: int) -> None:
+        """Make the allocation ``rows_for(extent)``, ``extent`` being the rows
+        live in every slot once the coming write is done: growing planes that
+        allocate other rows move to it, holding rows ``[0, extent)`` bit for bit
+        (one copy per plane; rows past ``extent`` are never read).
+        Called before every write, so no write is ever half done and attention
+        always reads the canonical allocation. The copy is evaluated at once,
+        so the old planes are released before another layer moves: a growth
+        holds one layer's old planes at a time (what ``muser-kv serve
+        --kv-memory`` counts), at the cost of one wait on the rare step that
+        moves."""
+        if extent > self.limit:
+            raise ValueError(f"planes of capacity {self.capacity} hold at most {self.limit} "
+                             f"rows, asked for {extent}")
+        rows = self.rows_for(extent)
+        if rows != self.rows:
+            self._move(rows)
 
     def fit(self, extent: int) -> None:
-        """Growing planes that allocate more than ``rows_for(extent)`` rows move to
-        that allocation, holding rows ``[0, extent)`` bit for bit (one evaluated
+        """Growing planes that allocate more than ``compact_rows(extent)`` rows move
+        to that allocation, holding rows ``[0, extent)`` bit for bit (one evaluated
         copy per plane); other planes are left as they are. For a list that is
-        kept rather than written (a prompt-cache entry): a growth can leave up to
-        twice the live rows allocated."""
-        rows = self.rows_for(extent)
-        if not self.growing or rows >= self.rows:
-            return
-        if self.layout == kernels.TOKEN_MAJOR:
-            k, v = self.k[:, :rows, :], self.v[:, :rows, :]
-        else:
-            k, v = self.k[:, :, :rows, :], self.v[:, :, :rows, :]
-        self.set(mx.contiguous(k), mx.contiguous(v))
+        kept rather than written (a prompt-cache entry); its next write settles
+        it back on the canonical allocation."""
+        rows = compact_rows(extent, self.capacity)
+        if self.growing and rows < self.rows:
+            self._move(rows)
+
+    def _move(self, rows: int) -> None:
+        """New planes of ``rows`` rows holding the first ``min(rows, self.rows)``
+        rows of these bit for bit, zeros after; evaluated."""
+        token_major = self.layout == kernels.TOKEN_MAJOR
+        axis = 1 if token_major else 2  # the rows' axis in memory order
+        moved = []
+        for plane in (self.k, self.v):
+            if token_major:  # memory order [S, R, H, D]
+                plane = plane.transpose(0, 2, 1, 3)
+            if rows < self.rows:
+                plane = mx.contiguous(mx.split(plane, [rows], axis=axis)[0])
+            else:
+                pad = list(plane.shape)
+                pad[axis] = rows - self.rows
+                plane = mx.concatenate([plane, mx.zeros(pad, self.dtype)], axis=axis)
+            moved.append(plane.reshape(self.slots, rows, self.kv_dim) if token_major else plane)
+        self.set(*moved)
         mx.eval(self.k, self.v)
 
     def physical(self, slot: int = 0) -> Pair:
