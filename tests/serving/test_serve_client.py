@@ -1,6 +1,6 @@
 """``muser-kv serve`` as a plain HTTP client finds it on a machine that serves a
 local model directory: no Hugging Face hub cache, clients that go away
-mid-stream.
+mid-stream, chat messages without content.
 
 One server (the real command in a subprocess, ``tests/servers.py``) over the
 tiny random-weight Muse Glimmer of ``local_model`` (its 256 positions), with
@@ -144,3 +144,40 @@ def test_a_dropped_stream_stops_its_generation_and_the_next_request_runs(server,
     assert most == CONTEXT - len(PROMPT)  # max_tokens, cut to the context
     assert 1 <= generated < most // 4, lines[0]
     assert server.get("/health") == 200
+
+
+def chat(*messages: Dict[str, Any]) -> Dict[str, Any]:
+    return {"messages": list(messages), "max_tokens": 3, "temperature": 0}
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "lookup", "arguments": json.dumps({"word": "t9"})}}
+NEEDS_CONTENT = ("must be a string or a list of content parts, got {came} (only an assistant "
+                 "message with tool_calls may have none; this is a \"{role}\" message)")
+
+
+@pytest.mark.parametrize("body, at, came, role", [
+    (chat({"role": "user"}), 0, "no content", "user"),
+    (chat({"role": "user", "content": None}), 0, "null", "user"),
+    (chat({"role": "system"}, {"role": "user", "content": "t5"}), 0, "no content", "system"),
+    (chat({"role": "user", "content": "t5"}, {"role": "assistant"},
+          {"role": "user", "content": "t6"}), 1, "no content", "assistant"),
+    (chat({"role": "user", "content": "t5"}, {"role": "assistant", "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "call_1"}), 2, "no content", "tool"),
+], ids=["user", "user-null", "system", "assistant-without-tool-calls", "tool"])
+def test_a_message_without_content_is_refused_naming_it(server, body, at, came, role):
+    status, out = server.send("/v1/chat/completions", body)
+    assert (status, out) == (400, {"error": f"messages[{at}].content "
+                                            + NEEDS_CONTENT.format(came=came, role=role)})
+
+
+@pytest.mark.parametrize("content", ["absent", None])
+def test_an_assistant_message_with_tool_calls_needs_no_content(server, content):
+    assistant: Dict[str, Any] = {"role": "assistant", "tool_calls": [CALL]}
+    if content != "absent":
+        assistant["content"] = content
+    out = server.post("/v1/chat/completions", chat(
+        {"role": "user", "content": "t5 t6"}, assistant,
+        {"role": "tool", "tool_call_id": "call_1", "content": "t7"},
+        {"role": "user", "content": "t8"}))
+    assert out["choices"][0]["finish_reason"] in ("stop", "length")
