@@ -88,8 +88,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     module = _module(command)
     parser = module.setup_arg_parser()
     parser.prog = f"muser-kv {command}"
-    parser.description = (f"mlx-lm's {command} ({COMMANDS[command]}) on muser-kv's exact, "
-                          f"preallocated caches. {parser.description or ''}").strip()
+    parser.description = (f"mlx-lm's {command} ({COMMANDS[command]}) on muser-kv's exact "
+                          f"caches. {parser.description or ''}").strip()
     ours = parser.add_argument_group(
         "muser-kv", "the caches muser_kv.install puts on the model (--max-kv-size is refused: "
                     "use --max-context)")

@@ -369,3 +369,46 @@ def test_cache_prompt_then_generate_from_the_file(local_muse_model, tmp_path, ca
     ref = [r.token for r in GENERATE.stream_generate(model, tokenizer, ids, max_tokens=20,
                                                       prompt_cache=load_prompt_cache(str(path)))]
     assert ours == tokenizer.decode(ref)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"],
+                                  ["chat", "--help"], ["cache-prompt", "--help"]],
+                         ids=lambda a: " ".join(a))
+def test_help_names_modules_that_exist_and_promises_no_preallocated_caches(argv, capsys):
+    """Every module a --help names can be imported; and none says the caches
+    are preallocated: by default their global planes grow (``preallocate=True``
+    is make_prompt_cache's choice, not the commands')."""
+    with pytest.raises(SystemExit) as e:
+        muser_kv_main(argv)
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps at spaces
+    names = re.findall(r"\b(?:muser_kv|mlx_lm)(?:\.\w+)+", text)
+    if argv == ["--help"]:
+        assert {"muser_kv.serving.commands", "muser_kv.serving.serve"} <= set(names)
+    for name in names:
+        assert exists(name), f"{name} (in muser-kv {' '.join(argv)})"
+    assert "preallocated" not in text
+
+
+def exists(dotted: str) -> bool:
+    """Whether ``dotted`` is a module, or a name in one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def test_the_package_description_promises_no_preallocated_caches():
+    text = (ROOT / "pyproject.toml").read_text()
+    description = re.search(r'^description = "(.*)"$', text, re.M)
+    assert description is not None
+    for words in (description.group(1), muser_kv.__doc__.splitlines()[0]):
+        assert "KV caches" in words and "preallocated" not in words, words
