@@ -103,6 +103,31 @@ def test_generate_prints_what_mlx_lm_prints_past_the_wrap(local_muse_model, tmp_
     assert snapshot.encoding == "bf16le"
 
 
+
+@subprocess_test
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_session_saved_line_starts_a_line_of_its_own(local_muse_model, tmp_path, command):
+    """stdout and stderr on one screen (a terminal): the streamed reply ends
+    its line only after the stream, so the save's line must start its own,
+    not glue onto the last generated word; stdout stays mlx-lm's."""
+    session = tmp_path / f"{command}.safetensors"
+    argv = (generate_args(local_muse_model, tokens=8) if command == "generate" else
+            ["chat", "--model", str(local_muse_model), "--max-tokens", "8"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    screen = subprocess.run(
+        [sys.executable, "-m", "muser_kv", *argv, "--session", str(session)],
+        input=f"{TURNS[0]}\nq\n" if command == "chat" else None, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    assert screen.returncode == 0, screen.stdout
+    lines = screen.stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if "session saved to" in line]
+    assert len(at) == 1, screen.stdout
+    assert lines[at[0]].startswith(f"muser-kv: session saved to {session} ("), screen.stdout
+    assert re.fullmatch(r"(t\d+ ?)+", lines[at[0] - 1]), screen.stdout  # the reply, whole
+    assert len(lines[at[0] - 1].split()) == 8
+
+
 def test_generate_resumes_a_session_file(local_muse_model, tmp_path, capsys):
     session = tmp_path / "resumed.safetensors"
     assert muser_kv_main(generate_args(local_muse_model, "--session", str(session),
