@@ -253,12 +253,12 @@ class _Answers:
     answer (``None``, or an exception) gives back its KV reservation; the
     ``GenerationContext`` it is sent is kept (a client that went away stops it).
 
-    A token or a prefill report put after the handler stopped the context is
-    the last this request gets: mlx-lm's generation thread checks the stop
-    right after each put and drops the request (one at a time: at once;
-    batched: when the current run of steps ends, which ``abandoned`` ends
-    there). ``abandoned`` is called once, with the tokens generated and the
-    request's ``max_tokens``."""
+    Once the handler has stopped the context (its client went away), mlx-lm's
+    generation thread drops the request at its next check: one at a time,
+    after the next token; batched, after the step that next gives it a token
+    or a prefill report, when the run of steps ends, which ``abandoned`` ends
+    there. ``abandoned`` is called once, at the first answer put after the
+    stop, with the tokens generated so far and the request's ``max_tokens``."""
 
     def __init__(self, queue: Any, release: Callable[[], None], args: Any,
                  abandoned: Callable[[int, int], None]):
