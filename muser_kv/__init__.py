@@ -1,4 +1,4 @@
-"""muser-kv: exact, preallocated KV caches for mlx-lm's sliding-window models.
+"""muser-kv: exact KV caches for mlx-lm's sliding-window models.
 
 Sliding-window layers get a fixed ring with explicit origins; global layers get
 a growing head-major plane; planes are f16, or bf16 for a bf16 model.

@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 90
@@ -46,13 +46,15 @@ WITH_STANDINS = ("import sys, mlx_lm_kernels; mlx_lm_kernels.install(); "
 class Server:
     """``muser-kv serve`` in a subprocess; ``stop`` ends it (terminate, then kill).
     ``mlx_lm_standins``: the child runs Muse Spark on ``mlx_lm_kernels``' stand-ins
-    where it has no Metal, as the tests in this process do."""
+    where it has no Metal, as the tests in this process do. ``env``: variables
+    set in the child's environment beside this process's."""
 
-    def __init__(self, model: Path, log: Path, *flags: str, mlx_lm_standins: bool = False):
+    def __init__(self, model: Path, log: Path, *flags: str, mlx_lm_standins: bool = False,
+                 env: Optional[Dict[str, str]] = None):
         self.port = free_port()
         self.log_path = log
         self._log = open(log, "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT))
         command = [sys.executable, "-m", "muser_kv"]
         if mlx_lm_standins:
             env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
@@ -63,8 +65,12 @@ class Server:
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 
     def log(self) -> str:
+        return self.whole_log()[-4000:]
+
+    def whole_log(self) -> str:
+        """Everything the server has written (stdout and stderr)."""
         self._log.flush()
-        return self.log_path.read_text()[-4000:]
+        return self.log_path.read_text()
 
     def get(self, path: str, timeout: float = 5) -> int:
         try:

@@ -1,6 +1,4 @@
-"""The ``muser-kv`` command: footprint, inspect, selftest, store, and mlx-lm's generate,
-chat, cache-prompt (``muser_kv.commands``) and server (``muser_kv.serve``) on
-muser-kv caches."""
+"""The ``muser-kv`` command (``DESCRIPTION``)."""
 
 from __future__ import annotations
 
@@ -13,6 +11,11 @@ from muser_kv.core.geometry import ROW_GRANULE, LayerKind, MuseGeometry, allocat
 
 if TYPE_CHECKING:  # for the annotation only; cmd_inspect imports it when it runs
     from muser_kv.sessions.reading import SessionFile
+
+#: what ``muser-kv --help`` says the command is (every module it names exists)
+DESCRIPTION = ("footprint, inspect, selftest, store, and mlx-lm's generate, chat, cache-prompt "
+               "(muser_kv.serving.commands) and server (muser_kv.serving.serve) on muser-kv's "
+               "caches")
 
 
 def _bytes(n: int) -> str:
@@ -231,7 +234,7 @@ def _byte_count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="muser-kv", description=__doc__)
+    parser = argparse.ArgumentParser(prog="muser-kv", description=f"The muser-kv command: {DESCRIPTION}.")
     sub = parser.add_subparsers(dest="command", required=True)
     d = MuseGeometry()
     fp = sub.add_parser("footprint", help="KV bytes for a context and slot count")
@@ -275,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"mlx-lm's {name} ({module}) on muser-kv caches, with mlx-lm's "
                             f"flags and --max-context/--retain/--plane-dtype/--session "
                             f"(muser-kv {name} --help)")
-    # listed here for --help; main hands its arguments to mlx-lm's server parser (muser_kv.serve)
+    # listed here for --help; main hands its arguments to mlx-lm's server parser (serve.main)
     sub.add_parser("serve", add_help=False,
                    help="mlx-lm's HTTP server (every mlx_lm.server flag) with muser-kv's caches "
                         "and an exact prompt cache; muser-kv serve --help lists the flags")

@@ -88,8 +88,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     module = _module(command)
     parser = module.setup_arg_parser()
     parser.prog = f"muser-kv {command}"
-    parser.description = (f"mlx-lm's {command} ({COMMANDS[command]}) on muser-kv's exact, "
-                          f"preallocated caches. {parser.description or ''}").strip()
+    parser.description = (f"mlx-lm's {command} ({COMMANDS[command]}) on muser-kv's exact "
+                          f"caches. {parser.description or ''}").strip()
     ours = parser.add_argument_group(
         "muser-kv", "the caches muser_kv.install puts on the model (--max-kv-size is refused: "
                     "use --max-context)")
@@ -200,7 +200,11 @@ class Session:
 
         model.make_cache = make_cache
 
-    def save(self, cache: Optional[List[Any]]) -> None:
+    def save(self, cache: Optional[List[Any]], mid_line: bool = False) -> None:
+        """Write ``cache`` (default: the newest built) and say so on stderr, on a
+        line of its own: ``mid_line`` when the streamed text left its line open
+        (mlx-lm ends it only after the stream, on stdout, which a terminal
+        shows on the same screen)."""
         cache = self.cache if cache is None else cache
         if cache is None:
             raise CommandError(f"--session {self.path}: no cache was built to save")
@@ -209,8 +213,8 @@ class Session:
         except OSError as e:
             raise CommandError(f"--session {self.path}: cannot save it ({e}); the file is as "
                                "it was") from None
-        print(f"muser-kv: session saved to {self.path} ({header.position} tokens)",
-              file=sys.stderr, flush=True)
+        print(f"{chr(10) if mid_line else ''}muser-kv: session saved to {self.path} "
+              f"({header.position} tokens)", file=sys.stderr, flush=True)
 
 
 class Loader:
@@ -253,8 +257,12 @@ class Loader:
 def _saving(stream_generate: Callable[..., Iterator[Any]],
             session: Session) -> Callable[..., Iterator[Any]]:
     def stream_and_save(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        yield from stream_generate(*args, **kwargs)
-        session.save(kwargs.get("prompt_cache"))
+        mid_line = False  # mlx-lm's generate and chat print each response's text as it comes
+        for response in stream_generate(*args, **kwargs):
+            if response.text:
+                mid_line = not response.text.endswith("\n")
+            yield response
+        session.save(kwargs.get("prompt_cache"), mid_line)
     stream_and_save.__doc__ = stream_generate.__doc__
     return stream_and_save
 

@@ -139,16 +139,25 @@ CHAT_FIELDS = {
 def check_messages(messages: Any) -> None:
     """A chat's ``messages`` as mlx-lm's handler and chat template read them:
     a non-empty list of objects, each with a string ``role`` and a ``content``
-    that is a string, null (empty) or a list of content parts (objects with a
-    string ``type``; a text part with a string ``text``). Raises ``RequestRefused``."""
+    that is a string or a list of content parts (objects with a string
+    ``type``; a text part with a string ``text``). As in OpenAI's chat API,
+    only an assistant message that carries ``tool_calls`` (or the older
+    ``function_call``) may have no content (absent or null): mlx-lm would
+    render any message without one as empty, so a client's malformed turn
+    would be answered as if it had said nothing. Raises ``RequestRefused``."""
     if not isinstance(messages, list) or not messages:
         raise _refuse("messages", "a non-empty list of messages", messages)
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(message, dict):
             raise _refuse(at, "an object", message)
-        if type(message.get("role")) is not str:
-            raise _refuse(f"{at}.role", "a string", message.get("role"))
+        role = message.get("role")
+        if type(role) is not str:
+            raise _refuse(f"{at}.role", "a string", role)
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list)
+                                      and all(isinstance(c, dict) for c in calls)):
+            raise _refuse(f"{at}.tool_calls", "a list of objects or null", calls)
         content = message.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -156,12 +165,19 @@ def check_messages(messages: Any) -> None:
                     raise _refuse(f"{at}.content[{j}]", 'an object with a string "type"', part)
                 if part["type"] == "text" and type(part.get("text")) is not str:
                     raise _refuse(f"{at}.content[{j}].text", "a string", part.get("text"))
-        elif content is not None and type(content) is not str:
-            raise _refuse(f"{at}.content", "a string, a list of content parts or null", content)
-        calls = message.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list)
-                                      and all(isinstance(c, dict) for c in calls)):
-            raise _refuse(f"{at}.tool_calls", "a list of objects or null", calls)
+        elif type(content) is str:
+            pass
+        elif content is None and role == "assistant" and (
+                calls or message.get("function_call") is not None):
+            pass
+        elif content is None:
+            came = "null" if "content" in message else "no content"
+            raise RequestRefused(
+                f"{at}.content must be a string or a list of content parts, got {came} (only "
+                f"an assistant message with tool_calls may have none; this is a {_show(role)} "
+                "message)")
+        else:
+            raise _refuse(f"{at}.content", "a string or a list of content parts", content)
 
 
 def check_body(body: Dict[str, Any], chat: bool) -> None:

@@ -2,7 +2,7 @@
 
 The server is mlx-lm's own (``mlx_lm.server.main``, 0.32.2): its argument
 parser and every flag, its HTTP handler, its batching and its prompt-cache
-logic. While it runs, five names it looks up at run time are substituted,
+logic. While it runs, six names it looks up at run time are substituted,
 here and nowhere else (``substituted``), and put back afterwards:
 
 =====================  ======================================================
@@ -22,14 +22,21 @@ here and nowhere else (``substituted``), and put back afterwards:
                        admitting each request where it tokenizes it (``admit``:
                        a prompt that cannot fit is refused, ``max_tokens`` is
                        cut so that no write passes ``max_context``; the
-                       prompt's segments cut at its checkpoints), and with
+                       prompt's segments cut at its checkpoints), with
                        ``--kv-memory`` taking a request off the queue only
-                       while its planes fit the budget (``KVBudget``)
+                       while its planes fit the budget (``KVBudget``), and
+                       dropping a request whose client went away at its next
+                       step (``_Answers``, ``_Window``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
                        (mlx-lm's handler; a body field of the wrong type, and
                        a request whose ``num_draft_tokens`` is deeper than the
                        caches roll back exactly, are refused with 400 before
-                       the request is queued)
+                       the request is queued; a client that goes away
+                       mid-response ends it without a traceback)
+``scan_cache_dir``     huggingface_hub's, for ``/v1/models``: a hub cache that
+                       cannot be scanned (none, on a machine that serves a
+                       model directory) lists no hub models, where mlx-lm's
+                       answer would lose its body (``_hub_cache_scan``)
 =====================  ======================================================
 
 Everything else is mlx-lm's. The server builds each request's caches with
@@ -63,6 +70,7 @@ import functools
 import logging
 import sys
 import time
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx_lm.server as server
@@ -86,7 +94,7 @@ IDLE_RESTOCK_BYTES = 64 << 20
 #: what ``substituted`` replaces in ``mlx_lm.server``; a server without them is
 #: not the one this module was written against
 SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "ResponseGenerator",
-               "_run_http_server")
+               "_run_http_server", "scan_cache_dir")
 
 for _name in SUBSTITUTED + ("main", "APIHandler", "ThreadingHTTPServer"):
     if not hasattr(server, _name):  # pragma: no cover - another mlx-lm
@@ -243,11 +251,22 @@ def rollback_depth(cli_args: argparse.Namespace) -> int:
 class _Answers:
     """A request's response queue as the generation thread uses it: its last
     answer (``None``, or an exception) gives back its KV reservation; the
-    ``GenerationContext`` it is sent is kept (a client that went away stops it)."""
+    ``GenerationContext`` it is sent is kept (a client that went away stops it).
 
-    def __init__(self, queue: Any, release: Callable[[], None]):
-        self._queue, self._release = queue, release
+    Once the handler has stopped the context (its client went away), mlx-lm's
+    generation thread drops the request at its next check: one at a time,
+    after the next token; batched, after the step that next gives it a token
+    or a prefill report, when the run of steps ends, which ``abandoned`` ends
+    there. ``abandoned`` is called once, at the first answer put after the
+    stop, with the tokens generated so far and the request's ``max_tokens``."""
+
+    def __init__(self, queue: Any, release: Callable[[], None], args: Any,
+                 abandoned: Callable[[int, int], None]):
+        self._queue, self._release, self._abandoned = queue, release, abandoned
+        self._args = args  # its max_tokens as admit cuts it, in the generation thread
         self.ctx: Any = None
+        self.tokens = 0  #: tokens put (generated) so far
+        self._gone = False
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
         self._queue.put(item, *args, **kwargs)
@@ -255,9 +274,37 @@ class _Answers:
             self._release()
         elif isinstance(item, server.GenerationContext):
             self.ctx = item
+        elif isinstance(item, (server.Response, tuple)):
+            self.tokens += isinstance(item, server.Response)
+            if not self._gone and self.ctx is not None and self.ctx._should_stop:
+                self._gone = True
+                self._abandoned(self.tokens, self._args.max_tokens)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)
+
+
+class _Window:
+    """mlx-lm's ``TimeBudget``: how long its generation thread runs batched
+    steps before it drops the requests whose handler stopped them and looks at
+    its queue again (0.5 s). ``cut`` ends the run after the current step, so a
+    request whose client went away is dropped after the step that gave it its
+    last answer, and its steps no longer delay the next request. On one
+    process only: on several, every rank must run the same steps."""
+
+    def __init__(self, budget: Any, cuttable: bool):
+        self._budget, self._cuttable = budget, cuttable
+        self.cut = False
+
+    def __iter__(self) -> "_Window":
+        self.cut = False
+        iter(self._budget)
+        return self
+
+    def __next__(self) -> Any:
+        if self.cut and self._cuttable:
+            raise StopIteration
+        return next(self._budget)
 
 
 class MuseResponseGenerator(server.ResponseGenerator):
@@ -271,6 +318,21 @@ class MuseResponseGenerator(server.ResponseGenerator):
     thread nothing; the generation thread's check holds whatever the handler saw."""
 
     model_provider: MuseModelProvider
+
+    @property  # type: ignore[override]
+    def _time_budget(self) -> _Window:
+        return self._window
+
+    @_time_budget.setter
+    def _time_budget(self, budget: Any) -> None:  # mlx-lm's __init__ sets it
+        self._window = _Window(budget, cuttable=mx_distributed_size() == 1)
+
+    def _abandoned(self, tokens: int, max_tokens: int) -> None:
+        """A request whose client went away gets no more steps (``_Answers``):
+        one line, and the batched steps end here so that mlx-lm drops it now."""
+        log.warning("muser-kv serve: a request's client went away after %d of at most %d "
+                    "tokens; its generation is stopped", tokens, max_tokens)
+        self._window.cut = True
 
     def __init__(self, model_provider: MuseModelProvider, prompt_cache: Any):
         # set before mlx-lm's __init__ starts the generation thread, which reads them
@@ -332,7 +394,11 @@ class MuseResponseGenerator(server.ResponseGenerator):
         if timeout is not None:  # mlx-lm waits only when it has no batch to run: idle
             self._restock()
         if self._kv_memory is None:
-            return super()._next_request(timeout)
+            item = super()._next_request(timeout)
+            if item is None:
+                return None
+            rqueue, request, args = item
+            return _Answers(rqueue, lambda: None, args, self._abandoned), request, args
         kv = self._budget()
         if kv is not None:
             for key, answers in list(self._answers.items()):
@@ -399,7 +465,7 @@ class MuseResponseGenerator(server.ResponseGenerator):
             kv.admit(key, positions)
         else:
             self._alone = key
-        answers = _Answers(rqueue, lambda: self._release(key))
+        answers = _Answers(rqueue, lambda: self._release(key), args, self._abandoned)
         self._answers[key] = answers
         return answers, request, args
 
@@ -448,12 +514,41 @@ class MuseAPIHandler(server.APIHandler):
                 f"exactly {depth} rows (the server's --retain / --num-draft-tokens), got "
                 f"{self.num_draft_tokens}")
 
+    def handle_completion(self, request: Any, stop_words: List[str]) -> None:
+        """mlx-lm's. A client that goes away mid-response ends it without a
+        traceback: mlx-lm's handler stops the request's generation on its way
+        out, and the generation thread logs the one line (``_abandoned``)."""
+        try:
+            super().handle_completion(request, stop_words)
+        except ConnectionError as e:
+            self.close_connection = True
+            log.debug("muser-kv serve: the client went away (%s)", e)
+
     def _set_completion_headers(self, status_code: int = 200) -> None:
         # mlx-lm's handle_completion answers what generate() raises with 404,
         # from inside its except block: a refusal there is the client's error
         if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
             status_code = 400
         super()._set_completion_headers(status_code)
+
+
+def _hub_cache_scan(scan: Callable[..., Any]) -> Callable[..., Any]:
+    """``scan_cache_dir`` as mlx-lm's ``/v1/models`` calls it, after it has
+    sent its 200: a hub cache that cannot be scanned (none at all, the usual
+    case for a server of a local model directory; a file; unreadable) is one
+    with no models, so the answer still lists the served model."""
+    from huggingface_hub import CacheNotFound
+
+    def scan_or_nothing(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return scan(*args, **kwargs)
+        except CacheNotFound:  # no hub cache: nothing downloaded to list
+            pass
+        except Exception as e:
+            log.warning("muser-kv serve: /v1/models lists no hub models: the hub cache "
+                        "cannot be scanned (%s)", e)
+        return types.SimpleNamespace(repos=frozenset())  # what mlx-lm reads of a scan
+    return scan_or_nothing
 
 
 def mx_distributed_size() -> int:
@@ -477,7 +572,8 @@ def substituted(argv: Sequence[str]) -> Iterator[None]:
     replacements = {"argparse": argparse_with(argv), "ModelProvider": MuseModelProvider,
                     "LRUPromptCache": ExactPromptCache,
                     "ResponseGenerator": MuseResponseGenerator,
-                    "_run_http_server": _serving_with(server._run_http_server)}
+                    "_run_http_server": _serving_with(server._run_http_server),
+                    "scan_cache_dir": _hub_cache_scan(server.scan_cache_dir)}
     saved = {name: getattr(server, name) for name in replacements}
     for name, value in replacements.items():
         setattr(server, name, value)

@@ -92,7 +92,8 @@ def argparse_with(argv: Sequence[str]) -> types.ModuleType:
         def __init__(self, *args: Any, **kwargs: Any):
             kwargs["prog"] = PROG
             kwargs["description"] = ("mlx-lm's HTTP server (mlx_lm.server: the same flags) with "
-                                     "muser-kv's exact, preallocated KV caches")
+                                     "muser-kv's exact KV caches, whose global planes grow "
+                                     "with each sequence (--kv-memory bounds them)")
             super().__init__(*args, **kwargs)
             self._muser_kv = False
 

@@ -38,6 +38,7 @@ a snapshot normalizes ``num_heads`` to ``kv_heads`` and comparisons ignore it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -334,7 +335,20 @@ class SessionSnapshot:
 
 def restore_into(cache: Sequence[Any], snapshot: SessionSnapshot, *, convert: bool = False,
                  allow_other_model: bool = False) -> None:
-    """``snapshot.install(cache, convert=convert, allow_other_model=allow_other_model)``."""
+    """``snapshot.install(cache, convert=convert, allow_other_model=allow_other_model)``.
+
+    ``snapshot`` is a ``SessionSnapshot``, never a file: ``read_session(path)``
+    reads one, verified (``load_session(path, model)`` builds a new list
+    holding it). Anything else, a path included, is refused (``TypeError``)
+    before the cache is touched."""
+    if not isinstance(snapshot, SessionSnapshot):
+        came = (f"the path {os.fspath(snapshot)!r}"
+                if isinstance(snapshot, (str, bytes, os.PathLike)) else
+                f"a {type(snapshot).__name__}")
+        raise TypeError(f"restore_into takes a SessionSnapshot, got {came}: read a session "
+                        "file's with "
+                        "muser_kv.read_session(path), or load it into a new cache list with "
+                        "muser_kv.load_session(path, model)")
     snapshot.install(cache, convert=convert, allow_other_model=allow_other_model)
 
 

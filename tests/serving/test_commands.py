@@ -103,6 +103,31 @@ def test_generate_prints_what_mlx_lm_prints_past_the_wrap(local_muse_model, tmp_
     assert snapshot.encoding == "bf16le"
 
 
+
+@subprocess_test
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_session_saved_line_starts_a_line_of_its_own(local_muse_model, tmp_path, command):
+    """stdout and stderr on one screen (a terminal): the streamed reply ends
+    its line only after the stream, so the save's line must start its own,
+    not glue onto the last generated word; stdout stays mlx-lm's."""
+    session = tmp_path / f"{command}.safetensors"
+    argv = (generate_args(local_muse_model, tokens=8) if command == "generate" else
+            ["chat", "--model", str(local_muse_model), "--max-tokens", "8"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    screen = subprocess.run(
+        [sys.executable, "-m", "muser_kv", *argv, "--session", str(session)],
+        input=f"{TURNS[0]}\nq\n" if command == "chat" else None, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    assert screen.returncode == 0, screen.stdout
+    lines = screen.stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if "session saved to" in line]
+    assert len(at) == 1, screen.stdout
+    assert lines[at[0]].startswith(f"muser-kv: session saved to {session} ("), screen.stdout
+    assert re.fullmatch(r"(t\d+ ?)+", lines[at[0] - 1]), screen.stdout  # the reply, whole
+    assert len(lines[at[0] - 1].split()) == 8
+
+
 def test_generate_resumes_a_session_file(local_muse_model, tmp_path, capsys):
     session = tmp_path / "resumed.safetensors"
     assert muser_kv_main(generate_args(local_muse_model, "--session", str(session),
@@ -369,3 +394,46 @@ def test_cache_prompt_then_generate_from_the_file(local_muse_model, tmp_path, ca
     ref = [r.token for r in GENERATE.stream_generate(model, tokenizer, ids, max_tokens=20,
                                                       prompt_cache=load_prompt_cache(str(path)))]
     assert ours == tokenizer.decode(ref)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"],
+                                  ["chat", "--help"], ["cache-prompt", "--help"]],
+                         ids=lambda a: " ".join(a))
+def test_help_names_modules_that_exist_and_promises_no_preallocated_caches(argv, capsys):
+    """Every module a --help names can be imported; and none says the caches
+    are preallocated: by default their global planes grow (``preallocate=True``
+    is make_prompt_cache's choice, not the commands')."""
+    with pytest.raises(SystemExit) as e:
+        muser_kv_main(argv)
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps at spaces
+    names = re.findall(r"\b(?:muser_kv|mlx_lm)(?:\.\w+)+", text)
+    if argv == ["--help"]:
+        assert {"muser_kv.serving.commands", "muser_kv.serving.serve"} <= set(names)
+    for name in names:
+        assert exists(name), f"{name} (in muser-kv {' '.join(argv)})"
+    assert "preallocated" not in text
+
+
+def exists(dotted: str) -> bool:
+    """Whether ``dotted`` is a module, or a name in one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def test_the_package_description_promises_no_preallocated_caches():
+    text = (ROOT / "pyproject.toml").read_text()
+    description = re.search(r'^description = "(.*)"$', text, re.M)
+    assert description is not None
+    for words in (description.group(1), muser_kv.__doc__.splitlines()[0]):
+        assert "KV caches" in words and "preallocated" not in words, words

@@ -351,7 +351,7 @@ WRONG_BODIES = [
     ("batched", CHAT, chat_body(messages="t1 t2"),
      'messages must be a non-empty list of messages, got "t1 t2"'),
     ("draft", CHAT, chat_body(messages=[{"role": "user", "content": 5}]),
-     "messages[0].content must be a string, a list of content parts or null, got 5"),
+     "messages[0].content must be a string or a list of content parts, got 5"),
     ("batched", CHAT, chat_body(tools=5), "tools must be a list of objects or null, got 5"),
 ]
 

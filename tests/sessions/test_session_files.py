@@ -458,6 +458,27 @@ def test_restore_into_a_list_of_another_model_is_refused(model):
     assert all(c.offset == 3 for c in target)
 
 
+
+@pytest.mark.parametrize("as_path", [str, Path], ids=["str", "Path"])
+def test_restore_into_refuses_a_path_naming_read_session(model, tmp_path, as_path):
+    """A file is read with read_session (verified) before it is restored:
+    restore_into given its path refuses it, naming read_session, and leaves
+    the list as it was."""
+    source = muser_kv.make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=source)
+    path = tmp_path / "x.safetensors"
+    save_session(path, source)
+    target = muser_kv.make_prompt_cache(model)
+    model(mx.array([[4, 5]]), cache=target)
+    with pytest.raises(TypeError, match=r"got the path '.*x\.safetensors'.*muser_kv\.read_session\(path\)"):
+        muser_kv.restore_into(target, as_path(path))
+    with pytest.raises(TypeError, match=r"takes a SessionSnapshot, got a dict"):
+        muser_kv.restore_into(target, {})  # type: ignore[arg-type]
+    assert [c.offset for c in target] == [2] * len(target)
+    muser_kv.restore_into(target, read_session(as_path(path)))
+    assert [c.offset for c in target] == [3] * len(target)
+
+
 def _oracle_fingerprint_weights(params):
     """The fingerprint's weights digest, spelled out with numpy on whole copies:
     names, dtypes and shapes, then for each parameter (by name) the elements of
