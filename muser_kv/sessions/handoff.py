@@ -81,19 +81,10 @@ from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import MuseGeometry, context_limit
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
 from muser_kv.sessions import format as fmt
-from muser_kv.sessions import save, tensorfile
+from muser_kv.sessions import restore, save, tensorfile
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import ENCODINGS, SessionFileError, SnapshotMismatch
-from muser_kv.sessions.restore import (
-    Install,
-    Target,
-    cache_geometry,
-    check_geometry,
-    check_session,
-    check_start,
-    expected_cut,
-    kv_geometry,
-)
+from muser_kv.sessions.restore import Install
 from muser_kv.sessions.snapshot import SessionSnapshot
 from muser_kv.sessions.wire import (  # the errors are handoff's API too
     ACCEPTED,
@@ -259,7 +250,7 @@ def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[An
         try:
             header = _parse(raw, source)
             where = into_target or _new_target(header, model, plane_dtype, source)
-            target = Target(where.geometry, where.encoding, fingerprint, "the receiving model")
+            target = restore.Target(where.geometry, where.encoding, fingerprint, "the receiving model")
             _gate(header, target, source)
         except Exception as e:  # refused: the sender is told, the link stays in step
             _refuse(link, REFUSED, e, timeout)
@@ -285,9 +276,9 @@ class _guarded:
 
 
 def _into_target(into: Sequence[Any], model: Any) -> _Where:
-    geometry = cache_geometry(into)
+    geometry = restore.cache_geometry(into)
     try:
-        check_geometry(geometry, kv_geometry(MuseGeometry.from_model(model, geometry.max_context)))
+        restore.check_geometry(geometry, restore.kv_geometry(MuseGeometry.from_model(model, geometry.max_context)))
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"into: {e.field} (expected: the model's; got: the cache list's)",
                                e.expected, e.got) from None
@@ -303,7 +294,7 @@ def _new_target(header: fmt.SessionHeader, model: Any, plane_dtype: DtypeLike,
                                f"max_position_embeddings; got: the session {source})",
                                f"<= {limit}", context)
     dtype = plane_dtype_for(model, plane_dtype)
-    return _Where(kv_geometry(MuseGeometry.from_model(model, context)),
+    return _Where(restore.kv_geometry(MuseGeometry.from_model(model, context)),
                   fmt.plane_encoding(dtype), dtype)
 
 
@@ -323,14 +314,14 @@ def _parse(raw: bytes, source: str) -> fmt.SessionHeader:
         raise PayloadError(source, e.problem) from None
 
 
-def _gate(header: fmt.SessionHeader, target: Target, source: str) -> None:
+def _gate(header: fmt.SessionHeader, target: restore.Target, source: str) -> None:
     """Everything about the session that its header settles, before any tensor:
     the restore gate (geometry, position, model, encoding), every layer's start,
     and the tensor set."""
-    check_session(target, header.geometry, header.position, header.encoding, header.model,
+    restore.check_session(target, header.geometry, header.position, header.encoding, header.model,
                   whose=("the receiver's", f"the session {source}"))
     for i, start in enumerate(header.starts):
-        check_start(header.geometry, header.position, i, start)
+        restore.check_start(header.geometry, header.position, i, start)
     names = set(header.tensor_names)
     if set(header.checksums) != names:
         missing = sorted(names - set(header.checksums))
@@ -350,7 +341,7 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, mode
     undo, and answer the verdict."""
     geometry = header.geometry
     dtype = ENCODINGS[header.encoding][0]
-    shapes = [(expected_cut(geometry, i, header.position)[1], *geometry.layer_dims(i))
+    shapes = [(restore.expected_cut(geometry, i, header.position)[1], *geometry.layer_dims(i))
               for i in range(geometry.num_layers)]
     for shape in shapes:
         if shape[0]:
@@ -363,7 +354,7 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, mode
         try:
             cache = into if into is not None else make_prompt_cache(
                 model, geometry.max_context, plane_dtype=where.plane_dtype)
-            install = Install(cache, rollback=True)
+            install = restore.Install(cache, rollback=True)
         except Exception as e:
             refusal = e
         i = 0

@@ -12,6 +12,7 @@ from muser_kv.core.counts import optional_count
 from muser_kv.core.geometry import MuseGeometry, context_limit
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
 from muser_kv.core.ring import Ring
+from muser_kv.sessions import restore
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import (
     PathLike,
@@ -21,7 +22,6 @@ from muser_kv.sessions.format import (
     tensor_names,
 )
 from muser_kv.sessions.reading import Placement, Reader, host_places, host_zeros
-from muser_kv.sessions.restore import Install, Target, check_session, check_stored, kv_geometry
 
 
 def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[int],
@@ -78,16 +78,16 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
                 f"got: file {os.fspath(path)})", f"<= {limit}", context)
         model_geometry = MuseGeometry.from_model(model, context)
         dtype = plane_dtype_for(model, plane_dtype)
-        target = Target(kv_geometry(model_geometry), plane_encoding(dtype),
+        target = restore.Target(restore.kv_geometry(model_geometry), plane_encoding(dtype),
                         None if allow_other_model else model_fingerprint(model),
                         f"the model ({type(model).__name__})")
-        check_session(target, h.geometry, h.position, h.encoding, h.model, convert=convert,
+        restore.check_session(target, h.geometry, h.position, h.encoding, h.model, convert=convert,
                       whose=("the model's", f"file {os.fspath(path)}"))
         # planes unallocated: each layer's install makes its own
         cache = make_cache_for(model_geometry, plane_dtype=dtype,
                                model=model, allocate=False, preallocate=preallocate)
         # every layer's start and shapes, from the table, before a byte is read
-        rows = [check_stored(target.geometry, h.encoding, h.position, layer, h.starts[layer],
+        rows = [restore.check_stored(target.geometry, h.encoding, h.position, layer, h.starts[layer],
                              [(name, reader.entries[t].shape, reader.entries[t].nbytes)
                               for name, t in zip(("keys", "values"), tensor_names(layer))])
                 for layer in range(len(cache))]
@@ -95,7 +95,7 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         placements = None
         if h.encoding == target.encoding and host_places():
             rings, placements = _placements(cache, h, rows)
-        install = Install(cache, rollback=False)  # a new list: dropped on a failure
+        install = restore.Install(cache, rollback=False)  # a new list: dropped on a failure
         for layer, start, k, v in reader.layers(placements):  # reading starts now
             if rings is not None:  # read straight into this layer's planes
                 install.placed(layer, rings[layer], k, v)

@@ -50,9 +50,10 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
+from muser_kv.sessions import restore
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import plane_encoding
-from muser_kv.sessions.restore import LayerCut, Target, cache_geometry, list_model, restore_cuts
+from muser_kv.sessions.restore import LayerCut, cache_geometry, list_model
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
 from muser_kv.sessions.store.landing import DEFAULT_LANDING_BYTES, Landing
@@ -534,8 +535,8 @@ class KVStore:
             return False
         # the restore path's gate and install; the list's model is checked against
         # the fingerprint this store keeps per model (never sampled again)
-        target = Target.of_list(entries, fingerprint_of=self._fingerprint)
-        restore_cuts(entries, target, target.geometry, n, scope.encoding, fingerprint, cuts)
+        target = restore.Target.of_list(entries, fingerprint_of=self._fingerprint)
+        restore.restore_cuts(entries, target, target.geometry, n, scope.encoding, fingerprint, cuts)
         return True
 
 
