@@ -14,19 +14,21 @@ Invariants:
   geometry, position, encoding, starts, per-tensor sha256, user metadata, model
   fingerprint, ``header_sha256``), and the tensors are the file's, in layer
   order. The receiver checks it with the sessions layer's own functions
-  (``parse_header``, the geometry gate, ``check_model``, ``tensor_digests``,
-  ``SessionSnapshot.check``), so a change there applies here unchanged.
+  (``parse_header``, ``tensor_digests``, and the one restore path's gate and
+  install loop, ``muser_kv.sessions.restore``, that loads and store rebuilds
+  take), so a change there applies here unchanged.
 * **Nothing from the wire is trusted before it is verified.** The header
-  checksum is checked before any field is read; geometry, encoding and model
-  fingerprint before a tensor is accepted; every tensor's shape and dtype come
+  checksum is checked before any field is read; geometry, position, model
+  fingerprint, encoding and every layer's start before a tensor is accepted
+  (each once); every tensor's shape and dtype come
   from the verified header, never from the wire, and its bytes must match the
   header's digest before its layer is installed.
 * **Streamed, all or nothing.** Layer ``i`` is installed (at rotation ``start
-  % capacity``, ``MuseKVCache.install``) as soon as its keys and values have
-  arrived and matched their digests, while later layers are still in flight.
-  The cache is handed back only when every layer is in and the snapshot gate
-  has passed; on any refusal or failure a new cache is dropped, and ``into``
-  gets every layer's planes and ring back as they were.
+  % capacity``, by the restore path's ``Install``) as soon as its keys and
+  values have arrived and matched their digests, while later layers are still
+  in flight. The cache is handed back only when every layer is in; on any
+  refusal or failure a new cache is dropped, and ``into`` gets every layer's
+  planes and ring back as they were.
 * **A refusal keeps the link in step.** The receiver answers the header with a
   verdict (so a refused session's tensors never travel) and the tensors with a
   final one; after a refusal at a tensor it still takes the rest of the stream.
@@ -84,7 +86,6 @@ from muser_kv.sessions import format as fmt
 from muser_kv.sessions import restore, save, tensorfile
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import ENCODINGS, SessionFileError, SnapshotMismatch
-from muser_kv.sessions.restore import Install
 from muser_kv.sessions.snapshot import SessionSnapshot
 from muser_kv.sessions.wire import (  # the errors are handoff's API too
     ACCEPTED,
@@ -347,7 +348,7 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, mode
         if shape[0]:
             link.post_recv(shape, dtype)
             link.post_recv(shape, dtype)
-    install: Optional[Install] = None
+    install: Optional[restore.Install] = None
     refusal: Optional[Exception] = None
     nbytes = 0
     try:
@@ -363,7 +364,7 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, mode
             while i < len(shapes) and (not batch or link.arrived() >= (2 if shapes[i][0] else 0)):
                 batch[i] = _take_layer(link, i, shapes[i], dtype, timeout)
                 i += 1
-            if refusal is not None or install is None:
+            if refusal is not None or install is None:  # install: made, or a refusal
                 continue  # taking the rest of the stream, to stay in step
             try:
                 nbytes += _install_batch(install, header, batch, source)
@@ -378,12 +379,12 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, mode
         if install is not None:
             install.undo()
         raise
-    if refusal is not None or install is None:
+    if refusal is not None:
         if install is not None:
             install.undo()
-        assert refusal is not None
         _refuse(link, REFUSED, refusal, timeout)
         raise refusal
+    assert install is not None  # made, or the refusal above
     try:
         _accept(link, timeout)
     except BaseException:
@@ -400,7 +401,7 @@ def _take_layer(link: _Link, i: int, shape: Tuple[int, int, int], dtype: Any,
     return [link.take(timeout, f"{n} ({shape[0]} rows)") for n in fmt.tensor_names(i)]
 
 
-def _install_batch(install: Install, header: fmt.SessionHeader,
+def _install_batch(install: restore.Install, header: fmt.SessionHeader,
                    batch: Mapping[int, List[mx.array]], source: str) -> int:
     """Check the batch's tensors against their digests, then install each layer
     through the restore path's loop; returns the bytes installed."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 
@@ -311,13 +311,15 @@ class Install:
     ``undo`` can still put back every layer touched (the peak: two copies of
     the list). ``rollback=False`` (a new list no one else holds): nothing is
     held and each layer's evaluation overlaps the next; the caller drops the
-    list on a failure. ``finish`` returns once every layer is in and evaluated."""
+    list on a failure. ``finish`` returns once every layer is in and evaluated;
+    ``undo`` still puts the list back after it (a caller whose own last step
+    fails: a handoff's final verdict)."""
 
     def __init__(self, cache: Sequence[Any], *, rollback: bool):
         self.cache = cache
         self.rollback = rollback
         self._held: List[Tuple[Any, Any]] = []
-        self._done: set = set()
+        self._done: Set[int] = set()
 
     def layer(self, i: int, start: int, keys: mx.array, values: mx.array) -> None:
         """Install layer ``i``'s logical rows from ``start`` (checked by the gate),
@@ -360,7 +362,6 @@ class Install:
         if len(self._done) != len(self.cache):
             raise SnapshotMismatch("layers installed", len(self.cache), len(self._done))
         mx.eval([a for c in self.cache for a in c.kv_state])
-        self._held.clear()
 
 
 def restore_cuts(cache: Sequence[Any], target: Target, geometry: MuseGeometry, position: int,

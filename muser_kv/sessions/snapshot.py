@@ -12,9 +12,11 @@ restore (seeds Ch 23.4). Invariants, each with a test (``tests/sessions/``):
   Attention sums rows in physical order and float addition is not associative,
   so this is what makes a restored session replay the live one bit for bit.
 * **Fail closed, all or nothing.** Every layer is checked (rows, start, bytes,
-  dtype vs encoding, head geometry, layer kind) and converted *before* the first
-  plane changes; a refusal names the layer, the field, the expected and the got
-  value. ``load_session`` only ever returns a fully restored cache.
+  dtype vs encoding, head geometry, layer kind) *before* the first plane
+  changes, by the one restore path's gate (``muser_kv.sessions.restore``), which
+  every kind of restore takes; a refusal names the layer, the field, the
+  expected and the got value. ``load_session`` only ever returns a fully
+  restored cache.
 * **A session carries its encoding.** Planes are f16 (``f16le``, the production
   encoding) or bf16 (``bf16le``, for a model whose attention runs in bf16), and
   a snapshot records which. One of another encoding -- bf16 into f16 planes, f16
