@@ -251,7 +251,8 @@ def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[An
         try:
             header = _parse(raw, source)
             where = into_target or _new_target(header, model, plane_dtype, source)
-            target = restore.Target(where.geometry, where.encoding, fingerprint, "the receiving model")
+            target = restore.Target(where.geometry, where.encoding, fingerprint,
+                                    "the receiving model")
             _gate(header, target, source)
         except Exception as e:  # refused: the sender is told, the link stays in step
             _refuse(link, REFUSED, e, timeout)
@@ -279,7 +280,8 @@ class _guarded:
 def _into_target(into: Sequence[Any], model: Any) -> _Where:
     geometry = restore.cache_geometry(into)
     try:
-        restore.check_geometry(geometry, restore.kv_geometry(MuseGeometry.from_model(model, geometry.max_context)))
+        model_geometry = MuseGeometry.from_model(model, geometry.max_context)
+        restore.check_geometry(geometry, restore.kv_geometry(model_geometry))
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"into: {e.field} (expected: the model's; got: the cache list's)",
                                e.expected, e.got) from None

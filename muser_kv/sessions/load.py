@@ -60,9 +60,9 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     Everything the header decides (geometry, position, model, encoding) and
     every layer's start and shapes pass the restore gate
     (``muser_kv.sessions.restore``) before the first tensor is read; each layer
-    is installed by its install loop, into a list no one else
-    holds, as soon as both its tensors are verified, so installing overlaps
-    reading, and the list is returned only once every layer is in."""
+    is installed by its install loop, into a list no one else holds, as soon as
+    both its tensors are verified, so installing overlaps reading, and the list
+    is returned only once every layer is in."""
     max_context = optional_count(max_context, "max_context", minimum=1)
     args = getattr(model, "args", None)
     if args is None:
@@ -79,18 +79,20 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
         model_geometry = MuseGeometry.from_model(model, context)
         dtype = plane_dtype_for(model, plane_dtype)
         target = restore.Target(restore.kv_geometry(model_geometry), plane_encoding(dtype),
-                        None if allow_other_model else model_fingerprint(model),
-                        f"the model ({type(model).__name__})")
-        restore.check_session(target, h.geometry, h.position, h.encoding, h.model, convert=convert,
-                      whose=("the model's", f"file {os.fspath(path)}"))
+                                None if allow_other_model else model_fingerprint(model),
+                                f"the model ({type(model).__name__})")
+        restore.check_session(target, h.geometry, h.position, h.encoding, h.model,
+                              convert=convert, whose=("the model's", f"file {os.fspath(path)}"))
         # planes unallocated: each layer's install makes its own
         cache = make_cache_for(model_geometry, plane_dtype=dtype,
                                model=model, allocate=False, preallocate=preallocate)
         # every layer's start and shapes, from the table, before a byte is read
-        rows = [restore.check_stored(target.geometry, h.encoding, h.position, layer, h.starts[layer],
-                             [(name, reader.entries[t].shape, reader.entries[t].nbytes)
-                              for name, t in zip(("keys", "values"), tensor_names(layer))])
-                for layer in range(len(cache))]
+        rows = []
+        for layer in range(len(cache)):
+            entries = [reader.entries[t] for t in tensor_names(layer)]
+            rows.append(restore.check_stored(
+                target.geometry, h.encoding, h.position, layer, h.starts[layer],
+                [(name, e.shape, e.nbytes) for name, e in zip(("keys", "values"), entries)]))
         rings = None
         placements = None
         if h.encoding == target.encoding and host_places():
