@@ -34,8 +34,8 @@ def tokens(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in (np.arange(n) * 7 + 3 + 11 * seed) % 251 + 1]
 
 
-def live(model, position: int = POSITION):
-    cache = muser_kv.make_prompt_cache(model, CONTEXT)
+def live(model, position: int = POSITION, preallocate: bool = False):
+    cache = muser_kv.make_prompt_cache(model, CONTEXT, preallocate=preallocate)
     toks = tokens(position)
     for s in range(0, position, 11):
         model(mx.array([toks[s:s + 11]]), cache=cache)
@@ -87,7 +87,7 @@ def gate(monkeypatch):
     return calls, raised
 
 
-def restores(model, tmp_path, source, *, encoding=None):
+def restores(model, tmp_path, source, *, encoding=None, preallocate=False):
     """Each restore kind of ``source`` (a live list of ``model``) into lists
     of ``target_model``: ``{kind: restore(target_model, into)}``."""
     snap = SessionSnapshot.capture(source)
@@ -100,7 +100,7 @@ def restores(model, tmp_path, source, *, encoding=None):
     return {
         "install": lambda target, into: snap.install(into),
         "restore_into": lambda target, into: muser_kv.restore_into(into, snap),
-        "load": lambda target, into: load_session(path, target),
+        "load": lambda target, into: load_session(path, target, preallocate=preallocate),
         "store": lambda target, into: store.longest_prefix(tokens(POSITION) + [1], model,
                                                            into=into)[1],
     }
@@ -164,17 +164,19 @@ def test_each_check_runs_once_per_restore(tmp_path, gate):
             assert {c.offset for c in got} == {POSITION}, kind
 
 
+@pytest.mark.parametrize("preallocate", [False, True], ids=["growing", "preallocated"])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_an_install_a_load_and_a_rebuild_of_one_state_are_one_list(tmp_path, dtype):
+def test_an_install_a_load_and_a_rebuild_of_one_state_are_one_list(tmp_path, dtype, preallocate):
     """The lists every restore kind builds for one state are one list: planes
     bitwise equal in their allocated shapes, the same rings, the same next
-    logits as the live list, bit for bit."""
+    logits as the live list, bit for bit (global planes growing, as
+    ``make_prompt_cache`` makes them, or preallocated)."""
     model = tiny_model(dtype)
-    source = live(model)
-    want = next_logits(model, live(model))
+    source = live(model, preallocate=preallocate)
+    want = next_logits(model, live(model, preallocate=preallocate))
     lists = {}
-    for kind, run in restores(model, tmp_path, source).items():
-        into = muser_kv.make_prompt_cache(model, CONTEXT)
+    for kind, run in restores(model, tmp_path, source, preallocate=preallocate).items():
+        into = muser_kv.make_prompt_cache(model, CONTEXT, preallocate=preallocate)
         got = run(model, into)
         lists[kind] = got if got is not None else into
     first = next(iter(lists))
