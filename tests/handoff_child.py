@@ -25,7 +25,7 @@ from conftest import tiny_model
 from ring_pair import INIT_FAILED
 
 import muser_kv
-from muser_kv.sessions import handoff
+from muser_kv.sessions import handoff, restore
 
 KW = dict(sliding_window=16, max_position_embeddings=128)
 PROMPT = np.random.default_rng(7).integers(0, 256, 80)
@@ -111,11 +111,30 @@ def exact_sender(group, model, folder):
     return out
 
 
+def gated(refusals):
+    """Make the restore gate's ``check_session`` append each refusal's class name
+    to ``refusals``: which refusals the one gate raised."""
+    real = restore.check_session
+
+    def check_session(*a, **k):
+        try:
+            return real(*a, **k)
+        except Exception as e:
+            refusals.append(type(e).__name__)
+            raise
+    restore.check_session = check_session
+
+
 def exact_receiver(group, model, folder):
     out = {}
+    refusals = []
+    gated(refusals)
 
     def take(tag, receiving=model, **kw):
         r = handoff.recv_session(receiving, 0, group, **kw)
+        planes, rings = bits(r.cache)  # the list as received, before it decodes
+        np.savez(folder / f"{tag}-planes.npz", *planes)
+        (folder / f"{tag}-rings.json").write_text(json.dumps(rings))
         np.save(folder / f"{tag}.npy", decode(receiving, r.cache, r.metadata["next"]))
         return r.position
 
@@ -124,8 +143,10 @@ def exact_receiver(group, model, folder):
     before = bits(into)
 
     def refused(tag, receiving=model, cache=into, state=before):
+        refusals.clear()
         out[tag] = outcome(lambda: handoff.recv_session(receiving, 0, group, into=cache).position)
         out[tag]["unchanged"] = unchanged(state, cache)
+        out[tag]["gate"] = list(refusals)
 
     refused("tensor_flipped")
     refused("header_flipped")

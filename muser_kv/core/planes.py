@@ -37,8 +37,7 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 
 from muser_kv.core import kernels
-from muser_kv.core.geometry import (ROW_GRANULE, allocated_rows, canonical_rows, canonical_span,
-                                   compact_rows)
+from muser_kv.core.geometry import ROW_GRANULE, allocated_rows, canonical_rows, canonical_span, compact_rows
 from muser_kv.core.ring import Run
 
 Pair = Tuple[mx.array, mx.array]

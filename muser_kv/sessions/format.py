@@ -144,7 +144,8 @@ class SessionMetadataError(SnapshotError, TypeError):
     """User metadata that cannot be stored as JSON, exactly."""
 
 
-def _encoding_mismatch(encoding: str, expected: str) -> EncodingMismatch:
+def encoding_mismatch(encoding: str, expected: str) -> EncodingMismatch:
+    """The refusal of a session in ``encoding`` for planes of ``expected``."""
     return ProductionF16Required(encoding) if expected == F16LE else EncodingMismatch(
         encoding, expected)
 

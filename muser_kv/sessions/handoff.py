@@ -14,19 +14,21 @@ Invariants:
   geometry, position, encoding, starts, per-tensor sha256, user metadata, model
   fingerprint, ``header_sha256``), and the tensors are the file's, in layer
   order. The receiver checks it with the sessions layer's own functions
-  (``parse_header``, the geometry gate, ``check_model``, ``tensor_digests``,
-  ``SessionSnapshot.check``), so a change there applies here unchanged.
+  (``parse_header``, ``tensor_digests``, and the one restore path's gate and
+  install loop, ``muser_kv.sessions.restore``, that loads and store rebuilds
+  take), so a change there applies here unchanged.
 * **Nothing from the wire is trusted before it is verified.** The header
-  checksum is checked before any field is read; geometry, encoding and model
-  fingerprint before a tensor is accepted; every tensor's shape and dtype come
+  checksum is checked before any field is read; geometry, position, model
+  fingerprint, encoding and every layer's start before a tensor is accepted
+  (each once); every tensor's shape and dtype come
   from the verified header, never from the wire, and its bytes must match the
   header's digest before its layer is installed.
 * **Streamed, all or nothing.** Layer ``i`` is installed (at rotation ``start
-  % capacity``, ``MuseKVCache.install``) as soon as its keys and values have
-  arrived and matched their digests, while later layers are still in flight.
-  The cache is handed back only when every layer is in and the snapshot gate
-  has passed; on any refusal or failure a new cache is dropped, and ``into``
-  gets every layer's planes and ring back as they were.
+  % capacity``, by the restore path's ``Install``) as soon as its keys and
+  values have arrived and matched their digests, while later layers are still
+  in flight. The cache is handed back only when every layer is in; on any
+  refusal or failure a new cache is dropped, and ``into`` gets every layer's
+  planes and ring back as they were.
 * **A refusal keeps the link in step.** The receiver answers the header with a
   verdict (so a refused session's tensors never travel) and the tensors with a
   final one; after a refusal at a tensor it still takes the rest of the stream.
@@ -81,16 +83,10 @@ from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import MuseGeometry, context_limit
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
 from muser_kv.sessions import format as fmt
-from muser_kv.sessions import save, snapshot, tensorfile
+from muser_kv.sessions import restore, save, tensorfile
 from muser_kv.sessions.fingerprint import model_fingerprint
-from muser_kv.sessions.format import (
-    ENCODINGS,
-    EncodingMismatch,
-    ProductionF16Required,
-    SessionFileError,
-    SnapshotMismatch,
-)
-from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot
+from muser_kv.sessions.format import ENCODINGS, SessionFileError, SnapshotMismatch
+from muser_kv.sessions.snapshot import SessionSnapshot
 from muser_kv.sessions.wire import (  # the errors are handoff's API too
     ACCEPTED,
     DEFAULT_TIMEOUT,
@@ -203,8 +199,9 @@ def _await_verdict(link: _Link, wait: Optional[float], timeout: float, what: str
 
 
 @dataclass(frozen=True)
-class _Target:
-    """Where a received session goes: its KV geometry and the planes' encoding."""
+class _Where:
+    """Where a received session goes: the list's KV geometry, its planes'
+    encoding and dtype (``Target`` once the model's fingerprint is known)."""
 
     geometry: MuseGeometry
     encoding: str
@@ -253,13 +250,15 @@ def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[An
         raw = _array_bytes(link.take(timeout, "the session header"))
         try:
             header = _parse(raw, source)
-            target = into_target or _new_target(header, model, plane_dtype, source)
-            _gate(header, target, fingerprint, source)
+            where = into_target or _new_target(header, model, plane_dtype, source)
+            target = restore.Target(where.geometry, where.encoding, fingerprint,
+                                    "the receiving model")
+            _gate(header, target, source)
         except Exception as e:  # refused: the sender is told, the link stays in step
             _refuse(link, REFUSED, e, timeout)
             raise
         _accept(link, timeout)
-        return _receive_tensors(link, header, target, model, into, timeout, source)
+        return _receive_tensors(link, header, where, model, into, timeout, source)
 
 
 class _guarded:
@@ -278,19 +277,19 @@ class _guarded:
             self.link.fail(f"{kind.__name__} with a transfer in flight")
 
 
-def _into_target(into: Sequence[Any], model: Any) -> _Target:
-    geometry = snapshot.cache_geometry(into)
+def _into_target(into: Sequence[Any], model: Any) -> _Where:
+    geometry = restore.cache_geometry(into)
     try:
-        save.check_geometry(geometry, snapshot.kv_geometry(
-            MuseGeometry.from_model(model, geometry.max_context)))
+        model_geometry = MuseGeometry.from_model(model, geometry.max_context)
+        restore.check_geometry(geometry, restore.kv_geometry(model_geometry))
     except SnapshotMismatch as e:
         raise SnapshotMismatch(f"into: {e.field} (expected: the model's; got: the cache list's)",
                                e.expected, e.got) from None
-    return _Target(geometry, fmt.plane_encoding(into[0].dtype), into[0].dtype)
+    return _Where(geometry, fmt.plane_encoding(into[0].dtype), into[0].dtype)
 
 
 def _new_target(header: fmt.SessionHeader, model: Any, plane_dtype: DtypeLike,
-                source: str) -> _Target:
+                source: str) -> _Where:
     context = header.geometry.max_context
     limit = context_limit(model)
     if limit is not None and context > limit:
@@ -298,8 +297,8 @@ def _new_target(header: fmt.SessionHeader, model: Any, plane_dtype: DtypeLike,
                                f"max_position_embeddings; got: the session {source})",
                                f"<= {limit}", context)
     dtype = plane_dtype_for(model, plane_dtype)
-    return _Target(snapshot.kv_geometry(MuseGeometry.from_model(model, context)),
-                   fmt.plane_encoding(dtype), dtype)
+    return _Where(restore.kv_geometry(MuseGeometry.from_model(model, context)),
+                  fmt.plane_encoding(dtype), dtype)
 
 
 def _parse(raw: bytes, source: str) -> fmt.SessionHeader:
@@ -318,28 +317,14 @@ def _parse(raw: bytes, source: str) -> fmt.SessionHeader:
         raise PayloadError(source, e.problem) from None
 
 
-def _gate(header: fmt.SessionHeader, target: _Target, fingerprint: Optional[Dict[str, str]],
-          source: str) -> None:
+def _gate(header: fmt.SessionHeader, target: restore.Target, source: str) -> None:
     """Everything about the session that its header settles, before any tensor:
-    geometry, model, encoding, the starts and the tensor set."""
-    try:
-        save.check_geometry(header.geometry, target.geometry)
-    except SnapshotMismatch as e:
-        raise SnapshotMismatch(f"{e.field} (expected: the receiver's; got: the session {source})",
-                               e.expected, e.got) from None
-    if fingerprint is not None:
-        snapshot.check_model(header.model, fingerprint, "the receiving model")
-    if header.encoding != target.encoding:
-        raise (ProductionF16Required(header.encoding) if target.encoding == fmt.F16LE
-               else EncodingMismatch(header.encoding, target.encoding))
-    geometry = header.geometry
-    if not 0 <= header.position <= geometry.max_context:
-        raise SnapshotMismatch("position", f"an int in [0, {geometry.max_context}]",
-                               header.position)
+    the restore gate (geometry, position, model, encoding), every layer's start,
+    and the tensor set."""
+    restore.check_session(target, header.geometry, header.position, header.encoding, header.model,
+                  whose=("the receiver's", f"the session {source}"))
     for i, start in enumerate(header.starts):
-        expected = snapshot.expected_cut(geometry, i, header.position)[0]
-        if start != expected:
-            raise SnapshotMismatch("start", expected, start, i, geometry.layer_kind(i))
+        restore.check_start(header.geometry, header.position, i, start)
     names = set(header.tensor_names)
     if set(header.checksums) != names:
         missing = sorted(names - set(header.checksums))
@@ -348,30 +333,31 @@ def _gate(header: fmt.SessionHeader, target: _Target, fingerprint: Optional[Dict
                                    f"missing {missing}, unexpected {tensorfile.show(extra)}")
 
 
-def _receive_tensors(link: _Link, header: fmt.SessionHeader, target: _Target, model: Any,
+def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, model: Any,
                      into: Optional[Sequence[Any]], timeout: float,
                      source: str) -> ReceivedSession:
     """Post every tensor's receive, then verify and install the layers as they
     arrive: at least the next one, with every later one whose tensors are in
-    already (one ``tensor_digests`` call, hashing them side by side). On a
-    refusal take the rest of the stream, undo, and answer the verdict."""
+    already (one ``tensor_digests`` call, hashing them side by side). Each
+    tensor's shape and dtype are the gated header's, so a layer whose digests
+    match is what the gate passed. On a refusal take the rest of the stream,
+    undo, and answer the verdict."""
     geometry = header.geometry
     dtype = ENCODINGS[header.encoding][0]
-    shapes = [(snapshot.expected_cut(geometry, i, header.position)[1], *geometry.layer_dims(i))
+    shapes = [(restore.expected_cut(geometry, i, header.position)[1], *geometry.layer_dims(i))
               for i in range(geometry.num_layers)]
     for shape in shapes:
         if shape[0]:
             link.post_recv(shape, dtype)
             link.post_recv(shape, dtype)
-    held: List[Any] = []
-    cuts: List[LayerCut] = []
+    install: Optional[restore.Install] = None
     refusal: Optional[Exception] = None
     nbytes = 0
-    cache: Sequence[Any] = []
     try:
         try:
             cache = into if into is not None else make_prompt_cache(
-                model, geometry.max_context, plane_dtype=target.plane_dtype)
+                model, geometry.max_context, plane_dtype=where.plane_dtype)
+            install = restore.Install(cache, rollback=True)
         except Exception as e:
             refusal = e
         i = 0
@@ -380,32 +366,33 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, target: _Target, mo
             while i < len(shapes) and (not batch or link.arrived() >= (2 if shapes[i][0] else 0)):
                 batch[i] = _take_layer(link, i, shapes[i], dtype, timeout)
                 i += 1
-            if refusal is not None:
+            if refusal is not None or install is None:  # install: made, or a refusal
                 continue  # taking the rest of the stream, to stay in step
             try:
-                nbytes += _install_batch(cache, header, batch, held, source)
-                cuts.extend(LayerCut(header.starts[j], *pair) for j, pair in batch.items())
+                nbytes += _install_batch(install, header, batch, source)
             except Exception as e:
                 refusal = e
-        if refusal is None:
+        if refusal is None and install is not None:
             try:
-                SessionSnapshot(geometry, header.position, header.encoding, tuple(cuts),
-                                header.model).check(target.geometry)
+                install.finish()
             except Exception as e:
                 refusal = e
     except BaseException:
-        _undo(held)
+        if install is not None:
+            install.undo()
         raise
     if refusal is not None:
-        _undo(held)
+        if install is not None:
+            install.undo()
         _refuse(link, REFUSED, refusal, timeout)
         raise refusal
+    assert install is not None  # made, or the refusal above
     try:
         _accept(link, timeout)
     except BaseException:
-        _undo(held)
+        install.undo()
         raise
-    return ReceivedSession(cache, header.user, header.position, nbytes)
+    return ReceivedSession(install.cache, header.user, header.position, nbytes)
 
 
 def _take_layer(link: _Link, i: int, shape: Tuple[int, int, int], dtype: Any,
@@ -416,10 +403,10 @@ def _take_layer(link: _Link, i: int, shape: Tuple[int, int, int], dtype: Any,
     return [link.take(timeout, f"{n} ({shape[0]} rows)") for n in fmt.tensor_names(i)]
 
 
-def _install_batch(cache: Sequence[Any], header: fmt.SessionHeader,
-                   batch: Mapping[int, List[mx.array]], held: List[Any], source: str) -> int:
+def _install_batch(install: restore.Install, header: fmt.SessionHeader,
+                   batch: Mapping[int, List[mx.array]], source: str) -> int:
     """Check the batch's tensors against their digests, then install each layer
-    (``held`` gets what puts it back); returns the bytes installed."""
+    through the restore path's loop; returns the bytes installed."""
     named = {n: x for i, pair in batch.items() for n, x in zip(fmt.tensor_names(i), pair)}
     digests = fmt.tensor_digests({n: _stored(x) for n, x in named.items()})
     for n in named:
@@ -427,17 +414,8 @@ def _install_batch(cache: Sequence[Any], header: fmt.SessionHeader,
             raise PayloadError(source, f"corrupted tensor {n!r} (checksum mismatch): sha256 "
                                        f"expected {header.checksums[n]}, got {digests[n]}")
     for i, (keys, values) in batch.items():
-        layer = cache[i]
-        held.append((layer, layer.hold()))
-        layer.install(header.starts[i], keys, values)
-        mx.eval(layer.kv_state)
+        install.layer(i, header.starts[i], keys, values)
     return sum(x.nbytes for x in named.values())
-
-
-def _undo(held: List[Any]) -> None:
-    for layer, state in reversed(held):
-        layer.release(state)
-    held.clear()
 
 
 def _answer(link: _Link, code: int, reason: str, timeout: float) -> None:

@@ -6,44 +6,36 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
-
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_cache_for
 from muser_kv.core.counts import optional_count
 from muser_kv.core.geometry import MuseGeometry, context_limit
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
 from muser_kv.core.ring import Ring
+from muser_kv.sessions import restore
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import (
     PathLike,
     SessionHeader,
     SnapshotMismatch,
-    _encoding_mismatch,
     plane_encoding,
     tensor_names,
 )
-from muser_kv.sessions.reading import Placement, _allocators, _host_places, _Reader
-from muser_kv.sessions.snapshot import (
-    _check_entries,
-    _check_geometry,
-    _check_whole,
-    check_model,
-    kv_geometry,
-)
+from muser_kv.sessions.reading import Placement, Reader, host_places, host_zeros
 
 
 def _placements(cache: Sequence[MuseKVCache], h: SessionHeader, rows: Sequence[int],
                 ) -> Tuple[List[Ring], Dict[str, Placement]]:
     """For every layer: the ring its install of ``rows[layer]`` rows leaves and
-    two new zero planes its rows are read into."""
+    two new zero planes its rows are read into, of the shape its install would
+    allocate (``install_shape``: the one sizing rule)."""
     rings, planes = [], {}
     for layer, c in enumerate(cache):
         ring = c.install_ring(h.starts[layer], rows[layer])
         rings.append(ring)
         runs = tuple(ring.live_runs())
         for name in tensor_names(layer):
-            planes[name] = (_allocators().zeros(c.install_shape(ring), c.dtype), c.layout, runs)
+            planes[name] = (host_zeros(c.install_shape(ring), c.dtype), c.layout, runs)
     return rings, {name: Placement(plane.result(), layout, runs)
                    for name, (plane, layout, runs) in planes.items()}
 
@@ -65,61 +57,51 @@ def load_session(path: PathLike, model: Any, max_context: Optional[int] = None, 
     ``make_prompt_cache``'s do; ``preallocate=True`` gives them the whole
     ``max_context`` now, as ``make_prompt_cache(..., preallocate=True)`` does.
 
-    Everything the header decides (geometry, model, encoding) is checked before
-    the first tensor is read; each layer is installed, into a list no one else
-    holds, as soon as both its tensors are verified, so installing overlaps
-    reading, and the list is returned only once every layer is in."""
+    Everything the header decides (geometry, position, model, encoding) and
+    every layer's start and shapes pass the restore gate
+    (``muser_kv.sessions.restore``) before the first tensor is read; each layer
+    is installed by its install loop, into a list no one else holds, as soon as
+    both its tensors are verified, so installing overlaps reading, and the list
+    is returned only once every layer is in."""
     max_context = optional_count(max_context, "max_context", minimum=1)
     args = getattr(model, "args", None)
     if args is None:
         raise TypeError(
             f"load_session needs an mlx-lm model with .args, got {type(model).__name__}")
-    with _Reader(path) as reader:
+    with Reader(path) as reader:
         h = reader.header
-        file_geometry = h.geometry
-        context = file_geometry.max_context if max_context is None else max_context
+        context = h.geometry.max_context if max_context is None else max_context
         limit = context_limit(model)
         if limit is not None and context > limit:
             raise SnapshotMismatch(
                 f"geometry.max_context (expected: within the model's max_position_embeddings; "
                 f"got: file {os.fspath(path)})", f"<= {limit}", context)
-        target = MuseGeometry.from_model(model, context)
-        try:
-            _check_geometry(file_geometry, kv_geometry(target))
-        except SnapshotMismatch as e:
-            raise SnapshotMismatch(
-                f"{e.field} (expected: the model's; got: file {os.fspath(path)})",
-                e.expected, e.got) from None
-        if not allow_other_model:
-            check_model(h.model, model_fingerprint(model),
-                        f"the model ({type(model).__name__})")
+        model_geometry = MuseGeometry.from_model(model, context)
         dtype = plane_dtype_for(model, plane_dtype)
-        encoding = plane_encoding(dtype)
-        geometry = kv_geometry(target)
-        _check_whole(file_geometry, h.encoding, h.position, geometry)
-        if h.encoding != encoding and not convert:
-            raise _encoding_mismatch(h.encoding, encoding)
+        target = restore.Target(restore.kv_geometry(model_geometry), plane_encoding(dtype),
+                                None if allow_other_model else model_fingerprint(model),
+                                f"the model ({type(model).__name__})")
+        restore.check_session(target, h.geometry, h.position, h.encoding, h.model,
+                              convert=convert, whose=("the model's", f"file {os.fspath(path)}"))
         # planes unallocated: each layer's install makes its own
-        cache = make_cache_for(target, plane_dtype=dtype,
+        cache = make_cache_for(model_geometry, plane_dtype=dtype,
                                model=model, allocate=False, preallocate=preallocate)
         # every layer's start and shapes, from the table, before a byte is read
-        rows = [_check_entries(geometry, h.encoding, h.position, layer, h.starts[layer],
-                               reader.entries) for layer in range(len(cache))]
-        rings, placements = None, None
-        if h.encoding == encoding and _host_places():
+        rows = []
+        for layer in range(len(cache)):
+            entries = [reader.entries[t] for t in tensor_names(layer)]
+            rows.append(restore.check_stored(
+                target.geometry, h.encoding, h.position, layer, h.starts[layer],
+                [(name, e.shape, e.nbytes) for name, e in zip(("keys", "values"), entries)]))
+        rings = None
+        placements = None
+        if h.encoding == target.encoding and host_places():
             rings, placements = _placements(cache, h, rows)
-        layers = reader.layers(placements)  # reading starts now
-        installed = 0
-        for layer, start, k, v in layers:
+        install = restore.Install(cache, rollback=False)  # a new list: dropped on a failure
+        for layer, start, k, v in reader.layers(placements):  # reading starts now
             if rings is not None:  # read straight into this layer's planes
-                cache[layer].install_planes(rings[layer], k, v)
+                install.placed(layer, rings[layer], k, v)
             else:
-                if h.encoding != encoding:  # convert=True: round to nearest even
-                    k, v = k.astype(dtype), v.astype(dtype)
-                cache[layer].install(start, k, v)
-            mx.async_eval(cache[layer].kv_state)
-            installed += 1
-    if installed != len(cache):  # the reader yields every layer or raises
-        raise SnapshotMismatch("layers installed", len(cache), installed)
-    mx.eval([a for c in cache for a in c.kv_state])
+                install.layer(layer, start, k, v)
+    install.finish()  # the reader yields every layer or raises
     return cache

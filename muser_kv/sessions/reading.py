@@ -289,7 +289,7 @@ def _read_placed(fd: int, entry: tensorfile.Entry, plane: np.ndarray, where: Pla
     return h.hexdigest()
 
 
-class _Reader:
+class Reader:
     """One session file, opened for a streamed, verified read.
 
     Opening reads only the header: it is verified and parsed, and the tensor
@@ -347,7 +347,7 @@ class _Reader:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "_Reader":
+    def __enter__(self) -> "Reader":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -413,7 +413,7 @@ class _Reader:
 
 def read_session(path: PathLike) -> SessionSnapshot:
     """The snapshot in a session file, with every checksum and shape verified."""
-    with _Reader(path) as reader:
+    with Reader(path) as reader:
         h = reader.header
         cuts: Dict[int, LayerCut] = {}
         for layer, start, k, v in reader.layers():
@@ -432,7 +432,10 @@ def read_session(path: PathLike) -> SessionSnapshot:
 HOST_PLACES: Optional[bool] = None
 
 
-def _host_places() -> bool:
+def host_places() -> bool:
+    """Whether the host writes planes in place here (a load reads straight into them,
+    a save reads from them): on the CPU and on Apple's unified memory, or as
+    ``HOST_PLACES`` says when set."""
     if HOST_PLACES is not None:
         return HOST_PLACES
     return mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()

@@ -32,7 +32,6 @@ import numpy as np
 
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.core import kernels
-from muser_kv.core.geometry import MuseGeometry
 from muser_kv.core.ring import Run
 from muser_kv.sessions import reading, tensorfile
 from muser_kv.sessions.fingerprint import model_fingerprint
@@ -56,8 +55,8 @@ from muser_kv.sessions.format import (
     tensor_digests,
     tensor_names,
 )
-from muser_kv.sessions.reading import _host_places, _to_numpy
-from muser_kv.sessions.snapshot import SessionSnapshot, _check_geometry
+from muser_kv.sessions.reading import _to_numpy, host_places
+from muser_kv.sessions.snapshot import SessionSnapshot
 from muser_kv.sessions.temporaries import IN_FLIGHT, IN_FLIGHT_LOCK, tidy_temporaries
 
 # -- writing ---------------------------------------------------------------------------
@@ -121,12 +120,6 @@ def session_header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
     digests, the header checksum over every field): what a reader verifies,
     whether the bytes come from a file or another process (``handoff``)."""
     return _signed(_header_fields(snapshot, user), tensor_digests(arrays))
-
-
-def check_geometry(have: MuseGeometry, want: MuseGeometry) -> None:
-    """Refuse a session of geometry ``have`` for a cache of geometry ``want``
-    (``SnapshotMismatch`` naming the first field that differs)."""
-    _check_geometry(have, want)
 
 
 def _tensors(snapshot: SessionSnapshot) -> List[Tuple[str, mx.array]]:
@@ -344,7 +337,7 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
     # a live list in its own encoding, where the host reads planes in place: its
     # rows are written straight from the planes
     live = cache if (not isinstance(cache, SessionSnapshot) and encoding == snapshot.encoding
-                     and _host_places()) else None
+                     and host_places()) else None
     snapshot = snapshot.encoded(encoding)
     snapshot.check(snapshot.geometry)
     tensors: Sequence[Tuple[str, Source]] = (

@@ -157,6 +157,42 @@ def test_another_model_is_refused_and_the_receiver_unchanged(exact):
     assert sent["error"] == "HandoffRefused" and "ModelMismatch" in sent["message"]
 
 
+def test_a_receive_refuses_through_the_restore_gate(exact):
+    """Another geometry and another model are refused by the one restore gate
+    (``restore.check_session``) that loads, installs and store rebuilds take,
+    with the error they raise (``test_restore_path.py``)."""
+    for tag, error in (("other_geometry", "SnapshotMismatch"), ("other_model", "ModelMismatch")):
+        _, got, logs = refusal(exact, tag)
+        assert got["error"] == error and got["gate"] == [error], (tag, got, logs)
+
+
+def test_a_receive_a_load_a_rebuild_and_an_install_of_one_state_are_one_list(exact, model,
+                                                                              tmp_path):
+    """The list a receive built is the list a session load, a KV-store rebuild
+    and a snapshot install build for the same state: every plane bitwise equal
+    in its allocated shape, every ring the same."""
+    folder, _, _, logs = exact
+    with np.load(folder / "good-planes.npz") as f:
+        received = [f[f"arr_{i}"] for i in range(len(f.files))]
+    rings = [tuple(r) for r in json.loads((folder / "good-rings.json").read_text())]
+    live = prefill(model, PROMPT[:FIRST].tolist())
+    path = tmp_path / "s.safetensors"
+    muser_kv.save_session(path, live)
+    store = muser_kv.KVStore()
+    store.put(PROMPT[:FIRST].tolist(), live)
+    n, rebuilt = store.longest_prefix(PROMPT[:FIRST + 1].tolist(), model)
+    assert n == FIRST
+    installed = muser_kv.make_prompt_cache(model)
+    muser_kv.SessionSnapshot.capture(live).install(installed)
+    for kind, cache in (("load", muser_kv.load_session(path, model)), ("rebuild", rebuilt),
+                        ("install", installed)):
+        planes = [np.array(a.view(mx.uint16)) for c in cache for a in c.kv_state]
+        assert [c.meta_state for c in cache] == rings, kind
+        assert len(planes) == len(received), kind
+        for i, (got, want) in enumerate(zip(planes, received)):
+            assert got.shape == want.shape and np.array_equal(got, want), (kind, i // 2)
+
+
 def test_bytes_out_of_step_break_the_link_on_both_sides(exact):
     """A preamble that fails its framing cannot be skipped (its length is not
     known): both ranks say so, and every later call refuses at once."""

@@ -461,7 +461,7 @@ def test_a_file_that_shrinks_while_read_is_refused_and_the_threads_end(session40
     path = tmp_path / "s.safetensors"
     path.write_bytes(data)
     threads = threading.active_count()
-    with reading._Reader(path) as reader:
+    with reading.Reader(path) as reader:
         os.truncate(path, len(data) - 700)  # after the table was read and checked
         with pytest.raises(SessionFileError, match=r"truncated: tensor 'layers.7.values' short"):
             for _ in reader.layers():

@@ -182,9 +182,10 @@ def test_positions_a_caller_already_has_are_not_rebuilt(monkeypatch):
     tokens = tokens_for(12)
     converse(model, tokens, store)
     installs = []
-    real = muser_kv.SessionSnapshot.install
-    monkeypatch.setattr(muser_kv.SessionSnapshot, "install",
-                        lambda self, *a, **k: (installs.append(self.position), real(self, *a, **k)))
+    path = importlib.import_module("muser_kv.sessions.restore")  # every restore's install
+    real = path.Install.finish
+    monkeypatch.setattr(path.Install, "finish",
+                        lambda self: (installs.append(self.cache[0].offset), real(self)))
     for beyond, want in ((0, 703), (600, 703), (702, 703), (703, 0), (900, 0)):
         n, cache = store.longest_prefix(tokens[:704], model, into=new_list(model), beyond=beyond)
         assert n == want, f"beyond {beyond}: {n}, expected {want}"
@@ -530,8 +531,8 @@ def test_a_rebuild_checks_the_lists_model_without_sampling_its_weights_again(mon
     store.longest_prefix(tokens + [1], other, into=new_list(other))  # both fingerprints known
     sampled = []
     real = muser_kv.sessions.snapshot.model_fingerprint
-    monkeypatch.setattr(muser_kv.sessions.snapshot, "model_fingerprint",
-                        lambda m: sampled.append(m) or real(m))
+    for module in (muser_kv.sessions.snapshot, muser_kv.sessions.restore):
+        monkeypatch.setattr(module, "model_fingerprint", lambda m: sampled.append(m) or real(m))
     assert store.longest_prefix(tokens + [1], model, into=new_list(model))[0] == 300
     with pytest.raises(muser_kv.ModelMismatch):  # rows of model into other's list
         store.longest_prefix(tokens + [1], model, into=new_list(other))

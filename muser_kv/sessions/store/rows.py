@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.core.ring import Ring
-from muser_kv.sessions.snapshot import LayerCut
+from muser_kv.sessions.restore import LayerCut
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import Rows
 

@@ -2,8 +2,8 @@
 
 A state at position ``n`` is rebuilt exactly from the rows of the positions
 before ``n``: every global plane takes all of them, every ring the last
-``window`` of them at its positional rotation (``SessionSnapshot.install``, the
-install a session load does). Rows of a position never change once written (a
+``window`` of them at its positional rotation, through the one restore path a
+session load takes (``muser_kv.sessions.restore``). Rows of a position never change once written (a
 plane only appends; a trim forgets rows, it never rewrites one), so rows kept
 from a list at any later position are the rows the list held at ``n``.
 
@@ -50,15 +50,10 @@ import mlx.core as mx
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
+from muser_kv.sessions import restore
 from muser_kv.sessions.fingerprint import differs, model_fingerprint
 from muser_kv.sessions.format import ModelMismatch, plane_encoding
-from muser_kv.sessions.snapshot import (
-    LayerCut,
-    SessionSnapshot,
-    _list_model,
-    cache_geometry,
-    check_model,
-)
+from muser_kv.sessions.restore import LayerCut, cache_geometry, list_model
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
 from muser_kv.sessions.store.landing import DEFAULT_LANDING_BYTES, Landing
@@ -276,7 +271,7 @@ class KVStore:
         if offsets != {n}:
             raise ValueError(f"KV store put: the list holds {sorted(offsets)} tokens, "
                              f"got {n} tokens to record")
-        owner = _list_model(entries)
+        owner = list_model(entries)
         model = model if model is not None else owner
         if model is None:
             raise ValueError("KV store put: the list does not know its model (built without "
@@ -557,14 +552,10 @@ class KVStore:
         cuts = self._rows_for(entries, scope, names, n, point)
         if cuts is None:
             return False
-        snapshot = SessionSnapshot(cache_geometry(entries), n, scope.encoding, tuple(cuts),
-                                   fingerprint)
-        # install's model check, with the fingerprint this store keeps per model
-        # (install would sample every weight again, on every rebuild)
-        owner = _list_model(entries)
-        if owner is not None:
-            check_model(fingerprint, self._fingerprint(owner), "the cache list's model")
-        snapshot.install(entries, allow_other_model=True)
+        # the restore path's gate and install; the list's model is checked against
+        # the fingerprint this store keeps per model (never sampled again)
+        target = restore.Target.of_list(entries, fingerprint_of=self._fingerprint)
+        restore.restore_cuts(entries, target, target.geometry, n, scope.encoding, fingerprint, cuts)
         return True
 
 
