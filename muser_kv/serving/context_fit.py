@@ -23,8 +23,9 @@ not, under ``shift`` (the default):
   kept whole (``max_tokens`` cut as above): a raw prompt has no turns, and its
   middle is dropped only when it must be. One that leaves none keeps its first
   ``--context-keep`` tokens and the newest suffix that leaves ``max_tokens``
-  positions (``compact_raw``), or one position where ``--context-keep`` leaves
-  fewer; refused when ``--context-keep`` leaves no room for a suffix.
+  positions (``compact_raw``), or, where the head leaves fewer, the longest
+  suffix that leaves one; refused when ``--context-keep`` leaves no room for a
+  suffix and one token.
 
 Under ``error`` nothing is dropped: a prompt that leaves no room for one token
 is refused, as the server always did. The client is told in the response's
@@ -173,8 +174,10 @@ def fit_raw(request: Any, max_tokens: int, max_context: int, keep: int,
     n = len(prompt)
     if n < max_context:
         return Fit(False, n)
-    room = min(max_tokens, max_context - keep - 1)
-    if room < 1:
+    # room for max_tokens after the kept head and one newest token, else (as a
+    # chat's shift) for one token: the most of the prompt, max_tokens cut
+    room = max_tokens if keep + 1 + max_tokens <= max_context else 1
+    if keep + 1 + room > max_context:
         raise RequestRefused(
             f"prompt has {n} tokens; this server's context is {max_context} tokens "
             f"(--max-context), and --context-keep {keep} leaves no room for its newest "
