@@ -36,7 +36,10 @@ offsets from when it was sent (the request path as the log shows it). Then
 whether muser-kv's answers to the same request (turn 3, its regenerate after
 the traffic, after the restart) are identical token for token, and whether
 they equal the fresh server's. A system that fails (not 200, no answer, died)
-is a row with its status and its last log line, never a crash.
+is a row with its status and its last log line, never a crash; where
+mlx_lm.server fails, mlx-lm's own prefill of the same request is timed in this
+process instead (``--fallback``: ``mlx_lm.load``, its caches, ``generate_step``
+to the first token), and said to be that.
 
     # CPU, a tiny Muse Glimmer (well under a minute on two cores)
     PYTHONPATH=. .venv/bin/python benchmarks/serve_http.py --history 600 --traffic 2
@@ -107,6 +110,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="seconds a request may take (default 300)")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds a server may take to answer /health (default 300)")
+    p.add_argument("--fallback", type=int, default=2,
+                   help="where mlx_lm.server fails a request, time mlx-lm's own prefill of "
+                        "it in this process, for the first N it failed (default 2; 0: none)")
     p.add_argument("--logs", metavar="DIR", default=None,
                    help="copy the servers' logs into DIR (default: they stay in the run's "
                         "temporary directory, which is printed)")
@@ -391,13 +397,16 @@ def run_system(system: str, args: argparse.Namespace, model: Path, work: Path,
     log = work / f"{system}.log"
     rows: List[Dict[str, Any]] = []
     answers: Dict[str, List[str]] = {}
+    sent_messages: Dict[str, List[Dict[str, str]]] = {}
     result.update(system=NAMES[system], log=str(log), requests=rows, failure=None,
                   answers=answers)
+    MESSAGES[system] = sent_messages
 
     def request(server: Server, name: str, messages: List[Dict[str, str]], max_tokens: int,
                 keep: bool = True) -> Dict[str, Any]:
         r = stream_chat(server, messages, max_tokens, args.request_timeout)
         r["request"] = name
+        sent_messages[name] = messages
         window = log_window(server, r.pop("sent"), r.pop("ended"))
         r["store_rebuilt"] = rebuilt(window)
         r["log"] = window
@@ -456,6 +465,49 @@ def run_system(system: str, args: argparse.Namespace, model: Path, work: Path,
                 fresh.stop()
 
 
+#: the messages each system was sent, per request (kept out of the JSON)
+MESSAGES: Dict[str, Dict[str, List[Dict[str, str]]]] = {}
+
+
+def in_process(args: argparse.Namespace, model: Path, result: Dict[str, Any]) -> None:
+    """Where mlx_lm.server did not answer, mlx-lm's own prefill of the same
+    request in this process (``mlx_lm.load``, the model's own caches,
+    ``generate_step`` to its first token): the first ``--fallback`` requests it
+    failed, each from empty caches. Errors are results."""
+    failed = [r["request"] for r in result.get("requests", []) if r["ttft_s"] is None]
+    if not result.get("requests") and result.get("failure"):
+        failed = ["turn 1"]  # it did not start: the chat's first request, as muser-kv was sent it
+    sent = {**MESSAGES.get("muser", {}), **MESSAGES.get("mlx-lm", {})}
+    failed = [name for name in failed if name in sent][:args.fallback]
+    if not failed:
+        return
+    out = result["in_process"] = []
+    try:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.generate import generate_step
+
+        loaded, tokenizer = load(str(model))
+    except Exception as e:
+        out.append({"request": "load", "error": f"{type(e).__name__}: {e}"})
+        return
+    for name in failed:
+        row: Dict[str, Any] = {"request": name, "error": None, "ttft_s": None}
+        try:
+            prompt = tokenizer.apply_chat_template(sent[name], add_generation_prompt=True)
+            row["prompt_tokens"] = len(prompt)
+            t = time.perf_counter()
+            for token, _ in generate_step(mx.array(prompt), loaded, max_tokens=1):
+                row["first_token"] = int(token)
+            row["ttft_s"] = time.perf_counter() - t
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out.append(row)
+        mx.clear_cache()
+    del loaded
+    mx.clear_cache()
+
+
 def identity(result: Dict[str, Any]) -> Dict[str, Any]:
     """Whether the system's answers to turn 3's request are one answer, and the
     fresh server's."""
@@ -511,6 +563,11 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]]) -> None
             median = f"{t['median_ttft_s']:.3f} s" if t["median_ttft_s"] is not None else "-"
             print(f"- {NAMES[s]} traffic: {t['answered']} of {t['requests']} answered, median "
                   f"TTFT {median}" + (f"; failures: {t['failures']}" if t["failures"] else ""))
+    for r in results.get("mlx-lm", {}).get("in_process", []):
+        what = (f"TTFT {r['ttft_s']:.3f} s over {r.get('prompt_tokens')} prompt tokens"
+                if r["ttft_s"] is not None else f"failed: {r['error']}")
+        print(f"- mlx_lm.server did not answer {r['request']}: mlx-lm's own prefill of the same "
+              f"request in this process (its caches, generate_step, empty caches): {what}")
     print()
     if "muser" in results:
         print("## muser-kv serve's request path (its log, seconds after the request was sent)\n")
@@ -552,6 +609,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for s in args.systems:
                 results[s] = {}
                 run_system(s, args, model, work, chat, results[s])
+            if "mlx-lm" in results and args.fallback:
+                in_process(args, model, results["mlx-lm"])
         finally:  # a run cut short (--timeout's SIGTERM) reports what it has
             report(args, {s: r for s, r in results.items() if "requests" in r})
             H.write_json(args.json, {"args": vars(args), "plan": chat["plan"],
