@@ -508,6 +508,15 @@ def in_process(args: argparse.Namespace, model: Path, result: Dict[str, Any]) ->
     mx.clear_cache()
 
 
+def print_fallback(result: Dict[str, Any]) -> None:
+    for r in result.get("in_process", []):
+        what = (f"TTFT {r['ttft_s']:.3f} s over {r.get('prompt_tokens')} prompt tokens"
+                if r.get("ttft_s") is not None else f"failed: {r['error']}")
+        print(f"- mlx_lm.server did not answer {r['request']}: mlx-lm's own prefill of the same "
+              f"request in this process (its caches, generate_step, empty caches): {what}")
+    print()
+
+
 def identity(result: Dict[str, Any]) -> Dict[str, Any]:
     """Whether the system's answers to turn 3's request are one answer, and the
     fresh server's."""
@@ -563,11 +572,6 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]]) -> None
             median = f"{t['median_ttft_s']:.3f} s" if t["median_ttft_s"] is not None else "-"
             print(f"- {NAMES[s]} traffic: {t['answered']} of {t['requests']} answered, median "
                   f"TTFT {median}" + (f"; failures: {t['failures']}" if t["failures"] else ""))
-    for r in results.get("mlx-lm", {}).get("in_process", []):
-        what = (f"TTFT {r['ttft_s']:.3f} s over {r.get('prompt_tokens')} prompt tokens"
-                if r["ttft_s"] is not None else f"failed: {r['error']}")
-        print(f"- mlx_lm.server did not answer {r['request']}: mlx-lm's own prefill of the same "
-              f"request in this process (its caches, generate_step, empty caches): {what}")
     print()
     if "muser" in results:
         print("## muser-kv serve's request path (its log, seconds after the request was sent)\n")
@@ -609,10 +613,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for s in args.systems:
                 results[s] = {}
                 run_system(s, args, model, work, chat, results[s])
-            if "mlx-lm" in results and args.fallback:
-                in_process(args, model, results["mlx-lm"])
         finally:  # a run cut short (--timeout's SIGTERM) reports what it has
             report(args, {s: r for s, r in results.items() if "requests" in r})
+            H.write_json(args.json, {"args": vars(args), "plan": chat["plan"],
+                                     "results": results})
+        if "mlx-lm" in results and args.fallback:  # after the report: a GPU's OOM may abort
+            in_process(args, model, results["mlx-lm"])
+            print_fallback(results["mlx-lm"])
             H.write_json(args.json, {"args": vars(args), "plan": chat["plan"],
                                      "results": results})
     finally:
