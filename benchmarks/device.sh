@@ -25,6 +25,8 @@
 #   bash benchmarks/device.sh reuse130   # KV store at 130k after traffic; memory; restart at 32k
 #   bash benchmarks/device.sh families   # Gemma 3 27B returning chat; BatchGenerator, both families
 #   bash benchmarks/device.sh restart    # the first request after a restart: 32k (twice), 130k
+#   bash benchmarks/device.sh serve32    # muser-kv serve and mlx_lm.server through HTTP: a 32k chat,
+#                                        # traffic, regenerate / edit / branch, a restart (serve_http.py)
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -125,6 +127,10 @@ families)
       --batches 1,4 --batch-tokens 40000 --blocks 1 --dtype bfloat16 --sliding-layout head_major \
       --json "$out/gen_$f.json"
   done
+  ;;
+serve32)
+  b serve32 560 benchmarks/serve_http.py --history 32768 --geometry glimmer-real --dtype bfloat16 \
+    --traffic 10 --logs "$out" --json "$out/serve32.json"
   ;;
 determinism)
   b determinism 300 benchmarks/determinism.py --model --json "$out/determinism.json"

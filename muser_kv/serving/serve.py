@@ -7,7 +7,8 @@ here and nowhere else (``substituted``), and put back afterwards:
 
 =====================  ======================================================
 ``argparse``           the same module, whose ``ArgumentParser`` also takes
-                       muser-kv's flags (``--max-context``, ``--retain``,
+                       muser-kv's flags (``--max-context``,
+                       ``--context-policy``, ``--context-keep``, ``--retain``,
                        ``--plane-dtype``, ``--sliding-layout``,
                        ``--kv-memory``, ``--kv-store``, ``--kv-store-bytes``,
                        ``--kv-store-memory``, ``--kv-store-checkpoint``) and refuses
@@ -19,6 +20,9 @@ here and nowhere else (``substituted``), and put back afterwards:
                        with a ``KVStore`` attached (the memory tier, and
                        ``--kv-store``'s directory or Redis)
 ``ResponseGenerator``  ``MuseResponseGenerator``: mlx-lm's generation thread,
+                       serving what the context policy keeps of each request
+                       (``context_fit``: a chat's oldest whole turns dropped, a
+                       raw prompt's middle), and
                        admitting each request where it tokenizes it (``admit``:
                        a prompt that cannot fit is refused, ``max_tokens`` is
                        cut so that no write passes ``max_context``; the
@@ -32,7 +36,8 @@ here and nowhere else (``substituted``), and put back afterwards:
                        a request whose ``num_draft_tokens`` is deeper than the
                        caches roll back exactly, are refused with 400 before
                        the request is queued; a client that goes away
-                       mid-response ends it without a traceback)
+                       mid-response ends it without a traceback; a response's
+                       headers say what the context policy dropped)
 ``scan_cache_dir``     huggingface_hub's, for ``/v1/models``: a hub cache that
                        cannot be scanned (none, on a machine that serves a
                        model directory) lists no hub models, where mlx-lm's
@@ -79,14 +84,18 @@ from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
 from muser_kv.serving.checkpoints import split_segments
+from muser_kv.serving.context_fit import FittedRequest, LastRequest, fit_request
 from muser_kv.serving.install import context_for, install, installed, vocab_size
-from muser_kv.serving.policy import KVBudget, KVMemoryExceeded, SequencePlanes
+from muser_kv.serving.policy import ContextPolicy, KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.prompt_cache import ExactPromptCache
 from muser_kv.serving.request_checks import Limits, ModelKey, RequestRefused, admit, check_body
 from muser_kv.serving.serve_flags import PROG, argparse_with
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
+
+#: the request each handler thread is answering, as the context policy keeps it
+LAST_REQUEST = LastRequest()
 
 #: Landing buffers made per idle wait of the generation thread (its waits are 0.1 s).
 IDLE_RESTOCK_BYTES = 64 << 20
@@ -360,20 +369,51 @@ class MuseResponseGenerator(server.ResponseGenerator):
             return None
         return p.model
 
-    def _positions(self, request: Any, args: Any) -> Optional[int]:
-        """The positions ``request`` may write (its prompt and ``max_tokens``, as
-        ``admit`` cuts it), when it is for the model ``limits`` describes (its
-        prompt tokenized as mlx-lm will); ``None`` otherwise."""
+    def _limits_for(self, args: Any) -> Optional[Limits]:
+        """The loaded model's ``limits`` when the request (``args``) is for it."""
         limits, names = self.model_provider.limits, args.model
         if limits is None or limits.key != self.model_provider.model_key_for(
                 names.model, names.adapter, names.draft):
             return None
-        prompt, *_ = server.ResponseGenerator._tokenize(self, limits.tokenizer,
-                                                        copy.deepcopy(request), args)
-        return len(prompt) + admit(limits, len(prompt), args)
+        return limits
+
+    def _prompt(self, tokenizer: Any, request: Any, args: Any) -> List[int]:
+        """``request``'s prompt as mlx-lm tokenizes it (a copy of it), as the
+        context policy keeps it (``FittedRequest``)."""
+        prompt, *_ = super()._tokenize(tokenizer, copy.deepcopy(request), args)  # mlx-lm's
+        return request.tokens(prompt) if isinstance(request, FittedRequest) else list(prompt)
+
+    def _settle(self, request: Any, args: Any, tokenizer: Any, max_context: int) -> None:
+        """Decide what the context policy keeps of ``request`` (a
+        ``FittedRequest`` not fitted yet; ``context_fit``), on the model whose
+        ``tokenizer`` and context are given."""
+        if isinstance(request, FittedRequest) and request.fit is None:
+            cli = self.model_provider.cli_args
+            request.settle(fit_request(
+                request, args.max_tokens, max_context,
+                ContextPolicy(getattr(cli, "context_policy", "shift")),
+                getattr(cli, "context_keep", 0), lambda r: self._prompt(tokenizer, r, args)))
+
+    def _positions(self, request: Any, args: Any) -> Optional[int]:
+        """The positions ``request`` may write (its prompt and ``max_tokens``, as
+        ``admit`` cuts it), when it is for the model ``limits`` describes (its
+        prompt tokenized as mlx-lm will, as the context policy keeps it);
+        ``None`` otherwise."""
+        limits = self._limits_for(args)
+        if limits is None:
+            return None
+        self._settle(request, args, limits.tokenizer, limits.max_context)
+        fit = request.fit if isinstance(request, FittedRequest) else None
+        n = fit.prompt_tokens if fit is not None else len(
+            self._prompt(limits.tokenizer, request, args))
+        return n + admit(limits, n, args)
 
     def generate(self, request: Any, generation_args: Any,
                  progress_callback: Optional[Callable[[int, int], None]] = None) -> Any:
+        """mlx-lm's, for what the context policy keeps of the request
+        (``context_fit``; ``LAST_REQUEST`` tells the handler what it dropped),
+        refused here, in the handler's thread, when it cannot run as asked."""
+        request = LAST_REQUEST.request = FittedRequest.of(request)
         positions = self._positions(request, generation_args)
         limits = self.model_provider.limits
         if positions is not None and limits is not None and limits.planes is not None \
@@ -479,10 +519,15 @@ class MuseResponseGenerator(server.ResponseGenerator):
     def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
         """mlx-lm's, admitting the request, with its segments cut at the prompt's
         checkpoints (``split_segments``) when a store is behind the prompt cache."""
-        tokenized = super()._tokenize(tokenizer, request, args)
         limits = self.model_provider.limits
         if limits is None:  # pragma: no cover - mlx-lm tokenizes only after a load
             raise RuntimeError("muser-kv serve: a request tokenized with no model loaded")
+        # the handler fitted it where the model it runs on was loaded; else here
+        self._settle(request, args, tokenizer, limits.max_context)
+        tokenized = super()._tokenize(tokenizer, request, args)
+        if isinstance(request, FittedRequest) and request.fit and request.fit.tokens_dropped:
+            prompt = request.tokens(tokenized[0])  # a raw prompt's middle left out
+            tokenized = (prompt, [prompt], *tokenized[2:])
         args.max_tokens = admit(limits, len(tokenized[0]), args)
         interval = getattr(self.model_provider.cli_args, "kv_store_checkpoint", 0)
         if interval and getattr(self.prompt_cache, "store", None) is not None:
@@ -518,6 +563,7 @@ class MuseAPIHandler(server.APIHandler):
         """mlx-lm's. A client that goes away mid-response ends it without a
         traceback: mlx-lm's handler stops the request's generation on its way
         out, and the generation thread logs the one line (``_abandoned``)."""
+        LAST_REQUEST.request = None  # this thread's last request (a kept-alive connection's)
         try:
             super().handle_completion(request, stop_words)
         except ConnectionError as e:
@@ -530,6 +576,19 @@ class MuseAPIHandler(server.APIHandler):
         if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
             status_code = 400
         super()._set_completion_headers(status_code)
+        self._fit_headers(status_code)
+
+    def _set_stream_headers(self, status_code: int = 200) -> None:
+        super()._set_stream_headers(status_code)
+        self._fit_headers(status_code)
+
+    def _fit_headers(self, status_code: int) -> None:
+        """What the context policy did to the request answered (``context_fit``)."""
+        request = LAST_REQUEST.request
+        fit = request.fit if request is not None else None
+        if status_code == 200 and fit is not None:
+            for name, value in fit.headers().items():
+                self.send_header(name, value)
 
 
 def _hub_cache_scan(scan: Callable[..., Any]) -> Callable[..., Any]:

@@ -64,6 +64,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the checkpoint below it (a positive multiple of 256; default "
                         f"{DEFAULT_CHECKPOINT}; 0: off); batched requests only "
                         "(docs/store.md)")
+    g.add_argument("--context-policy", choices=("shift", "error"), default="shift",
+                   help="a request whose prompt and max_tokens do not fit --max-context: shift "
+                        "(default) drops a chat's oldest whole turns (never its system messages "
+                        "or newest turn) until it fits, and keeps a raw prompt that leaves no "
+                        "room its --context-keep first tokens and newest suffix; error drops "
+                        "nothing (a prompt that leaves no room is refused). The response's "
+                        "X-Muser-Turns-Dropped / X-Muser-Tokens-Dropped headers say what went "
+                        "(docs/serving.md)")
+    g.add_argument("--context-keep", type=non_negative, default=0, metavar="N",
+                   help="with --context-policy shift: the leading tokens a raw prompt "
+                        "(/v1/completions) keeps when its middle is dropped (default 0)")
     g.add_argument("--kv-memory", type=positive, default=None, metavar="BYTES",
                    help="bytes of KV planes the server may hold: a request waits until the "
                         "planes of the sequences it joins and its own fit (every batch slot "

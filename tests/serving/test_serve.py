@@ -72,7 +72,9 @@ def servers(model_dir, tmp_path_factory):
                     "Metal emulator; its caches run emulated in-process (test_batch, "
                     "test_prompt_cache)")
     logs = tmp_path_factory.mktemp("logs")
-    context = ("--max-context", str(CONTEXT))
+    # --context-policy error: these servers refuse a prompt that cannot fit, as
+    # the tests below check (the shift is test_serve_context's)
+    context = ("--max-context", str(CONTEXT), "--context-policy", "error")
     flags = {"batched": ("--prompt-cache-size", "0", *context),
              "draft": ("--prompt-cache-size", "0", "--draft-model", str(model_dir),
                        "--num-draft-tokens", "3", *context),
@@ -388,7 +390,8 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_queued(model_dir):
     refusal waits for no generation in flight (one at a time, all of it)."""
     from mlx_lm.server import CompletionRequest, ModelDescription
 
-    provider = serve.MuseModelProvider(parse(["--model", str(model_dir), "--max-context", "16"]))
+    provider = serve.MuseModelProvider(parse(["--model", str(model_dir), "--max-context", "16",
+                                              "--context-policy", "error"]))  # no compaction
     generator = serve.MuseResponseGenerator(provider, ExactPromptCache())
     try:
         deadline = time.monotonic() + START_TIMEOUT
