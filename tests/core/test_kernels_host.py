@@ -1,7 +1,10 @@
 """CI executes every kernel body: the real source text, compiled by g++ behind
 the host prelude, compared bitwise with the MLX reference path for both
 layouts, wrap and no wrap, a chunk wider than the ring, every input dtype and
-non-contiguous inputs."""
+non-contiguous inputs. The reference runs on MLX's CPU stream whatever the
+default device: the host header models MLX's CPU conversions, and a GPU
+converts NaN payloads its own way (``muser-kv selftest`` compares the GPU's
+kernels with the GPU's reference there)."""
 
 import shutil
 
@@ -26,6 +29,12 @@ REF = ReferenceBackend()
 @pytest.fixture(scope="module")
 def host():
     return HostKernels()
+
+
+@pytest.fixture(autouse=True)
+def reference_on_the_cpu():
+    with mx.stream(mx.cpu):
+        yield
 
 
 def to_host(x: mx.array) -> np.ndarray:

@@ -143,16 +143,17 @@ def test_a_trimmed_list_is_the_live_list_at_its_new_offset(name, dtype):
 @pytest.mark.parametrize("preallocate", [False, True], ids=["growing", "preallocated"])
 def test_a_batch_merged_at_its_positions_is_the_batch_that_decoded_there(name, preallocate):
     """Two sequences decoded together from 508 and 300 tokens to 514 and 306
-    (the batch's planes double at 513) against the same sequences merged at
-    514 and 306: the same allocation, the same batched next logits."""
+    (the batch's planes double at 513), against a batch merged at 514 and 306
+    from the same rows (each sequence extracted: a batch's rows differ from a
+    lone sequence's on a GPU, whose matmuls round by batch size): the same
+    allocation, the same batched next logits."""
     model = long_model(name, mx.bfloat16)
     a, b = tokens(514, 1), tokens(306, 2)
     singles = [live(model, a[:508], preallocate), live(model, b[:300], preallocate)]
     together = [BatchKVCache.merge(list(layer)) for layer in zip(*singles)]
     for t in range(6):
         mx.eval(model(mx.array([[a[508 + t]], [b[300 + t]]]), cache=together))
-    apart = [BatchKVCache.merge(list(layer))
-             for layer in zip(live(model, a, preallocate), live(model, b, preallocate))]
+    apart = [BatchKVCache.merge([c.extract(0), c.extract(1)]) for c in together]
     nxt = mx.array([[7], [9]])
     want = bits(model(nxt, cache=together)[:, -1])
     got = bits(model(nxt, cache=apart)[:, -1])
