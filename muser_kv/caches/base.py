@@ -107,6 +107,11 @@ class MuseKVCache(ABC):
         return self.ring.end
 
     @property
+    def cache_list(self) -> Optional[cachelist.CacheList]:
+        """The list this cache belongs to (``None``: a cache alone)."""
+        return self._list
+
+    @property
     def window(self) -> Optional[int]:
         """The sliding window (``None`` for a global layer)."""
         return self._window if self.kind is LayerKind.SLIDING else None
@@ -181,6 +186,14 @@ class MuseKVCache(ABC):
             # alone, a cache is its own predecessor (ahead == offset): never here
             assert group is not None, "a cache of no list is always in step"
             raise group.out_of_step(self, n)
+
+    def in_step(self) -> bool:
+        """Whether this cache is at its predecessor's position in its list (a
+        cache alone always is). Every cache of a list in step says so; after a
+        write or a trim that stopped part-way, some cache says not: then
+        ``is_trimmable`` is False for it, so mlx-lm's ``trim_prompt_cache``
+        refuses the list (returns 0) before any layer changes."""
+        return self._prev.end == self.ring.end
 
     def _fast_one(self, keys: mx.array, values: mx.array) -> Optional[mx.Dtype]:
         """The decode fast path's gate, every check ``check_input`` / ``check_write``
@@ -498,7 +511,8 @@ class MuseKVCache(ABC):
 
     @abstractmethod
     def is_trimmable(self) -> bool:
-        """mlx-lm's question: whether ``trim`` can be exact for this cache."""
+        """mlx-lm's question: whether ``trim`` can be exact for this cache (never
+        while its list is out of step: ``in_step``)."""
 
     @abstractmethod
     def _rewind(self, plan: Trim) -> None:
