@@ -233,16 +233,22 @@ class MuseKVCache(ABC):
 
         A model asks its layer types' first caches before any layer writes: those
         refuse a list that is out of step, and a model whose layers do not fit
-        the list (``cachelist``), before anything is written."""
+        the list (``cachelist``), before anything is written. Any other cache of
+        a list, asked by a model, was handed to it in less than the whole list
+        (a slice): it refuses that (``CacheList.check_asked``)."""
         # ``N is _ONE``: the int 1 exactly (CPython keeps one object for it; any
         # other 1 -- True, 1.0, numpy's -- takes the checked path below)
         if N is _ONE and not return_array and not self._first_of_kind and (
                 window_size is None or window_size == self._window):
+            if self._list is not None:  # 0 check_asked, 1 here, 2 its caller
+                self._list.check_asked(2)
             return None  # one token sees every row it is handed (at most the window)
         if N.__class__ is not int or N < 1:
             N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
         if self._first_of_kind:
             self._before_forward(N)
+        elif self._list is not None:
+            self._list.check_asked(2)
         return self._mask(N, window_size, return_array)
 
     @abstractmethod

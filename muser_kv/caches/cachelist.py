@@ -33,11 +33,10 @@ Invariants, each with a test (``tests/caches/test_cache_list.py``):
   sequence that is not the list whole and in order (a slice ``c[:4]``, a
   reordering, caches of two lists), every forward: a model once found to fit
   is remembered, the handed sequence is compared each time (``CacheListMismatch``).
-  A slice that leaves out layer 0 never asks layer 0 for a mask; its first
-  write is refused by the first rule, since in a list in step its first
-  layer's predecessor is not a write ahead of it (in a list a write stopped
-  part-way, the write that finishes it is accepted, whoever makes it). A
-  caller that drives the caches itself is caught by the first rule too: a run
+  A slice that leaves out layer 0 never asks layer 0 for a mask: it asks a
+  cache that is not its kind's first, which a forward over the whole list
+  never does, and that cache refuses it the same way (``check_asked``). A
+  caller that drives the caches itself is caught by the first rule: a run
   over fewer layers than the list is refused at the next write; one over more
   layers than the list never reaches a cache at all, so nothing in the cache
   protocol can see it.
@@ -136,13 +135,20 @@ class CacheList:
     def is_whole(self, handed: Sequence[Any]) -> bool:
         """Whether ``handed`` is this list's caches, every one, in list order
         (padded with ``None`` after them where the model's later layers keep no
-        cache: Gemma 4), compared by identity. About 2 us for 52 layers: every
-        forward asks."""
-        n = len(self._members)
+        cache: Gemma 4). Compared by identity, about 2 us for 52 layers (every
+        forward asks); where that fails, an entry that stands in for the cache
+        at its place (a wrapper that hands on its ``cache_list`` and ``layer``)
+        counts as that cache."""
+        members = self._members
+        n = len(members)
         if len(handed) < n:
             return False
-        if not all(r() is c for r, c in zip(self._members, handed)):
-            return False
+        if not all(r() is c for r, c in zip(members, handed)):
+            for r, c in zip(members, handed):
+                mine = r()
+                if c is not mine and (mine is None or getattr(c, "cache_list", None) is not self
+                                      or getattr(c, "layer", None) != mine.layer):
+                    return False
         return len(handed) == n or all(x is None for x in handed[n:])
 
     def check_whole(self, handed: Sequence[Any], what: str) -> None:
@@ -246,6 +252,29 @@ class CacheList:
             self.check_whole(handed, f"{type(owner).__name__}'s forward")
         self._check_model(owner, layers, handed)
         self._fits = weakref.ref(owner)
+
+    def check_asked(self, depth: int) -> None:
+        """A cache that is not its kind's first in this list, asked for a mask.
+        In a model's forward over the whole list only each kind's first cache
+        is asked (mlx-lm's models ask ``cache[first index of the kind]``), so a
+        model asking this one holds a sequence in which it comes first: a slice
+        without the list's head, or a rearrangement, refused here unless the
+        sequence is the whole list (a model that asks other caches too). Found
+        as ``check_caller`` finds the model (``depth`` frames up is
+        ``make_mask``'s caller); any other caller (a custom driver) is left to
+        the in-step rule. Costs nothing in a forward over the whole list."""
+        try:
+            caller = sys._getframe(depth)
+            helper = _MASK_HELPER[0] or _mask_helper()
+            if helper is None or caller.f_code is not helper:
+                return
+            frame = sys._getframe(depth + 1)
+        except ValueError:  # the stack is shallower than that
+            return
+        handed = frame.f_locals.get("cache")
+        if isinstance(handed, (list, tuple)) and not self.is_whole(handed):
+            owner = frame.f_locals.get("self")
+            self.check_whole(handed, f"{type(owner).__name__}'s forward")
 
     def _check_model(self, owner: Any, layers: List[Any], handed: Sequence[Any]) -> None:
         mine = len(self._members)
