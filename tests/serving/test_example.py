@@ -5,6 +5,7 @@ state, the contract checks, tokens vs mlx-lm)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -126,8 +127,7 @@ def test_the_contract_checks_can_fail(example: ModuleType) -> None:
     full = muser_kv.make_prompt_cache(model, max_context=ns.max_context, preallocate=True)
     mx.eval(model(mx.array([list(range(1, 41))]), cache=full))
     assert example.contract_failures(full, geometry, ns.max_context, 40) == []
-    wider = muser_kv.MuseGeometry.from_model_args(model.args, ns.max_context)
-    wider = type(wider)(**{**wider.__dict__, "window": 32})
+    wider = dataclasses.replace(geometry, window=32)
     bad = example.contract_failures(cache, wider, ns.max_context, 40)
     assert any("sliding layer 0 ring" in line for line in bad), bad
 
