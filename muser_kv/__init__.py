@@ -24,6 +24,7 @@ from muser_kv.caches.speculative import (
 )
 from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core.geometry import (
+    UNBOUNDED_CONTEXT,
     Footprint,
     LayerKind,
     MuseGeometry,
@@ -79,6 +80,7 @@ __all__ = [
     "Planes",
     "Ring",
     "Run",
+    "UNBOUNDED_CONTEXT",
     "UnsupportedModel",
     "attention_dtype",
     "footprint",

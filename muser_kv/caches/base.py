@@ -107,6 +107,11 @@ class MuseKVCache(ABC):
         return self.ring.end
 
     @property
+    def cache_list(self) -> Optional[cachelist.CacheList]:
+        """The list this cache belongs to (``None``: a cache alone)."""
+        return self._list
+
+    @property
     def window(self) -> Optional[int]:
         """The sliding window (``None`` for a global layer)."""
         return self._window if self.kind is LayerKind.SLIDING else None
@@ -182,6 +187,14 @@ class MuseKVCache(ABC):
             assert group is not None, "a cache of no list is always in step"
             raise group.out_of_step(self, n)
 
+    def in_step(self) -> bool:
+        """Whether this cache is at its predecessor's position in its list (a
+        cache alone always is). Every cache of a list in step says so; after a
+        write or a trim that stopped part-way, some cache says not: then
+        ``is_trimmable`` is False for it, so mlx-lm's ``trim_prompt_cache``
+        refuses the list (returns 0) before any layer changes."""
+        return self._prev.end == self.ring.end
+
     def _fast_one(self, keys: mx.array, values: mx.array) -> Optional[mx.Dtype]:
         """The decode fast path's gate, every check ``check_input`` / ``check_write``
         would make for one token, in the fewest operations: one token of the
@@ -220,16 +233,22 @@ class MuseKVCache(ABC):
 
         A model asks its layer types' first caches before any layer writes: those
         refuse a list that is out of step, and a model whose layers do not fit
-        the list (``cachelist``), before anything is written."""
+        the list (``cachelist``), before anything is written. Any other cache of
+        a list, asked by a model, was handed to it in less than the whole list
+        (a slice): it refuses that (``CacheList.check_asked``)."""
         # ``N is _ONE``: the int 1 exactly (CPython keeps one object for it; any
         # other 1 -- True, 1.0, numpy's -- takes the checked path below)
         if N is _ONE and not return_array and not self._first_of_kind and (
                 window_size is None or window_size == self._window):
+            if self._list is not None:  # 0 check_asked, 1 here, 2 its caller
+                self._list.check_asked(2)
             return None  # one token sees every row it is handed (at most the window)
         if N.__class__ is not int or N < 1:
             N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
         if self._first_of_kind:
             self._before_forward(N)
+        elif self._list is not None:
+            self._list.check_asked(2)
         return self._mask(N, window_size, return_array)
 
     @abstractmethod
@@ -498,7 +517,8 @@ class MuseKVCache(ABC):
 
     @abstractmethod
     def is_trimmable(self) -> bool:
-        """mlx-lm's question: whether ``trim`` can be exact for this cache."""
+        """mlx-lm's question: whether ``trim`` can be exact for this cache (never
+        while its list is out of step: ``in_step``)."""
 
     @abstractmethod
     def _rewind(self, plan: Trim) -> None:

@@ -52,7 +52,7 @@ from muser_kv.caches.base import Mask, MuseKVCache
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.masks import additive_mask, batch_chunk_mask, batch_decode_mask
 from muser_kv.caches.sliding import SlidingKVCache
-from muser_kv.caches.writes import ContextOverflow, evaluated_with
+from muser_kv.caches.writes import ContextOverflow, evaluated_with, require_bound
 from muser_kv.core import kernels
 from muser_kv.core.geometry import LayerKind, MuseGeometry, canonical_rows
 from muser_kv.core.planes import Planes
@@ -519,8 +519,9 @@ def make_slot_caches(geometry: MuseGeometry, slots: int, retain: int, plane_dtyp
     """``slots`` sequences over shared planes (one ``Planes`` of ``slots`` slots per
     layer, allocated now): for each slot, a bound cache list a model can run
     alone; for each layer, a batch over every slot (``active`` picks whom a
-    decode step writes)."""
-
+    decode step writes). Every plane is allocated whole: ``geometry`` needs a
+    bound (``require_bound``)."""
+    require_bound(geometry, "shared slot planes (SlotPool)")
     per_slot: List[List[MuseKVCache]] = [[] for _ in range(slots)]
     batches = []
     for i in range(geometry.num_layers):

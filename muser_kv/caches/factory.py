@@ -15,6 +15,7 @@ from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
+from muser_kv.caches.writes import require_bound
 from muser_kv.core import kernels
 from muser_kv.core.counts import count
 from muser_kv.core.geometry import LayerKind, MuseGeometry
@@ -34,15 +35,18 @@ def make_prompt_cache(
 ) -> List[MuseKVCache]:
     """One cache per layer of an mlx-lm Muse model, sized from its args.
 
-    ``max_context`` defaults to the model's ``max_position_embeddings``. Every
-    sliding ring is allocated (zero-filled) now, at the footprint formula's rows
-    rounded up to a multiple of 256. Global planes grow with the sequence: 256
-    rows at first, doubling before the write that needs more, never past
-    ``max_context`` rounded up to 256 (one bitwise copy per doubling; at most
-    twice the live rows, rounded up to 256). ``preallocate=True`` allocates them
-    whole now instead, the seeds' planes: what a fixed-slot deployment wants
-    (its memory is known at start and never grows), and what ``footprint``
-    reports.
+    ``max_context`` defaults to the model's ``max_position_embeddings``; where
+    the model's args carry none (mlx-lm's Cohere2 and GPT-OSS), to no preset
+    bound (``UNBOUNDED_CONTEXT``): rings of the window's rows, global planes
+    that grow for as long as memory lasts. Every sliding ring is allocated
+    (zero-filled) now, at the footprint formula's rows rounded up to a multiple
+    of 256. Global planes grow with the sequence: 256 rows at first, doubling
+    before the write that needs more, never past ``max_context`` rounded up to
+    256 (one bitwise copy per doubling; at most twice the live rows, rounded up
+    to 256). ``preallocate=True`` allocates them whole now instead, the seeds'
+    planes: what a fixed-slot deployment wants (its memory is known at start and
+    never grows), and what ``footprint`` reports; it needs a bound
+    (``UnsupportedModel`` where there is none: pass ``max_context``).
     ``retain`` is how many overwritten rows each sliding ring keeps, i.e. how
     deep ``trim`` and speculative rollback are exact past the wrap (0 turns the
     retention and its one extra copy per token off). ``sliding_layout`` picks the
@@ -78,6 +82,8 @@ def make_cache_for(
         raise TypeError(f"make_cache_for needs a MuseGeometry, got {type(geometry).__name__}")
     if not isinstance(preallocate, bool):
         raise TypeError(f"preallocate must be True or False, got {preallocate!r}")
+    if preallocate:
+        require_bound(geometry, "preallocate=True")
     retain = count(retain, "retain")
     batch_slots = count(batch_slots, "batch_slots", minimum=1)
     if sliding_layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):

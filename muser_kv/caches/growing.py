@@ -106,7 +106,7 @@ class GlobalKVCache(MuseKVCache):
         return 0
 
     def is_trimmable(self) -> bool:
-        return True
+        return self.in_step()
 
     def _rewind(self, plan: Trim) -> None:
         self.ring.assign(plan.after)

@@ -292,11 +292,12 @@ class SlidingKVCache(MuseKVCache):
         return ring.capacity - ring.len + self.retain
 
     def is_trimmable(self) -> bool:
-        """Fixed for the cache's life, so a caller that asks once (mlx-lm's
-        speculative decoding does, before its first token) is never misled
-        later: a ring that keeps no overwritten rows (``retain=0``) and can wrap
-        is never trimmable, even before it wraps."""
-        return self.retain > 0 or self.max_context <= self.ring.capacity
+        """Fixed for the cache's life while its list is in step, so a caller
+        that asks once (mlx-lm's speculative decoding does, before its first
+        token) is never misled later: a ring that keeps no overwritten rows
+        (``retain=0``) and can wrap is never trimmable, even before it wraps.
+        A list out of step is trimmable by no mlx-lm caller (``in_step``)."""
+        return (self.retain > 0 or self.max_context <= self.ring.capacity) and self.in_step()
 
     def _rewind(self, plan: Trim) -> None:
         """Put back the rows the trimmed tokens overwrote (from the retained rows)

@@ -1,12 +1,15 @@
 """What every write of a cache keeps: it never passes ``max_context``
 (``ContextOverflow``), and a copy it takes is evaluated with the rows it
-returns (``evaluated_with``)."""
+returns (``evaluated_with``); planes allocated whole need a ``max_context``
+that bounds them (``require_bound``)."""
 
 from __future__ import annotations
 
 from typing import Tuple
 
 import mlx.core as mx
+
+from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
 
 Pair = Tuple[mx.array, mx.array]
 
@@ -23,6 +26,20 @@ class ContextOverflow(ValueError):
             f"KV cache for layer {layer}: writing up to position {end} exceeds "
             f"max_context {max_context}"
         )
+
+
+def require_bound(geometry: MuseGeometry, what: str) -> None:
+    """Refuse (``UnsupportedModel``, before anything is allocated) to
+    preallocate ``geometry`` when its ``max_context`` is no bound
+    (``UNBOUNDED_CONTEXT``: the model's args name no context length and the
+    caller gave none): ``what`` would take that many rows per global plane now.
+    Growing planes need no bound."""
+    if not geometry.bounded:
+        raise UnsupportedModel(
+            f"{what} allocates max_context rows per global plane now, and this model's args "
+            "carry no max_position_embeddings: pass max_context (the positions to preallocate, "
+            "at most the model's context length); without preallocation global planes grow "
+            "with no preset bound")
 
 
 def evaluated_with(kv: Pair, copy: mx.array) -> Pair:

@@ -152,6 +152,17 @@ def _default_layer_kinds(num_layers: int) -> Tuple[LayerKind, ...]:
     )
 
 
+#: The ``max_context`` of a list for a model that names no context length (its
+#: args carry no ``max_position_embeddings``) when the caller gives none: no
+#: preset bound. Every ring then holds its window (``min(max_context, window)``)
+#: and every global plane grows for as long as memory lasts; this is only the
+#: most rows one plane's row dimension addresses (MLX array dimensions and RoPE
+#: offsets are int32), in whole granules, so ``ContextOverflow`` marks the end of
+#: addressable positions, never a size anyone chose. Preallocated planes need a
+#: real bound (``MuseGeometry.bounded``).
+UNBOUNDED_CONTEXT = 2**31 - ROW_GRANULE
+
+
 @dataclass(frozen=True)
 class MuseGeometry:
     """Layer kinds and head geometry; the defaults are Muse Glimmer's.
@@ -254,8 +265,9 @@ class MuseGeometry:
         one entry per cache its ``make_cache()`` builds (Gemma 4's KV-shared layers
         have none), of the kind and window that cache is, with the K/V heads and
         head_dim the model hands it. ``max_context`` defaults to the args'
-        ``max_position_embeddings`` and may not exceed it; a model whose args
-        carry none needs it given. A model muser-kv cannot serve exactly raises
+        ``max_position_embeddings`` and may not exceed it; for a model whose args
+        carry none it defaults to ``UNBOUNDED_CONTEXT`` (no preset bound: see
+        there). A model muser-kv cannot serve exactly raises
         ``UnsupportedModel`` naming why: no layer list, a cache of another kind
         (chunked attention, recurrent state), attention-sink rows, no sliding
         layer, two windows, K/V shapes that differ within a kind."""
@@ -310,11 +322,7 @@ class MuseGeometry:
         limit = _model_int(fields, "max_position_embeddings")
         max_context = optional_count(max_context, "max_context", minimum=1)
         if max_context is None:
-            if limit is None:
-                raise UnsupportedModel(
-                    f"{what} carries no max_position_embeddings: pass max_context (the "
-                    "positions to preallocate, at most the model's context length)")
-            max_context = limit
+            max_context = UNBOUNDED_CONTEXT if limit is None else limit
         elif limit is not None and max_context > limit:
             raise ValueError(
                 f"max_context {max_context} exceeds the model's max_position_embeddings {limit}"
@@ -329,6 +337,12 @@ class MuseGeometry:
             global_head_dim=0 if g_dim == s_dim else g_dim,
             model_layers=0 if model_layers == len(own) else model_layers,
         )
+
+    @property
+    def bounded(self) -> bool:
+        """Whether ``max_context`` is a bound (the model's or the caller's), not
+        ``UNBOUNDED_CONTEXT``: only a bounded geometry can be preallocated."""
+        return self.max_context < UNBOUNDED_CONTEXT
 
     def plan(self) -> Tuple[Tuple[LayerKind, int | None], ...]:
         """Every layer's kind and window (``None`` for a global layer)."""

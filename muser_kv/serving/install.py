@@ -21,6 +21,7 @@ from muser_kv.caches import prompt_files
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_cache_for
 from muser_kv.caches.speculative import DEFAULT_RETAIN
+from muser_kv.caches.writes import require_bound
 from muser_kv.core import kernels
 from muser_kv.core.counts import count
 from muser_kv.core.geometry import MuseGeometry
@@ -51,7 +52,9 @@ def install(model: Any, *, max_context: Optional[int] = None, retain: int = DEFA
     caller will decode speculatively, raises ``retain`` to at least that draft
     length, so every rollback mlx-lm's ``speculative_generate_step`` asks for is
     exact (with ``retain=0`` such a request is refused here). Raises
-    ``UnsupportedModel`` for a model that is not one muser-kv serves (docs/models.md).
+    ``UnsupportedModel`` for a model that is not one muser-kv serves
+    (docs/models.md), and for ``preallocate=True`` where neither the model's
+    args nor the caller bound ``max_context``.
     """
     if not isinstance(preallocate, bool):
         raise TypeError(f"preallocate must be True or False, got {preallocate!r}")
@@ -67,6 +70,8 @@ def install(model: Any, *, max_context: Optional[int] = None, retain: int = DEFA
     if sliding_layout not in (kernels.TOKEN_MAJOR, kernels.HEAD_MAJOR):
         raise ValueError(f"sliding_layout must be token_major or head_major, got {sliding_layout!r}")
     geometry = MuseGeometry.from_model(model, max_context)
+    if preallocate:  # refused now, not at mlx-lm's first make_cache()
+        require_bound(geometry, "install(model, preallocate=True)")
     dtype = plane_dtype_for(model, plane_dtype)
     batch_slots = count(batch_slots, "batch_slots", minimum=1)
 
@@ -96,9 +101,9 @@ def uninstall(model: Any) -> Any:
 def checkpoint_context(path: Any) -> Optional[int]:
     """The ``max_position_embeddings`` of the checkpoint at ``path`` (its
     ``config.json``, or its ``text_config``), for a model whose mlx-lm args
-    drop it (Cohere2, GPT-OSS, Muse Spark): the context a cache preallocates
+    drop it (Cohere2, GPT-OSS, Muse Spark): the bound a cache is built for
     when none is asked for. ``None`` when the file names none or is unreadable
-    locally."""
+    locally (the cache then has no preset bound: ``UNBOUNDED_CONTEXT``)."""
     import json
     from pathlib import Path
 

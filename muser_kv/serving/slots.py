@@ -183,7 +183,8 @@ class SlotPool:
     """``slots`` independent serving sessions sharing ``model``'s weights, plus
     one hidden staging session for context shifts.
 
-    ``max_context`` defaults to the model's ``max_position_embeddings``.
+    ``max_context`` defaults to the model's ``max_position_embeddings``; a
+    model whose args carry none needs it given (every plane is allocated whole).
     ``output_reserve`` positions are kept free for generation by every request
     (per-request override in ``prefill``). ``prefill_chunk`` is the prefill
     chunk width; ``retain`` is passed to every cache (``trim`` depth past the wrap);

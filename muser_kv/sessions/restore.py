@@ -114,8 +114,10 @@ def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
             raise SnapshotMismatch("plane dtype", str(first.dtype), str(p.dtype), i, p.kind)
     heads, dim = dims.get(LayerKind.SLIDING) or dims[LayerKind.GLOBAL]
     g_heads, g_dim = dims.get(LayerKind.GLOBAL, (heads, dim))
-    group = getattr(first, "_list", None)
-    model_layers = getattr(group, "model_layers", 0) or 0
+    group = first.cache_list
+    if group is not None:  # a slice of a list is not a list of fewer layers
+        group.check_whole(cache, "a session of a KV cache list")
+    model_layers = group.model_layers if group is not None else 0
     geometry = MuseGeometry(
         num_layers=len(planes), window=first._window, max_context=first.max_context,
         num_heads=kv_num_heads(heads, 0 if g_heads == heads else g_heads), kv_heads=heads,

@@ -221,3 +221,130 @@ def test_lists_from_separate_calls_are_separate(model_f32):
     assert trim_prompt_cache(both[8:], 2) == 2
     draft_model(prompt(1), cache=both[8:])
     model_f32(prompt(1), cache=both[:8])
+
+
+# -- issue 31, item 2: a slice of a list, used or fresh, is refused before any write ---------
+
+#: slices of an 8-layer list: a prefix (what mlx-lm's zip would run short), a
+#: suffix, a middle, every other layer, the list reversed
+SLICES = {"c[:4]": slice(None, 4), "c[4:]": slice(4, None), "c[2:6]": slice(2, 6),
+          "c[::2]": slice(None, None, 2), "c[::-1]": slice(None, None, -1)}
+
+
+def used_list(model, n=40):
+    cache = muser_kv.make_prompt_cache(model)  # the user's defaults
+    if n:
+        mx.eval(model(mx.array([list(range(1, n + 1))]), cache=cache))
+    return cache
+
+
+@pytest.mark.parametrize("used", [40, 0], ids=["used", "fresh"])
+@pytest.mark.parametrize("cut", SLICES)
+def test_a_slice_of_a_list_is_refused_before_any_layer_writes(model_f32, used, cut):
+    """The issue's case: c[:4] of a used 8-layer list ran 4 layers (wrong logits)
+    and left the list [41]*4 + [40]*4. Every slice, of a used list or a fresh
+    one, is refused before a layer writes; the whole list then runs on as if
+    the slice had never been handed."""
+    cache = used_list(model_f32, used)
+    twin = used_list(model_f32, used)
+    before = state(cache)
+    with pytest.raises(CacheListMismatch):
+        model_f32(mx.array([[7]]), cache=cache[SLICES[cut]])
+    with pytest.raises(CacheListMismatch):  # a chunk as well as one token
+        model_f32(prompt(3), cache=cache[SLICES[cut]])
+    assert_state(cache, before)
+    assert [c.offset for c in cache] == [used] * 8
+    got, want = model_f32(mx.array([[7]]), cache=cache), model_f32(mx.array([[7]]), cache=twin)
+    np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("cut", SLICES)
+def test_a_slice_of_a_list_a_write_stopped_in_is_refused(model_f32, cut):
+    """Whatever the list's history: [41]*4 + [40]*4 (a driver wrote its first 4
+    layers) accepts the write that finishes it from a driver, but a model handed
+    c[4:] would run its layers 0..3 on caches 4..7: refused before it writes."""
+    cache = part_written(model_f32)
+    before = state(cache)
+    for tokens in (mx.array([[7]]), prompt(3)):
+        with pytest.raises(CacheListMismatch):
+            model_f32(tokens, cache=cache[SLICES[cut]])
+    assert_state(cache, before)
+
+
+def test_a_prefix_slice_names_the_list_it_cuts(model_f32):
+    cache = used_list(model_f32)
+    with pytest.raises(CacheListMismatch, match=r"handed 4 caches \(list indices \[0, 1, 2, 3\]\) "
+                                                r"of a KV cache list of 8 .*hand the whole list"):
+        model_f32(mx.array([[7]]), cache=cache[:4])
+
+
+@pytest.mark.parametrize("used", [40, 0], ids=["used", "fresh"])
+def test_generate_step_on_a_slice_writes_no_layer(model_f32, used):
+    """mlx-lm's generate_step(..., prompt_cache=c[:4]) wrote half the list in its
+    first forward before CacheOutOfStep came."""
+    from mlx_lm.generate import generate_step
+
+    cache = used_list(model_f32, used)
+    before = state(cache)
+    with pytest.raises(CacheListMismatch):
+        next(generate_step(mx.array(list(range(50, 60))), model_f32, prompt_cache=cache[:4]))
+    assert_state(cache, before)
+    next(generate_step(mx.array([7]), model_f32, prompt_cache=cache))  # the whole list runs
+    assert len({c.offset for c in cache}) == 1 and cache[0].offset > used
+
+
+def part_written(model):
+    """A used list that a driver wrote on its first 4 layers only: out of step."""
+    cache = used_list(model)
+    k = mx.ones((1, 2, 1, 128), mx.float16)
+    for c in cache[:4]:
+        c.update_and_fetch(k, k)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def part_trimmed(model):
+    """A used list whose first layer alone was trimmed (a trim round left open)."""
+    cache = used_list(model)
+    cache[0].trim(2)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+@pytest.mark.parametrize("make", [part_written, part_trimmed])
+def test_trim_prompt_cache_refuses_a_list_out_of_step(model_f32, make):
+    """trim_prompt_cache(c, 1) on [41]*4 + [40]*4 returned 1 and left
+    [40]*4 + [39]*4. A list out of step is not trimmable: mlx-lm's
+    trim_prompt_cache returns 0 and changes nothing."""
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    cache = make(model_f32)
+    before = state(cache)
+    assert not can_trim_prompt_cache(cache)
+    assert trim_prompt_cache(cache, 1) == 0
+    assert_state(cache, before)
+    # an in-step list is trimmable as ever
+    fresh = used_list(model_f32)
+    assert can_trim_prompt_cache(fresh) and trim_prompt_cache(fresh, 1) == 1
+
+
+@pytest.mark.parametrize("cut", ["c[:4]", "c[4:]", "c[::-1]"])
+def test_a_session_of_a_slice_is_refused_at_save(model_f32, tmp_path, cut):
+    """save_session(path, c[:4]) wrote a 4-layer file that loading refused:
+    refused at save now, before the disk is touched; so is a snapshot, and a
+    restore into a slice."""
+    cache = used_list(model_f32)
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(CacheListMismatch, match=r"a session of a KV cache list: handed"):
+        muser_kv.save_session(path, cache[SLICES[cut]])
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CacheListMismatch):
+        muser_kv.SessionSnapshot.capture(cache[SLICES[cut]])
+    snapshot = muser_kv.SessionSnapshot.capture(cache)
+    before = state(cache)
+    with pytest.raises(CacheListMismatch):
+        muser_kv.restore_into(cache[SLICES[cut]], snapshot)
+    assert_state(cache, before)
+    muser_kv.save_session(path, cache)  # the whole list saves and loads
+    loaded = muser_kv.load_session(path, model_f32)
+    assert [c.offset for c in loaded] == [40] * 8

@@ -121,13 +121,20 @@ def test_a_model_without_sliding_layers_is_named_clearly():
     assert "its make_cache() builds 2 KVCache" in text
     assert "sliding-window and global attention layers" in text
     assert isinstance(e.value, TypeError)  # what a model of the wrong kind has always raised
-    # the plan is read, the context is not guessed
+    # the plan is read, the context is not guessed: with none named, the list has
+    # no preset bound (rings of the window, growing global planes), and only
+    # preallocated planes, which need one, ask for it
     no_context = _llama(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     no_context.args.max_position_embeddings = None
-    with pytest.raises(muser_kv.UnsupportedModel, match=r"carries no max_position_embeddings: "
+    unbounded = muser_kv.make_prompt_cache(no_context)
+    assert [c.max_context for c in unbounded] == [muser_kv.UNBOUNDED_CONTEXT] * 2
+    assert [c.capacity for c in unbounded] == [16, muser_kv.UNBOUNDED_CONTEXT]
+    assert not muser_kv.MuseGeometry.from_model(no_context).bounded
+    with pytest.raises(muser_kv.UnsupportedModel, match=r"carry no max_position_embeddings: "
                                                          r"pass max_context"):
-        muser_kv.make_prompt_cache(no_context)
+        muser_kv.make_prompt_cache(no_context, preallocate=True)
     assert len(muser_kv.make_prompt_cache(no_context, max_context=64)) == 2
+    assert len(muser_kv.make_prompt_cache(no_context, max_context=64, preallocate=True)) == 2
 
 
 def test_a_layer_type_muser_kv_does_not_serve_is_named():

@@ -307,6 +307,81 @@ def test_a_model_muser_kv_cannot_serve_exactly_is_refused_naming_why(name):
     assert "make_cache" not in vars(model)
 
 
+#: the zoo's models whose mlx-lm args carry no context length (the real
+#: checkpoints' config.json has one; mlx-lm's ModelArgs drops it)
+NO_CONTEXT = [n for n in ZOO if "max_position_embeddings" not in ZOO[n].args
+              and "max_position_embeddings" not in ZOO[n].args.get("text_config", {})]
+
+
+def test_the_zoo_has_models_that_name_no_context():
+    assert {"cohere2", "gpt_oss"} <= set(NO_CONTEXT)
+
+
+@pytest.mark.parametrize("name", NO_CONTEXT)
+def test_a_model_that_names_no_context_gets_a_list_without_a_preset_bound(name, tmp_path):
+    """make_prompt_cache(model) refused Cohere2 and GPT-OSS ("pass max_context")
+    where model.make_cache() works. With no bound named, rings hold the window
+    and global planes grow with no preset bound: the list is the bounded list
+    whose bound is never reached, bit for bit, past a plane's first growth; a
+    session of it loads unbounded. Only preallocation, which needs a bound,
+    asks for max_context."""
+    model = tiny(name, mx.bfloat16 if name == "muse_spark" else mx.float16)
+    cache = muser_kv.make_prompt_cache(model)
+    assert {c.max_context for c in cache} == {muser_kv.UNBOUNDED_CONTEXT}
+    assert [c.capacity for c in cache] == [
+        WINDOW if c.kind is LayerKind.SLIDING else muser_kv.UNBOUNDED_CONTEXT for c in cache]
+    assert [isinstance(c, muser_kv.SlidingKVCache) for c in cache] == [
+        type(o).__name__ == "RotatingKVCache" for o in type(model).make_cache(model)]
+    bounded = muser_kv.make_prompt_cache(model, 1024)
+    prompt = [(7 * i) % 100 + 1 for i in range(300)]  # past a global plane's first 256 rows
+    mine, theirs = greedy(model, cache, prompt, n=4), greedy(model, bounded, prompt, n=4)
+    assert [t for t, _ in mine] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(mine, theirs):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert [c.nbytes for c in cache] == [c.nbytes for c in bounded]
+    path = tmp_path / "s.safetensors"
+    muser_kv.save_session(path, cache)
+    loaded = muser_kv.load_session(path, model)
+    assert [(c.offset, c.max_context) for c in loaded] == [
+        (c.offset, muser_kv.UNBOUNDED_CONTEXT) for c in cache]
+
+    for refuse in (lambda: muser_kv.make_prompt_cache(model, preallocate=True),
+                   lambda: muser_kv.install(model, preallocate=True),
+                   lambda: muser_kv.SlotPool(model),
+                   lambda: muser_kv.load_session(path, model, preallocate=True)):
+        with pytest.raises(muser_kv.UnsupportedModel,
+                           match=r"carry no max_position_embeddings: pass max_context"):
+            refuse()
+    assert "make_cache" not in vars(model)
+    full = muser_kv.make_prompt_cache(model, MAX_CONTEXT, preallocate=True)
+    assert sum(c.nbytes for c in full) == muser_kv.footprint(
+        muser_kv.MuseGeometry.from_model(model, MAX_CONTEXT), MAX_CONTEXT).slot_bytes
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("name", ["gpt_oss", "cohere2"])
+def test_install_then_mlx_lm_generate_works_as_on_mlx_lms_caches(name, dtype):
+    """install(model) refused GPT-OSS and Cohere2 ("pass max_context"); now
+    mlx-lm's own generate on the installed model gives the text it gives on
+    mlx-lm's caches. The prompt is 2 windows + 1 tokens, so the rings hold each
+    position at the row mlx-lm's RotatingKVCache does (see
+    test_muser_kv_generate_prints_what_mlx_lm_generate_prints)."""
+    from local_tokenizer import tokenizer
+    from mlx_lm import generate
+
+    model = tiny(name, DTYPES[dtype])
+    tok = tokenizer(ZOO[name].args["vocab_size"])
+    prompt = " ".join(f"t{i}" for i in range(4, 5 + 2 * WINDOW))
+    theirs = generate(model, tok, prompt, max_tokens=STEPS)
+    muser_kv.install(model)
+    try:
+        assert muser_kv.installed(model).max_context == muser_kv.UNBOUNDED_CONTEXT
+        assert isinstance(model.make_cache()[0], muser_kv.MuseKVCache)
+        assert generate(model, tok, prompt, max_tokens=STEPS) == theirs
+    finally:
+        muser_kv.uninstall(model)
+
+
 def test_a_model_that_runs_layers_twice_is_refused():
     """IQuest Loop Coder's make_cache() gives every layer a second, looped cache."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache

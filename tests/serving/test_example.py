@@ -1,10 +1,16 @@
-"""Smoke test for examples/decode.py: its main() in-process on a tiny model,
-asserting on the printed report (footprint equality, ring state, tokens vs mlx-lm)."""
+"""Tests of examples/decode.py: the README's command 1 exactly as written (a
+subprocess, its exit status), and its main() in-process on a tiny model,
+asserting on the printed report (bytes held and a preallocated list's, ring
+state, the contract checks, tokens vs mlx-lm)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import os
 import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -15,7 +21,8 @@ import pytest
 
 import muser_kv
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "decode.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "decode.py"
 
 # 8 layers (6 sliding, 2 global), window 16, a 70-token prompt in 16-token
 # chunks (the chunk from 64 wraps the rings), then 8 decode steps: 78 positions.
@@ -41,16 +48,57 @@ def example() -> ModuleType:
     return load_example()
 
 
+def readme_command_1() -> list:
+    """The example's invocation in the README's command 1 (the part after the
+    venv and the install), as argv: the README's words, not a friendly variant."""
+    readme = (ROOT / "README.md").read_text()
+    lines = readme.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("# 1."))
+    command = lines[first + 1]
+    parts = [shlex.split(p) for p in command.split("&&")]
+    run = [p for p in parts if "examples/decode.py" in p]
+    assert len(run) == 1, command
+    interpreter, *argv = run[0]
+    assert interpreter == ".venv/bin/python", command  # the venv the command made: this one here
+    return argv
+
+
+def test_the_readme_command_1_exits_0() -> None:
+    """The README's command 1 exited 1: the example compared the growing global
+    planes' bytes with the preallocated footprint. Run as written (its
+    default flags), from the repository root, in a process of its own."""
+    argv = readme_command_1()
+    assert argv[0] == "examples/decode.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "cache contract (positions, rings, bytes): holds" in out, out
+    held = re.search(r"^cache bytes held: ([\d,]+) B = 39 sliding rings ([\d,]+) B \(preallocated\) "
+                     r"\+ 13 global planes ([\d,]+) B \(growing: ", out, re.M)
+    assert held, out
+    total, rings, planes = (int(g.replace(",", "")) for g in held.groups())
+    assert total == rings + planes
+    full = re.search(r"^a preallocated list would take: ([\d,]+) B \(footprint\(geometry, (\d+)\)",
+                     out, re.M)
+    assert full, out
+    assert planes < int(full.group(1).replace(",", "")) - rings  # the global planes grew, no more
+
+
 def test_decode_example_report(example: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     assert example.main(FLAGS) == 0
     out = capsys.readouterr().out
 
-    # rows are allocated in whole granules of 256: each 16-row ring takes 256
-    expected_bytes = (6 * 256 + 2 * 256) * ROW_BYTES
-    assert (
-        f"cache bytes: {expected_bytes:,} B; footprint(geometry, 256).slot_bytes: "
-        f"{expected_bytes:,} B; equal: True"
-    ) in out
+    # rows are allocated in whole granules of 256: each 16-row ring takes 256,
+    # and a global plane holding 78 rows one granule, as a preallocated one of 256
+    rings, planes = 6 * 256 * ROW_BYTES, 2 * 256 * ROW_BYTES
+    assert (f"cache bytes held: {rings + planes:,} B = 6 sliding rings {rings:,} B (preallocated) "
+            f"+ 2 global planes {planes:,} B (growing: 256 rows allocated for 78 held)") in out
+    assert (f"a preallocated list would take: {rings + planes:,} B "
+            "(footprint(geometry, 256).slot_bytes;") in out
+    assert "cache contract (positions, rings, bytes): holds" in out
 
     # 70 + 8 positions written: the sliding ring holds the last 16 (62..77),
     # its oldest at physical row 62 % 16; the global plane holds all 78 in order.
@@ -61,6 +109,27 @@ def test_decode_example_report(example: ModuleType, capsys: pytest.CaptureFixtur
     assert re.search(r"^mlx-lm +prefill +70 tok .* decode +8 tok .* tok/s$", out, re.M), out
     assert re.search(r"^speed ratio muser-kv / mlx-lm: prefill [\d.]+x, decode [\d.]+x$", out, re.M)
     assert "tokens match mlx-lm: True (8 of 8;" in out, out
+
+
+def test_the_contract_checks_can_fail(example: ModuleType) -> None:
+    """The exit status rests on checks that fail when the cache is not what its
+    contract says: a list one token off, a preallocated list (held == the
+    footprint, which the checks accept), a ring of another window."""
+    ns = example.parse_args([f for f in FLAGS if f != "--compare"])
+    model = example.build_model(ns)
+    geometry = muser_kv.MuseGeometry.from_model_args(model.args, ns.max_context)
+    cache = muser_kv.make_prompt_cache(model, max_context=ns.max_context)
+    mx.eval(model(mx.array([list(range(1, 41))]), cache=cache))
+    assert example.contract_failures(cache, geometry, ns.max_context, 40) == []
+    off = example.contract_failures(cache, geometry, ns.max_context, 41)
+    assert any("layer 0 is at position 40, expected 41" in line for line in off), off
+    assert any("sliding layer 0 ring" in line for line in off), off
+    full = muser_kv.make_prompt_cache(model, max_context=ns.max_context, preallocate=True)
+    mx.eval(model(mx.array([list(range(1, 41))]), cache=full))
+    assert example.contract_failures(full, geometry, ns.max_context, 40) == []
+    wider = dataclasses.replace(geometry, window=32)
+    bad = example.contract_failures(cache, wider, ns.max_context, 40)
+    assert any("sliding layer 0 ring" in line for line in bad), bad
 
 
 def test_first_difference(example: ModuleType) -> None:
