@@ -171,6 +171,11 @@ class MuseModelProvider(server.ModelProvider):
         self.limits: Optional[Limits] = None  #: the loaded model's; ``None`` while none is
         #: called with each model loaded without a draft model, before it serves
         self.on_load: List[Callable[[Any], None]] = []
+        #: a model is loaded with muser-kv's caches and its hooks have run: what
+        #: ``/health`` waits for, so a request never waits for a load it did not ask
+        #: for (mlx-lm loads ``--model`` in its generation thread, after /health
+        #: already answers 200)
+        self.ready = cli_args.model is None
         if cli_args.model is not None:
             geometry = check_model(cli_args.model, cli_args.max_context)
             budget = getattr(cli_args, "kv_memory", None)
@@ -208,6 +213,7 @@ class MuseModelProvider(server.ModelProvider):
 
     def _load(self, model_path: str, adapter_path: Optional[str] = None,
               draft_model_path: Optional[str] = None) -> None:
+        self.ready = False
         super()._load(model_path, adapter_path, draft_model_path)
         try:
             drafts = self.cli_args.num_draft_tokens if self.draft_model is not None else None
@@ -239,6 +245,7 @@ class MuseModelProvider(server.ModelProvider):
         # preallocated planes is 1.8 GB at 131k).
         self.is_batchable = self.draft_model is None and all(
             hasattr(cls, "merge") for cls in (SlidingKVCache, GlobalKVCache))
+        self.ready = True
 
 
 def _prepare(store: KVStore, model: Any) -> None:
@@ -327,6 +334,13 @@ class MuseResponseGenerator(server.ResponseGenerator):
     thread nothing; the generation thread's check holds whatever the handler saw."""
 
     model_provider: MuseModelProvider
+
+    @property
+    def is_healthy(self) -> bool:
+        """``/health``: mlx-lm's (its generation thread is up) and the provider
+        ``ready``, so a client or orchestrator that waits for 200 never sends its
+        first request into a model load."""
+        return bool(super().is_healthy) and self.model_provider.ready
 
     @property  # type: ignore[override]
     def _time_budget(self) -> _Window:

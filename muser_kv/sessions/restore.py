@@ -135,7 +135,7 @@ def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
 def list_model(cache: Sequence[Any]) -> Any:
     """The model a cache list was built for, when every layer belongs to one
     list that knows it (``make_prompt_cache(model)``), else None."""
-    lists = {id(getattr(c, "_list", None)): getattr(c, "_list", None) for c in cache}
+    lists = {id(getattr(c, "cache_list", None)): getattr(c, "cache_list", None) for c in cache}
     if len(lists) != 1:
         return None
     group = next(iter(lists.values()))

@@ -500,3 +500,39 @@ def test_the_speculative_path_stores_entries_keyed_by_what_they_hold(model_dir):
     assert short > 0  # the premise: some caches hold one token fewer than their key
     for tokens in (t for lrus in lru._lru._lrus.values() for _, t in lrus):
         assert lru._trie.get("m", tokens).prompt_cache[0].offset == len(tokens)
+
+
+def test_health_answers_ok_only_once_the_model_is_loaded(model_dir, monkeypatch):
+    """mlx-lm loads ``--model`` in its generation thread while ``/health``
+    already answers 200, so a client that waited for 200 sent its first request
+    into the load (20-25 s of the real geometry's weights). muser-kv serve is
+    healthy once the model is loaded with its caches: the load is held here
+    until ``/health``'s answer has been read."""
+    import threading
+
+    from mlx_lm import server as mlx_server
+
+    release = threading.Event()
+    real = mlx_server.ModelProvider._load
+
+    def held(self, *args, **kwargs):
+        assert release.wait(START_TIMEOUT)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlx_server.ModelProvider, "_load", held)
+    provider = serve.MuseModelProvider(parse(["--model", str(model_dir)]))
+    generator = serve.MuseResponseGenerator(provider, ExactPromptCache())
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not generator.generation_available():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not generator.is_healthy and provider.limits is None
+        release.set()
+        while provider.limits is None or not generator.is_healthy:
+            assert time.monotonic() < deadline and generator.generation_available()
+            time.sleep(0.02)
+        assert isinstance(provider.model.make_cache()[0], muser_kv.MuseKVCache)
+    finally:
+        release.set()
+        generator.stop_and_join()
