@@ -627,3 +627,33 @@ def test_cli_store_on_redis(redis_server, capsys):
     assert "no bound" in capsys.readouterr().out
     assert main(["store", "gc", redis_server.url, "--max-bytes", "0"]) == 0
     assert "evicted 1 chunk(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("via", ["get", "get_into", "put"])
+def test_directory_something_not_a_file_at_a_chunks_path_is_a_miss_dropped_and_stored_again(
+        tmp_path, via, caplog):
+    """The directory tier's twin of Redis's wrong type: a directory where a
+    chunk's file should be is no chunk: not contained, and the first get or put
+    deletes it (a put then stores the chunk, whole)."""
+    t = DirectoryTier(tmp_path / "s")
+    assert t.put(key(1), blob(1)) and t.put(key(2), blob(2))
+    path = next(p for p in (tmp_path / "s").rglob(key(1)))
+    path.unlink()
+    path.mkdir()
+    (path / "other").write_bytes(b"x")
+    assert not t.contains(key(1))
+    with caplog.at_level(logging.WARNING, "muser_kv.store"):
+        if via == "get":
+            assert t.get(key(1)) is None
+        elif via == "get_into":
+            assert t.get_into(key(1), lambda n: np.zeros(n, dtype=np.uint8)) is None
+        else:
+            assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)
+    lines = store_warnings(caplog)
+    assert len(lines) == 1 and key(1) in lines[0].getMessage() and "not a file" in lines[0].getMessage()
+    assert t.get(key(2)) == blob(2)
+    if via != "put":
+        assert not path.exists()
+        assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)  # stored anew, whole
+    assert path.is_file() and t.contains(key(1))
+    t.close()

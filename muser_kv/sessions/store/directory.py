@@ -9,6 +9,8 @@ import json
 import os
 import re
 import secrets
+import shutil
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -253,6 +255,10 @@ class DirectoryTier(BlobTier):
                     self._bytes -= n
             self._counts.add(misses=1)
             return None
+        except IsADirectoryError:
+            self._drop_foreign(key, path)
+            self._counts.add(misses=1, errors=1)
+            return None
         except OSError as e:
             self._counts.add(misses=1, errors=1)
             self._warn(f"get:{e.errno}", "store directory %s: reading chunk %s failed (%s): a miss",
@@ -293,6 +299,24 @@ class DirectoryTier(BlobTier):
         self._maybe_flush()
         return payload
 
+    def _drop_foreign(self, key: str, path: Path) -> None:
+        """What lies at a chunk's path and is no file (a directory, say) is not
+        what the key promises: a miss, and dropped, so the next put stores the
+        chunk instead of finding its name taken forever."""
+        log.warning("store directory %s: chunk %s is not a file: deleted, a miss", self.path, key)
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError as e:
+            self._warn(f"drop:{e.errno}", "store directory %s: deleting what lies at chunk %s failed "
+                       "(%s)", self.path, key, e)
+        with self._lock:
+            n = self._index.pop(key, None)
+            if n is not None:
+                self._bytes -= n
+
     def _discard_if_same(self, key: str, path: Path, st: Optional[os.stat_result]) -> None:
         """Delete the corrupt file ``st`` unless another put has replaced it since."""
         try:
@@ -312,23 +336,26 @@ class DirectoryTier(BlobTier):
         n = payload.nbytes
         path = self._file(key)
         try:
-            os.stat(path)
+            found = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             pass
         except OSError as e:
             return self._put_failed(key, e)
         else:
-            if replace:
+            if not stat.S_ISREG(found.st_mode):
+                self._drop_foreign(key, path)
+            elif replace:
                 return self._write(key, path, payload, n)
-            now = self._tick()
-            try:
-                os.utime(path, ns=(now, now))
-            except OSError:
-                pass
-            with self._lock:
-                if key in self._index:
-                    self._index.move_to_end(key)
-            return True
+            else:
+                now = self._tick()
+                try:
+                    os.utime(path, ns=(now, now))
+                except OSError:
+                    pass
+                with self._lock:
+                    if key in self._index:
+                        self._index.move_to_end(key)
+                return True
         if self.max_bytes is not None and n > self.max_bytes:
             self._counts.add(errors=1)
             self._warn("put:bound", "store directory %s: chunk %s of %d bytes is larger than the bound "
@@ -408,8 +435,7 @@ class DirectoryTier(BlobTier):
     def contains(self, key: str) -> bool:
         check_key(key)
         try:
-            os.stat(self._file(key))
-            return True
+            return stat.S_ISREG(os.stat(self._file(key), follow_symlinks=False).st_mode)
         except FileNotFoundError:
             return False
         except OSError as e:
