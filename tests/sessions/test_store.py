@@ -608,3 +608,48 @@ def test_the_landing_stock_keeps_its_bound_and_hands_out_each_buffer_once():
     assert landing.nbytes == 0
     with pytest.raises(ValueError, match="landing_bytes"):
         Landing(max_bytes=-1)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_a_put_takes_a_lists_rows_through_the_caches_live_rows(layout):
+    """``live_rows(start, stop)`` is the snapshot's rows ``[start, stop)`` bit for
+    bit, past a wrap and in both sliding layouts; rows
+    a cache does not hold are refused, and the cache is left as it was."""
+    model = PLANS["glimmer-w300"](mx.float16)
+    tokens = tokens_for(22, 700)
+    cache = new_list(model, layout)
+    model(mx.array([tokens]), cache=cache)
+    for c in cache:
+        start, k, v = c.snapshot()
+        end = start + k.shape[0]
+        for lo, hi in [(start, end), (start + 1, end - 3), (end - 256, end - 1)]:
+            keys, values = c.live_rows(lo, hi)
+            assert keys.shape == values.shape == (hi - lo, c.kv_dim)
+            assert (bits(keys) == bits(k[lo - start:hi - start].reshape(hi - lo, -1))).all()
+            assert (bits(values) == bits(v[lo - start:hi - start].reshape(hi - lo, -1))).all()
+        before = state([c])
+        for lo, hi in [(start - 1, end) if start else (0, end + 1), (end, end), (end - 1, end + 1)]:
+            with pytest.raises(ValueError, match="not live"):
+                c.live_rows(lo, hi)
+        assert_same(state([c]), before)
+
+
+def test_rebuildable_and_longest_prefix_walk_one_rule_past_a_hole_in_the_chain():
+    """A global chunk gone from the middle of a chain (evicted, say) takes every
+    position above it with it, and ``longest_prefix`` takes the deepest
+    position ``rebuildable`` lists, whichever way each walks the chain."""
+    model = PLANS["glimmer-w300"](mx.float16)
+    store = KVStore()
+    tokens = tokens_for(23)
+    states, _ = converse(model, tokens, store)
+    window = restore.cache_geometry(new_list(model)).window
+    scope = planner.Scopes().of(new_list(model), model)[0]
+    names = chunks.chain(scope, tokens, 3)
+    store.memory.delete(chunks.object_key("G", names[2]))  # the chunk [256, 512)
+    below = [n for n in oracle(PUTS, window) if n < 2 * CHUNK]
+    assert below and store.rebuildable(tokens, model, like=new_list(model)) == below
+    for length in (302, 512, 513, 700, 901):
+        n, cache = store.longest_prefix(tokens[:length], model, into=new_list(model))
+        assert n == max([p for p in below if p <= length - 1], default=0)
+        if n:
+            assert_same(state(cache), states[n])

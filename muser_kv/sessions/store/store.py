@@ -1,5 +1,12 @@
 """``KVStore``: exact reuse of any stored point of a conversation, by prefix.
 
+The facade of three parts: ``planner`` knows tokens and positions (the names,
+the objects a put makes or a position needs, which positions are
+rebuildable), ``manager`` knows keys and objects (the tiers); ``KVStore``
+checks its arguments, asks the planner what to copy or fetch and the manager
+for it, moves rows between live lists and objects (``rows``) and installs
+through the restore path. Neither part calls the other.
+
 A state at position ``n`` is rebuilt exactly from the rows of the positions
 before ``n``: every global plane takes all of them, every ring the last
 ``window`` of them at its positional rotation, through the one restore path a
@@ -11,11 +18,8 @@ What is kept (``chunks``): per 256-token chunk, its global rows (``G``); its
 sliding rows (``S``) when a put saw the whole chunk in the rings; and per put
 point its tail and the sliding rows of its window no ``S`` holds (``P``).
 
-**Rebuildable positions.** Every put point, and every chunk boundary ``b``
-whose window ``[b - window, b)`` lies in ``S`` chunks: the boundaries within
-the window before a put point (a ring holds only the last ``window`` rows, so
-rows older than that were never seen by a put). A position stays rebuildable
-while every object it needs is in some tier.
+Which positions are rebuildable is the planner's rule (``planner`` module
+doc, ``planner.candidates``), which ``longest_prefix`` and ``rebuildable`` both walk.
 
 **What a put costs.** A lookup per chunk of the prefix, and a copy only of
 what no tier holds: the new chunks' global rows, the new whole chunks of the
@@ -24,8 +28,8 @@ rows). The copies are gathered on the device in one evaluation, each layer's
 rows of a run of adjacent chunks at once, stacked layer-major and cut into
 chunks (``chunks.Rows``: one block per plane for all the layers of a kind), so
 neither a put nor a rebuild makes an operation per chunk and layer; writing
-them to the directory or Redis tier happens behind, on one writer thread
-(``flush`` waits for it).
+them to the directory or Redis tier happens behind, on the manager's writer
+thread (``flush`` waits for it).
 
 **Faults.** A stored object that fails its digest (the byte tiers check it),
 is truncated, or is not what its key says (``chunks.decode``) is a miss and is
