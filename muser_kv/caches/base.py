@@ -399,6 +399,16 @@ class MuseKVCache(ABC):
         shape = (self.ring.len, self.kv_heads, self.head_dim)
         return self.ring.origin_logical, k.reshape(shape), v.reshape(shape)
 
+    def live_rows(self, start: int, stop: int) -> Pair:
+        """``(keys, values)``: live rows ``[start, stop)`` as ``[stop - start, kv_dim]``
+        (plane type) in logical order, in fresh buffers (never a view of a plane)."""
+        ring = self.ring
+        if not ring.origin_logical <= start < stop <= ring.end:
+            raise ValueError(f"KV cache for layer {self.layer}: rows [{start}, {stop}) are not "
+                             f"live (live [{ring.origin_logical}, {ring.end}))")
+        run = Ring(ring.capacity, stop - start, start, ring.physical(start), self.layer)
+        return self.backend.gather(*self.planes.physical(self.slot), self.layout, run)
+
     def install(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Replace the contents with logical rows ``[n, H, D]`` (plane type) starting
         at ``start``, placed at rotation ``start % capacity``: exactly where a

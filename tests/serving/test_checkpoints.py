@@ -40,7 +40,7 @@ from muser_kv.serving.checkpoints import (
 from muser_kv.serving.cli import main as muser_kv_main
 from muser_kv.serving.prompt_cache import ExactPromptCache
 from muser_kv.sessions import reading
-from muser_kv.sessions.store import store as store_module
+from muser_kv.sessions.store import planner
 
 CONTEXT = 2048
 EVERY = 256  # --kv-store-checkpoint in these tests
@@ -349,7 +349,7 @@ def test_serve_prepares_its_store_when_the_model_loads(model_dir, running, tmp_p
     prepared = b.store.landing.nbytes
     sampled, on_demand = [], []
     real_bytes = reading.host_bytes
-    monkeypatch.setattr(store_module, "model_fingerprint", lambda m: sampled.append(m))
+    monkeypatch.setattr(planner, "model_fingerprint", lambda m: sampled.append(m))
     monkeypatch.setattr(reading, "host_bytes", lambda n: on_demand.append(n) or real_bytes(n))
     again = b.ask(prompt[:-1] + [3])
     assert again["reused"] >= 512 and b.store.stats().read_bytes > 0

@@ -23,10 +23,9 @@ from model_zoo import ZOO
 
 import muser_kv
 from muser_kv import KVStore
-from muser_kv.sessions import reading
-from muser_kv.sessions.store import CHUNK, chunks
+from muser_kv.sessions import reading, restore
+from muser_kv.sessions.store import CHUNK, chunks, planner
 from muser_kv.sessions.store import rows as rows_module
-from muser_kv.sessions.store import store as store_module
 from muser_kv.sessions.store.landing import GRAIN, Landing
 
 CONTEXT = 1024
@@ -135,7 +134,7 @@ def test_every_rebuildable_position_is_the_live_list_there(plan, dtype):
     store = KVStore()
     tokens = tokens_for()
     states, lists = converse(model, tokens, store)
-    window = new_list(model)[0]._window
+    window = restore.cache_geometry(new_list(model)).window
     rebuildable = store.rebuildable(tokens, model, like=new_list(model))
     assert rebuildable == oracle(PUTS, window)
     for n in rebuildable:
@@ -434,7 +433,7 @@ def test_a_new_store_over_the_same_directory_rebuilds_and_passes_over_what_is_no
     read = again.stats()
     assert read.read_bytes > 0 and read.read_s > 0
     # the point at 900 replaced by the bytes of the point at 703
-    scope = again._scope(new_list(model), model)[0]
+    scope = planner.Scopes().of(new_list(model), model)[0]
     names = chunks.chain(scope, tokens, 900 // CHUNK)
     point_900 = chunks.object_key("P", names[3], tokens[768:900])
     point_703 = chunks.object_key("P", names[2], tokens[512:703])
@@ -466,7 +465,7 @@ def test_a_put_keeps_each_object_in_buffers_of_its_own_and_a_rebuild_joins_once_
     cache = new_list(model)
     model(mx.array([tokens]), cache=cache)
     store.put(tokens, cache)
-    kept = [obj for obj, _ in store.memory._objects.values()]
+    kept = store.memory.objects()
     objects = [obj for obj in kept if not isinstance(obj, chunks.Index)]
     rows = [r for o in objects for r in ((o.globals, *o.fragments) if isinstance(o, chunks.Point)
                                          else (o,))]
@@ -541,9 +540,8 @@ def test_a_rebuild_checks_the_lists_model_without_sampling_its_weights_again(mon
 
 def test_encoded_size_is_the_length_of_the_encoding():
     model = PLANS["glimmer-w300"](mx.bfloat16)
-    store = KVStore()
     cache = new_list(model)
-    scope, _ = store._scope(cache, model)
+    scope, _ = planner.Scopes().of(cache, model)
     for layers, start, count in [(scope.global_layers, 0, 256), (scope.sliding_layers, 768, 256),
                                  (scope.global_layers, 512, 13), (scope.sliding_layers, 5, 1)]:
         rows = chunks.shaped_rows(scope, layers, start, count)
@@ -569,9 +567,9 @@ def test_a_prepared_store_rebuilds_from_disk_into_buffers_made_ahead(tmp_path, m
     stocked = again.landing.nbytes
     assert stocked > 0
     on_demand, sampled = [], []
-    real_bytes, real_fingerprint = reading.host_bytes, store_module.model_fingerprint
+    real_bytes, real_fingerprint = reading.host_bytes, planner.model_fingerprint
     monkeypatch.setattr(reading, "host_bytes", lambda n: on_demand.append(n) or real_bytes(n))
-    monkeypatch.setattr(store_module, "model_fingerprint",
+    monkeypatch.setattr(planner, "model_fingerprint",
                         lambda m: sampled.append(m) or real_fingerprint(m))
     got, cache = again.longest_prefix(tokens[:901], model, into=new_list(model))
     assert got == 900
@@ -610,3 +608,48 @@ def test_the_landing_stock_keeps_its_bound_and_hands_out_each_buffer_once():
     assert landing.nbytes == 0
     with pytest.raises(ValueError, match="landing_bytes"):
         Landing(max_bytes=-1)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_a_put_takes_a_lists_rows_through_the_caches_live_rows(layout):
+    """``live_rows(start, stop)`` is the snapshot's rows ``[start, stop)`` bit for
+    bit, past a wrap and in both sliding layouts; rows
+    a cache does not hold are refused, and the cache is left as it was."""
+    model = PLANS["glimmer-w300"](mx.float16)
+    tokens = tokens_for(22, 700)
+    cache = new_list(model, layout)
+    model(mx.array([tokens]), cache=cache)
+    for c in cache:
+        start, k, v = c.snapshot()
+        end = start + k.shape[0]
+        for lo, hi in [(start, end), (start + 1, end - 3), (end - 256, end - 1)]:
+            keys, values = c.live_rows(lo, hi)
+            assert keys.shape == values.shape == (hi - lo, c.kv_dim)
+            assert (bits(keys) == bits(k[lo - start:hi - start].reshape(hi - lo, -1))).all()
+            assert (bits(values) == bits(v[lo - start:hi - start].reshape(hi - lo, -1))).all()
+        before = state([c])
+        for lo, hi in [(start - 1, end) if start else (0, end + 1), (end, end), (end - 1, end + 1)]:
+            with pytest.raises(ValueError, match="not live"):
+                c.live_rows(lo, hi)
+        assert_same(state([c]), before)
+
+
+def test_rebuildable_and_longest_prefix_walk_one_rule_past_a_hole_in_the_chain():
+    """A global chunk gone from the middle of a chain (evicted, say) takes every
+    position above it with it, and ``longest_prefix`` takes the deepest
+    position ``rebuildable`` lists, whichever way each walks the chain."""
+    model = PLANS["glimmer-w300"](mx.float16)
+    store = KVStore()
+    tokens = tokens_for(23)
+    states, _ = converse(model, tokens, store)
+    window = restore.cache_geometry(new_list(model)).window
+    scope = planner.Scopes().of(new_list(model), model)[0]
+    names = chunks.chain(scope, tokens, 3)
+    store.memory.delete(chunks.object_key("G", names[2]))  # the chunk [256, 512)
+    below = [n for n in oracle(PUTS, window) if n < 2 * CHUNK]
+    assert below and store.rebuildable(tokens, model, like=new_list(model)) == below
+    for length in (302, 512, 513, 700, 901):
+        n, cache = store.longest_prefix(tokens[:length], model, into=new_list(model))
+        assert n == max([p for p in below if p <= length - 1], default=0)
+        if n:
+            assert_same(state(cache), states[n])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from muser_kv.sessions.store.chunks import Stored, nbytes
 
@@ -73,6 +73,11 @@ class MemoryTier:
             old = self._objects.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
+
+    def objects(self) -> List[Stored]:
+        """Every object held, least recently used first."""
+        with self._lock:
+            return [obj for obj, _ in self._objects.values()]
 
     def stats(self) -> MemoryStats:
         with self._lock:

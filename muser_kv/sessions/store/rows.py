@@ -1,37 +1,30 @@
 """Rows between live lists and stored objects: ``gather`` takes a live list's
 rows of some layers into layer-major blocks (one per ``kv_dim``, fresh buffers
-of their own), ``cut`` joins stored blocks back into each layer's ``LayerCut``
-for an install, and ``fits`` checks that a stored object is the rows its key
-promises. Every copy is per block and plane, never per layer and chunk, so a
-put's and a rebuild's operations grow with the layers or the chunks, not
-their product."""
+of their own, through the cache's ``live_rows``), and ``cuts`` joins stored
+blocks back into each layer's ``LayerCut`` for an install. Every copy is per
+block and plane, never per layer and chunk, so a put's and a rebuild's
+operations grow with the layers or the chunks, not their product."""
 
 from __future__ import annotations
 
-import logging
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
 from muser_kv.caches.base import MuseKVCache
-from muser_kv.core.ring import Ring
 from muser_kv.sessions.restore import LayerCut
 from muser_kv.sessions.store import chunks
-from muser_kv.sessions.store.chunks import Rows
-
-log = logging.getLogger("muser_kv.store")  # the store's own: one logger for its lines
+from muser_kv.sessions.store.chunks import Rows, Scope
 
 
-def fits(rows: Any, start: int, count: int, layers: Tuple[int, ...],
-          shape: Tuple[Tuple[Tuple[int, ...], int], ...]) -> bool:
-    """Whether a stored object is the rows its key promises, kept as its scope
-    keeps them (``Scope.shape``); else it is passed over."""
-    ok = (isinstance(rows, Rows) and rows.start == start and rows.count == count
-          and rows.layers == layers and rows.shape == shape)
-    if not ok and rows is not None:
-        log.warning("KV store: an object under a key for rows [%d, %d) holds other rows; "
-                    "passed over", start, start + count)
-    return ok
+def cuts(entries: List[MuseKVCache], scope: Scope, start: int, window: List[Rows],
+         pieces: List[Rows]) -> List[LayerCut]:
+    """Every layer's cut: the global layers' from ``pieces`` (rows from 0), the
+    sliding layers' from ``window`` (rows from ``start``)."""
+    out: List[Optional[LayerCut]] = [None] * len(entries)
+    cut(out, entries, scope.global_layers, scope.shape(scope.global_layers), pieces, 0)
+    cut(out, entries, scope.sliding_layers, scope.shape(scope.sliding_layers), window, start)
+    return [c for c in out if c is not None]
 
 
 def cut(cuts: List[Optional[LayerCut]], entries: List[MuseKVCache], layers: Tuple[int, ...],
@@ -63,7 +56,7 @@ def gather(entries: List[MuseKVCache], layers: Tuple[int, ...],
     """Rows ``[lo, hi)`` of ``layers`` for each of ``ranges`` (disjoint), each
     in fresh buffers of its own (the memory tier counts and frees them one by
     one). Per block of layers, each layer's rows of a run of adjacent ranges are
-    gathered at once (the backend's ``gather``, which un-rotates a ring) and
+    gathered at once (the cache's ``live_rows``, which un-rotates a ring) and
     stacked into one layer-major block, then cut into the ranges: the number of
     operations grows with the layers or with the ranges, not their product."""
     blocks: List[List[chunks.Block]] = [[] for _ in ranges]
@@ -78,7 +71,7 @@ def gather(entries: List[MuseKVCache], layers: Tuple[int, ...],
         # would be a view of it, not a buffer of its own
         for run in (_adjacent(ranges, order) if len(at) > 1 else [[i] for i in order]):
             lo, hi = ranges[run[0]][0], ranges[run[-1]][1]
-            rows = [_gather_layer(entries[layers[i]], lo, hi) for i in at]
+            rows = [entries[layers[i]].live_rows(lo, hi) for i in at]
             if len(at) == 1:
                 k, v = rows[0][0][None], rows[0][1][None]
             else:
@@ -102,11 +95,3 @@ def _adjacent(ranges: List[Tuple[int, int]], order: List[int]) -> List[List[int]
         else:
             runs.append([i])
     return runs
-
-
-def _gather_layer(e: MuseKVCache, lo: int, hi: int) -> Tuple[mx.array, mx.array]:
-    """Rows ``[lo, hi)`` of one layer, ``[hi - lo, kv_dim]`` each, in fresh buffers."""
-    ring = e.ring
-    sub = Ring(ring.capacity, hi - lo, lo, ring.physical(lo), e.layer)
-    k, v = e.backend.gather(*e.planes.physical(e.slot), e.layout, sub)
-    return k, v

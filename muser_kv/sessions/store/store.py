@@ -1,5 +1,12 @@
 """``KVStore``: exact reuse of any stored point of a conversation, by prefix.
 
+The facade of three parts: ``planner`` knows tokens and positions (the names,
+the objects a put makes or a position needs, which positions are
+rebuildable), ``manager`` knows keys and objects (the tiers); ``KVStore``
+checks its arguments, asks the planner what to copy or fetch and the manager
+for it, moves rows between live lists and objects (``rows``) and installs
+through the restore path. Neither part calls the other.
+
 A state at position ``n`` is rebuilt exactly from the rows of the positions
 before ``n``: every global plane takes all of them, every ring the last
 ``window`` of them at its positional rotation, through the one restore path a
@@ -11,11 +18,8 @@ What is kept (``chunks``): per 256-token chunk, its global rows (``G``); its
 sliding rows (``S``) when a put saw the whole chunk in the rings; and per put
 point its tail and the sliding rows of its window no ``S`` holds (``P``).
 
-**Rebuildable positions.** Every put point, and every chunk boundary ``b``
-whose window ``[b - window, b)`` lies in ``S`` chunks: the boundaries within
-the window before a put point (a ring holds only the last ``window`` rows, so
-rows older than that were never seen by a put). A position stays rebuildable
-while every object it needs is in some tier.
+Which positions are rebuildable is the planner's rule (``planner`` module
+doc, ``planner.candidates``), which ``longest_prefix`` and ``rebuildable`` both walk.
 
 **What a put costs.** A lookup per chunk of the prefix, and a copy only of
 what no tier holds: the new chunks' global rows, the new whole chunks of the
@@ -24,8 +28,8 @@ rows). The copies are gathered on the device in one evaluation, each layer's
 rows of a run of adjacent chunks at once, stacked layer-major and cut into
 chunks (``chunks.Rows``: one block per plane for all the layers of a kind), so
 neither a put nor a rebuild makes an operation per chunk and layer; writing
-them to the directory or Redis tier happens behind, on one writer thread
-(``flush`` waits for it).
+them to the directory or Redis tier happens behind, on the manager's writer
+thread (``flush`` waits for it).
 
 **Faults.** A stored object that fails its digest (the byte tiers check it),
 is truncated, or is not what its key says (``chunks.decode``) is a miss and is
@@ -36,14 +40,10 @@ shallower one, and never leaves a list half-written.
 
 from __future__ import annotations
 
-import logging
-import os
-import queue
 import threading
 import time
-import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -51,23 +51,17 @@ from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import LayerKind
 from muser_kv.sessions import restore
-from muser_kv.sessions.fingerprint import differs, model_fingerprint
-from muser_kv.sessions.format import ModelMismatch, plane_encoding
+from muser_kv.sessions.fingerprint import differs
+from muser_kv.sessions.format import ModelMismatch
 from muser_kv.sessions.restore import LayerCut, cache_geometry, list_model
-from muser_kv.sessions.store import chunks
-from muser_kv.sessions.store.chunks import CHUNK, Index, Point, Rows, Scope
+from muser_kv.sessions.store import planner, rows
+from muser_kv.sessions.store.chunks import Point, Scope
 from muser_kv.sessions.store.landing import DEFAULT_LANDING_BYTES, Landing
+from muser_kv.sessions.store.manager import DEFAULT_MEMORY_BYTES, TierManager, open_tier
 from muser_kv.sessions.store.memory import MemoryTier
-from muser_kv.sessions.store.reader import TierReader, read_object
-from muser_kv.sessions.store.rows import cut, fits, gather
+from muser_kv.sessions.store.planner import Candidate
 
-if TYPE_CHECKING:
-    from muser_kv.sessions.store.tiers import BlobTier
-
-log = logging.getLogger("muser_kv.store")
-
-#: The memory tier's default bound.
-DEFAULT_MEMORY_BYTES = 4 << 30
+__all__ = ["DEFAULT_MEMORY_BYTES", "KVStore", "PutReport", "StoreStats", "fresh_list", "open_tier"]
 
 
 @dataclass
@@ -102,28 +96,6 @@ class StoreStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
-@dataclass
-class _Model:
-    fingerprint: Dict[str, str]
-    ref: Any = field(repr=False, default=None)
-
-
-def open_tier(location: str, max_bytes: Optional[int] = None, *, create: bool = True) -> "BlobTier":
-    """``redis://HOST:PORT[/db]`` (or ``rediss://``) -> ``RedisTier``;
-    anything else is a directory path -> ``DirectoryTier`` (made a store there
-    unless ``create=False``: then only an existing store, else ``ValueError``)."""
-    if not isinstance(location, (str, os.PathLike)):
-        raise TypeError(f"a store location is a directory path or redis:// URL, got {location!r}")
-    text = os.fspath(location)
-    if text.startswith(("redis://", "rediss://", "unix://")):
-        from muser_kv.sessions.store.redis_tier import RedisTier  # a tier's code loads once one is opened
-
-        return RedisTier(text, max_bytes)
-    from muser_kv.sessions.store.directory import DirectoryTier
-
-    return DirectoryTier(text, max_bytes, create=create)
-
-
 def _tokens(tokens: Sequence[int]) -> List[int]:
     return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
@@ -140,118 +112,38 @@ class KVStore:
     def __init__(self, location: Optional[str] = None, *, memory_bytes: int = DEFAULT_MEMORY_BYTES,
                  store_bytes: Optional[int] = None, write_behind: bool = True,
                  landing_bytes: int = DEFAULT_LANDING_BYTES):
-        self.memory = MemoryTier(memory_bytes)
-        self.landing = Landing(landing_bytes)
-        self.tiers: List[Any] = []
-        if location is not None:
-            self.tiers.append(open_tier(str(location), store_bytes))
-        self._reader = TierReader(self.tiers, self.landing)
-        self._lock = threading.Lock()
-        self._models: Dict[int, _Model] = {}
+        self._tiers = TierManager(location, memory_bytes=memory_bytes, store_bytes=store_bytes,
+                                  write_behind=write_behind, landing_bytes=landing_bytes)
+        self._scopes = planner.Scopes()
+        self._lock = threading.Lock()  # the counters
         self._stats = StoreStats(tiers=[])
-        self._queue: "queue.Queue[Optional[Tuple[str, Any, str]]]" = queue.Queue()
-        self._writer: Optional[threading.Thread] = None
-        self._write_behind = write_behind and bool(self.tiers)
 
-    # -- scope ------------------------------------------------------------------------
+    @property
+    def memory(self) -> MemoryTier:
+        return self._tiers.memory
 
-    def _fingerprint(self, model: Any) -> Dict[str, str]:
-        with self._lock:
-            known = self._models.get(id(model))
-            if known is not None and known.ref() is model:
-                return known.fingerprint
-        fingerprint = model_fingerprint(model)
-        try:
-            ref = weakref.ref(model)
-        except TypeError:  # pragma: no cover - mlx-lm models are weak-referenceable
-            return fingerprint
-        with self._lock:
-            self._models[id(model)] = _Model(fingerprint, ref)
-        return fingerprint
+    @property
+    def landing(self) -> Landing:
+        return self._tiers.landing
 
-    def _scope(self, cache: Sequence[Any], model: Any) -> Tuple[Scope, Dict[str, str]]:
-        geometry = cache_geometry(cache)
-        fingerprint = self._fingerprint(model)
-        return chunks.scope_for(geometry, plane_encoding(cache[0].dtype), fingerprint), fingerprint
-
-    # -- tiers --------------------------------------------------------------------------
-
-    def _get(self, key: str, scope: Scope) -> Any:
-        return self._get_many([key], scope)[key]
-
-    def _get_many(self, keys: Sequence[str], scope: Scope) -> Dict[str, Any]:
-        """The object of every key (``None``: a miss): from the memory tier, else
-        read from the byte tiers side by side (``reader``) and kept in memory."""
-        out = {key: self.memory.get(key) for key in dict.fromkeys(keys)}
-        read = self._reader.read([key for key, obj in out.items() if obj is None], scope.encoding)
-        for key, obj in read.items():
-            if obj is not None:
-                self.memory.put(key, obj)
-            out[key] = obj
-        return out
-
-    def _has(self, key: str) -> bool:
-        return self.memory.contains(key) or any(t.contains(key) for t in self.tiers)
-
-    def _keep(self, key: str, obj: Any, scope: Scope) -> None:
-        self.memory.put(key, obj)
-        if self.tiers:
-            self._send(key, obj, scope.encoding)
-
-    def _send(self, key: str, obj: Any, encoding: str) -> None:
-        if not self._write_behind:
-            self._write(key, obj, encoding)
-            return
-        if self._writer is None or not self._writer.is_alive():
-            self._writer = threading.Thread(target=self._drain, name="muser-kv-store-writer",
-                                            daemon=True)
-            self._writer.start()
-        self._queue.put((key, obj, encoding))
-
-    def _drain(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._write(*job)
-            except Exception:  # a tier's failure is a log line, never the writer's end
-                log.exception("KV store: writing %s failed", job[0] if job else None)
-            finally:
-                self._queue.task_done()
-
-    def _write(self, key: str, obj: Any, encoding: str) -> None:
-        for tier in self.tiers:
-            if isinstance(obj, Index):
-                have = read_object(tier, key, encoding)
-                if isinstance(have, Index):
-                    if obj.tails <= have.tails:
-                        continue
-                    obj = Index(obj.tails | have.tails)
-                tier.put(key, chunks.encode(obj, encoding), replace=True)
-            elif not tier.contains(key):
-                tier.put(key, chunks.encode(obj, encoding))
+    @property
+    def tiers(self) -> List[Any]:
+        """The byte tiers (none, or the one at ``location``)."""
+        return self._tiers.tiers
 
     def flush(self) -> None:
         """Wait until every put so far is written to every tier."""
-        if self._writer is not None:
-            self._queue.join()
+        self._tiers.flush()
 
     def close(self) -> None:
-        self.flush()
-        if self._writer is not None and self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
-        self._reader.close()
-        for tier in self.tiers:
-            tier.close()
+        self._tiers.close()
 
     def stats(self) -> StoreStats:
         with self._lock:
             s = StoreStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"},
-                           tiers=[self.memory.stats(), *(t.stats() for t in self.tiers)])
-        s.read_bytes, s.read_s = self._reader.read_bytes, self._reader.read_s
-        s.pending_writes = self._queue.unfinished_tasks
+                           tiers=self._tiers.tier_stats())
+        s.read_bytes, s.read_s = self._tiers.read_bytes, self._tiers.read_s
+        s.pending_writes = self._tiers.pending_writes
         return s
 
     # -- put ------------------------------------------------------------------------------
@@ -278,63 +170,35 @@ class KVStore:
                              "make_prompt_cache(model)): pass model=")
         if owner is not None and owner is not model:
             self._check_owner(owner, model)
-        scope, _ = self._scope(entries, model)
+        scope, _ = self._scopes.of(entries, model)
         if n == 0:
             return PutReport(0, 0, 0, 0, time.perf_counter() - t0)
-        c = n // CHUNK
-        names = chunks.chain(scope, tokens, c)
-        glob, slid = scope.global_layers, scope.sliding_layers
         # every ring holds [held, n): the window's rows (the latest origin, should they differ)
         held = max((e.ring.origin_logical for e in entries if e.kind is LayerKind.SLIDING),
                    default=n)
-        glob_keys: List[str] = []
-        glob_ranges: List[Tuple[int, int]] = []
-        found = 0
-        for j in range(c):
-            key = chunks.object_key("G", names[j + 1])
-            if self._has(key):
-                found += 1
-            else:
-                glob_keys.append(key)
-                glob_ranges.append((CHUNK * j, CHUNK * (j + 1)))
-        first = -(-held // CHUNK) * CHUNK  # the first boundary at or after the window's start
-        whole = range(first // CHUNK, c) if first <= CHUNK * c else range(0)
-        slid_keys: List[str] = []
-        slid_ranges: List[Tuple[int, int]] = []
-        for j in whole:
-            key = chunks.object_key("S", names[j + 1])
-            if self._has(key):
-                found += 1
-            else:
-                slid_keys.append(key)
-                slid_ranges.append((CHUNK * j, CHUNK * (j + 1)))
-        if whole:
-            runs = [(held, first), (CHUNK * c, n)]
-        else:
-            runs = [(held, n)]
-        tail = tuple(tokens[CHUNK * c:])
-        point_key = chunks.object_key("P", names[c], tail)
-        has_point = self._has(point_key)
-        if has_point:
-            found += 1
-        else:
-            glob_ranges.append((CHUNK * c, n))
-            slid_ranges.extend((lo, hi) for lo, hi in runs if hi > lo)
-        glob_rows = gather(entries, glob, glob_ranges)
-        slid_rows = gather(entries, slid, slid_ranges)
-        made = list(zip(glob_keys, glob_rows)) + list(zip(slid_keys, slid_rows))
-        point = None
+        plan = planner.plan_put(scope, tokens, held)
+        glob = [span for span in plan.glob if not self._tiers.has(span[0])]
+        slid = [span for span in plan.slid if not self._tiers.has(span[0])]
+        has_point = self._tiers.has(plan.point_key)
+        found = len(plan.glob) - len(glob) + len(plan.slid) - len(slid) + has_point
+        glob_ranges = [(lo, hi) for _, lo, hi in glob]
+        slid_ranges = [(lo, hi) for _, lo, hi in slid]
         if not has_point:
-            point = Point(tail, glob_rows[-1], tuple(slid_rows[len(slid_keys):]))
+            glob_ranges.append(plan.point_globals)
+            slid_ranges.extend(plan.runs)
+        glob_rows = rows.gather(entries, scope.global_layers, glob_ranges)
+        slid_rows = rows.gather(entries, scope.sliding_layers, slid_ranges)
+        made = [(key, r) for (key, _, _), r in zip(glob + slid, glob_rows[:len(glob)] + slid_rows)]
+        point = None if has_point else Point(plan.tail, glob_rows[-1], tuple(slid_rows[len(slid):]))
         mx.eval([a for r in glob_rows + slid_rows for a in r.arrays()])
         copied = 0
-        for key, rows in made:
-            self._keep(key, rows, scope)
-            copied += rows.nbytes
+        for key, obj in made:
+            self._tiers.keep(key, obj, scope.encoding)
+            copied += obj.nbytes
         if point is not None:
-            self._keep(point_key, point, scope)
+            self._tiers.keep(plan.point_key, point, scope.encoding)
             copied += point.nbytes
-        self._add_tail(names[c], len(tail), scope)
+        self._tiers.add_tail(plan.index_key, len(plan.tail), scope.encoding)
         with self._lock:
             self._stats.puts += 1
             self._stats.copied_bytes += copied
@@ -345,36 +209,13 @@ class KVStore:
         unless the two are one model (one fingerprint): another model's rows
         there would be rebuilt into every later list of ``model``, and a byte
         tier would keep them for every later process."""
-        part = differs(self._fingerprint(owner), self._fingerprint(model))
+        fingerprint = self._scopes.fingerprint
+        part = differs(fingerprint(owner), fingerprint(model))
         if part is not None:
             raise ModelMismatch(
                 f"model fingerprint {part} (a KV store put of a list made for another model "
                 "than model=; put it with the model it was made for, or with none)",
-                self._fingerprint(model).get(part), self._fingerprint(owner).get(part))
-
-    def _add_tail(self, name: bytes, r: int, scope: Scope) -> None:
-        key = chunks.object_key("I", name)
-        with self._lock:
-            have = self.memory.get(key)
-            tails = have.tails if isinstance(have, Index) else frozenset()
-            if r in tails:
-                return
-            index = Index(tails | {r})
-            self.memory.put(key, index)
-        if self.tiers:
-            self._send(key, index, scope.encoding)
-
-    def _index(self, name: bytes, scope: Scope) -> frozenset:
-        key = chunks.object_key("I", name)
-        tails: set = set()
-        have = self.memory.get(key)
-        if isinstance(have, Index):
-            tails |= have.tails
-        for tier in self.tiers:
-            obj = read_object(tier, key, scope.encoding)
-            if isinstance(obj, Index):
-                tails |= obj.tails
-        return frozenset(tails)
+                fingerprint(model).get(part), fingerprint(owner).get(part))
 
     # -- lookup ------------------------------------------------------------------------
 
@@ -384,29 +225,14 @@ class KVStore:
         and, with a byte tier, the reader threads and the landing stock
         (``muser-kv serve`` calls this once its model is loaded)."""
         entries = _entries(fresh_list(model))
-        scope, _ = self._scope(entries, model)
-        if self.tiers:
-            self._plan_landing(scope, entries)
-            self.landing.restock(wait=True)
-            self._reader.start()
+        scope, _ = self._scopes.of(entries, model)
+        self._tiers.prepare(planner.landing_sizes(scope, cache_geometry(entries).max_context))
 
     def restock(self, max_bytes: Optional[int] = None) -> int:
         """Make again, on the allocator threads, up to ``max_bytes`` of the
         landing buffers lookups took since ``prepare`` (the bytes set to be
         made). For idle time: making them slows whatever the GPU runs meanwhile."""
-        return self.landing.restock(max_bytes)
-
-    def _plan_landing(self, scope: Scope, entries: List[MuseKVCache]) -> None:
-        """Stock buffers for a rebuild of lists like ``entries`` as deep as they
-        go: the window's sliding chunks first, then global chunks."""
-        deepest = cache_geometry(entries).max_context // CHUNK * CHUNK
-        sizes = {}
-        for layers, count in ((scope.sliding_layers, scope.window // CHUNK + 2),
-                              (scope.global_layers, deepest // CHUNK)):
-            if layers and count:
-                rows = chunks.shaped_rows(scope, layers, max(0, deepest - CHUNK), CHUNK)
-                sizes[chunks.encoded_size(rows, scope.encoding)] = count
-        self.landing.plan(sizes)
+        return self._tiers.restock(max_bytes)
 
     def longest_prefix(self, tokens: Sequence[int], model: Any, into: Optional[List[Any]] = None,
                        beyond: int = 0) -> Tuple[int, List[Any]]:
@@ -422,47 +248,26 @@ class KVStore:
         if any(e.offset for e in entries):
             raise ValueError("KV store longest_prefix: into= must be an empty list, got one "
                              f"holding {entries[0].offset} tokens")
-        scope, fingerprint = self._scope(entries, model)
+        scope, fingerprint = self._scopes.of(entries, model)
         with self._lock:
             self._stats.lookups += 1
         limit = len(tokens) - 1
         if limit <= 0:
             return 0, cache
-        top = limit // CHUNK
-        names = chunks.chain(scope, tokens, top)
-        lo, hi = 0, top  # the deepest level whose chunks are stored (a chain is kept whole)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._has(chunks.object_key("G", names[mid])):
-                lo = mid
-            else:
-                hi = mid - 1
-        for level in range(lo, -1, -1):
-            base = CHUNK * level
-            if base + CHUNK - 1 <= beyond:  # every position of this level and below
-                break
-            tails = self._index(names[level], scope)
-            for r in sorted(tails, reverse=True):
-                if r == 0 or base + r > limit or base + r <= beyond:
-                    continue
-                tail = tokens[base:base + r]
-                point = self._get(chunks.object_key("P", names[level], tail), scope)
-                if _is_point(point, tail) and self._rebuild(cache, entries, scope, fingerprint,
-                                                              names, base + r, point):
-                    return self._hit(base + r, cache)
-            if level and base > beyond:
-                point = (self._get(chunks.object_key("P", names[level], ()), scope)
-                         if 0 in tails else None)
-                if self._rebuild(cache, entries, scope, fingerprint, names, base,
-                                 point if _is_point(point, []) else None):
-                    return self._hit(base, cache)
+        names = planner.names(scope, tokens, limit)
+        for candidate in self._candidates(scope, names, tokens, beyond, limit):
+            cuts = self._cuts(entries, scope, names, candidate)
+            if cuts is not None:
+                # the restore path's gate and install; the list's model is checked against
+                # the fingerprint this store keeps per model (never sampled again)
+                target = restore.Target.of_list(entries, fingerprint_of=self._scopes.fingerprint)
+                restore.restore_cuts(entries, target, target.geometry, candidate.n, scope.encoding,
+                                     fingerprint, cuts)
+                with self._lock:
+                    self._stats.hits += 1
+                    self._stats.reused_tokens += candidate.n
+                return candidate.n, cache
         return 0, cache
-
-    def _hit(self, n: int, cache: List[Any]) -> Tuple[int, List[Any]]:
-        with self._lock:
-            self._stats.hits += 1
-            self._stats.reused_tokens += n
-        return n, cache
 
     def rebuildable(self, tokens: Sequence[int], model: Any,
                     like: Optional[List[Any]] = None) -> List[int]:
@@ -470,93 +275,45 @@ class KVStore:
         rebuild now for lists like ``like`` (default: ``model``'s own), ascending."""
         tokens = _tokens(tokens)
         entries = _entries(like if like is not None else fresh_list(model))
-        scope, _ = self._scope(entries, model)
-        names = chunks.chain(scope, tokens, len(tokens) // CHUNK)
-        found = []
-        for level in range(len(names)):
-            if level and not self._has(chunks.object_key("G", names[level])):
-                break
-            base = CHUNK * level
-            tails = self._index(names[level], scope)
-            for r in sorted(tails):
-                if base + r > len(tokens) or (r == 0 and not level):
-                    continue
-                tail = tokens[base:base + r]
-                point = self._get(chunks.object_key("P", names[level], tail), scope)
-                if _is_point(point, tail) and self._rows_for(entries, scope, names, base + r,
-                                                             point) is not None:
-                    found.append(base + r)
-            if level and base not in found and self._rows_for(entries, scope, names, base,
-                                                              None) is not None:
-                found.append(base)
-        return sorted(set(found))
+        scope, _ = self._scopes.of(entries, model)
+        names = planner.names(scope, tokens, len(tokens))
+        return sorted(c.n for c in self._candidates(scope, names, tokens, 0, len(tokens))
+                      if self._cuts(entries, scope, names, c) is not None)
 
     # -- rebuild ---------------------------------------------------------------------------
 
-    def _rows_for(self, entries: List[MuseKVCache], scope: Scope, names: List[bytes], n: int,
-                  point: Optional[Point]) -> Optional[List[LayerCut]]:
-        """Every layer's cut at ``n``, or ``None`` when an object it needs is gone."""
-        level, r = divmod(n, CHUNK)
-        if r and point is None:
-            return None
-        glob, slid = scope.global_layers, scope.sliding_layers
-        glob_shape, slid_shape = scope.shape(glob), scope.shape(slid)
-        # the window first: it is what a boundary between put points usually lacks
-        # (a lookup walks down such boundaries to a checkpoint), and it is cheap
-        capacity = min((e.capacity for e in entries if e.kind is LayerKind.SLIDING), default=0)
-        start = max(0, n - capacity)
-        # runs of the window: (a point's fragment, or None for an S chunk, from, to)
-        runs: List[Tuple[Optional[Rows], int, int]] = []
-        at = start
-        fragments = {f.start: f for f in point.fragments} if point is not None else {}
-        while at < n:
-            frag = fragments.get(at)
-            if frag is not None and frag.count and fits(frag, at, frag.count, slid, slid_shape):
-                runs.append((frag, at, min(frag.end, n)))
-            elif at // CHUNK + 1 >= len(names) or CHUNK * (at // CHUNK + 1) > n:
-                return None  # a partial chunk: a point's alone
-            else:
-                runs.append((None, at, CHUNK * (at // CHUNK + 1)))
-            at = runs[-1][2]
-        slid_keys = {lo: chunks.object_key("S", names[lo // CHUNK + 1])
-                     for frag, lo, _ in runs if frag is None}
-        got = self._get_many(list(slid_keys.values()), scope)
-        window: List[Rows] = []
-        for frag, lo, hi in runs:
-            if frag is not None:
-                window.append(frag.part(lo, hi) if hi < frag.end else frag)
-                continue
-            rows = got[slid_keys[lo]]
-            if not fits(rows, CHUNK * (lo // CHUNK), CHUNK, slid, slid_shape):
-                return None
-            window.append(rows.part(lo, hi))
-        glob_keys = [chunks.object_key("G", names[j + 1]) for j in range(level)]
-        got = self._get_many(glob_keys, scope)
-        pieces: List[Rows] = []
-        for j, key in enumerate(glob_keys):
-            if not fits(got[key], CHUNK * j, CHUNK, glob, glob_shape):
-                return None
-            pieces.append(got[key])
-        if point is not None and point.globals.count:
-            if not fits(point.globals, CHUNK * level, r, glob, glob_shape):
-                return None
-            pieces.append(point.globals)
-        cuts: List[Optional[LayerCut]] = [None] * len(entries)
-        cut(cuts, entries, glob, glob_shape, pieces, 0)
-        cut(cuts, entries, slid, slid_shape, window, start)
-        return [c for c in cuts if c is not None]
+    def _candidates(self, scope: Scope, names: List[bytes], tokens: List[int], floor: int,
+                    limit: int) -> Iterator[Candidate]:
+        """The positions in ``(floor, limit]`` the planner names, deepest first,
+        each level's index read only once the deeper levels are tried."""
+        top = planner.deepest_level(names, self._tiers.has)
+        for level in planner.levels(top, floor):
+            tails = self._tiers.tails(planner.index_key(names, level), scope.encoding)
+            yield from planner.candidates(names, level, tails, tokens, floor, limit)
 
-    def _rebuild(self, cache: List[Any], entries: List[MuseKVCache], scope: Scope,
-                 fingerprint: Dict[str, str], names: List[bytes], n: int,
-                 point: Optional[Point]) -> bool:
-        cuts = self._rows_for(entries, scope, names, n, point)
-        if cuts is None:
-            return False
-        # the restore path's gate and install; the list's model is checked against
-        # the fingerprint this store keeps per model (never sampled again)
-        target = restore.Target.of_list(entries, fingerprint_of=self._fingerprint)
-        restore.restore_cuts(entries, target, target.geometry, n, scope.encoding, fingerprint, cuts)
-        return True
+    def _cuts(self, entries: List[MuseKVCache], scope: Scope, names: List[bytes],
+              candidate: Candidate) -> Optional[List[LayerCut]]:
+        """Every layer's cut at ``candidate.n``, or ``None`` when an object it
+        needs is gone: the window's objects are fetched, then the global ones."""
+        point = None
+        if candidate.point_key is not None:
+            point = self._tiers.get(candidate.point_key, scope.encoding)
+            if not planner.is_point(point, candidate.tail):
+                if candidate.needs_point:
+                    return None
+                point = None
+        capacity = min((e.capacity for e in entries if e.kind is LayerKind.SLIDING), default=0)
+        plan = planner.plan_rows(scope, names, candidate.n, capacity, point)
+        if plan is None:
+            return None
+        window = planner.window_rows(scope, plan, self._tiers.get_many(list(plan.slid_keys.values()),
+                                                                         scope.encoding))
+        if window is None:
+            return None
+        pieces = planner.global_rows(scope, plan, self._tiers.get_many(plan.glob_keys, scope.encoding))
+        if pieces is None:
+            return None
+        return rows.cuts(entries, scope, plan.start, window, pieces)
 
 
 def fresh_list(model: Any) -> List[Any]:
@@ -567,14 +324,6 @@ def fresh_list(model: Any) -> List[Any]:
     if own and all(isinstance(c, MuseKVCache) for c in own):
         return list(own)
     return make_prompt_cache(model)
-
-
-def _is_point(obj: Any, tail: Sequence[int]) -> bool:
-    """Whether a stored object is the point its key promises (its tail tokens)."""
-    ok = isinstance(obj, Point) and list(obj.tail) == list(tail)
-    if not ok and obj is not None:
-        log.warning("KV store: an object under a point's key holds another point; passed over")
-    return ok
 
 
 def _entries(cache: Sequence[Any]) -> List[MuseKVCache]:

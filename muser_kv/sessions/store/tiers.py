@@ -2,7 +2,7 @@
 in a local directory (:class:`~muser_kv.sessions.store.directory.DirectoryTier`,
 the embedded default) or in Redis
 (:class:`~muser_kv.sessions.store.redis_tier.RedisTier`, shared between processes
-and machines); ``store.open_tier`` picks one for a location. This module holds
+and machines); ``manager.open_tier`` picks one for a location. This module holds
 what they share: the frame, the counters and the :class:`BlobTier` interface.
 
 Invariants every tier keeps, because the store above trusts what a tier hands
