@@ -56,16 +56,7 @@ from muser_kv.sessions.format import (
     encoding_mismatch,
     plane_encoding,
 )
-
-# the gate's terms live with the gate (``muser_kv.sessions.restore``); these
-# names stay importable from here
-from muser_kv.sessions.restore import (  # noqa: F401
-    LayerCut,
-    cache_geometry,
-    check_model,
-    expected_cut,
-    kv_geometry,
-)
+from muser_kv.sessions.restore import LayerCut, cache_geometry
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,32 +82,8 @@ class SessionSnapshot:
         exactly its contract rows; the rows are evaluated now (a point-in-time copy).
         The snapshot records the fingerprint of ``model``, or of the model the
         list was built for (``make_prompt_cache(model)``), if either is known."""
-        snapshot = cls._capture(cache, model)
+        snapshot = lazy_capture(cache, model)
         mx.eval([a for cut in snapshot.layers for a in (cut.keys, cut.values)])
-        return snapshot
-
-    @classmethod
-    def _capture(cls, cache: Sequence[Any], model: Any = None) -> "SessionSnapshot":
-        """``capture`` with the cuts not yet evaluated: each is a gather of the
-        planes as they are now (MLX arrays are values: a later store into the
-        cache makes new planes, never changes these), so evaluating the cuts
-        later, one by one while earlier ones are written, still gives this
-        point in time."""
-        geometry = cache_geometry(cache)
-        offsets = [c.offset for c in cache]
-        if len(set(offsets)) != 1:
-            odd = next(i for i, o in enumerate(offsets) if o != offsets[0])
-            raise SnapshotMismatch("position (cache offset)", offsets[0], offsets[odd], odd,
-                                   geometry.layer_kind(odd))
-        cuts = []
-        for c in cache:
-            start, keys, values = c.snapshot()
-            cuts.append(LayerCut(int(start), keys, values))
-        model = model if model is not None else restore.list_model(cache)
-        fingerprint = model_fingerprint(model) if model is not None else None
-        snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].dtype), tuple(cuts),
-                       fingerprint)
-        snapshot.check(geometry)
         return snapshot
 
     # -- the gate ---------------------------------------------------------------
@@ -171,6 +138,30 @@ class SessionSnapshot:
     @property
     def nbytes(self) -> int:
         return sum(c.keys.nbytes + c.values.nbytes for c in self.layers)
+
+
+def lazy_capture(cache: Sequence[Any], model: Any = None) -> SessionSnapshot:
+    """``SessionSnapshot.capture`` with the cuts not yet evaluated: each is a
+    gather of the planes as they are now (MLX arrays are values: a later store
+    into the cache makes new planes, never changes these), so evaluating the
+    cuts later, one by one while earlier ones are written, still gives this
+    point in time."""
+    geometry = cache_geometry(cache)
+    offsets = [c.offset for c in cache]
+    if len(set(offsets)) != 1:
+        odd = next(i for i, o in enumerate(offsets) if o != offsets[0])
+        raise SnapshotMismatch("position (cache offset)", offsets[0], offsets[odd], odd,
+                               geometry.layer_kind(odd))
+    cuts = []
+    for c in cache:
+        start, keys, values = c.snapshot()
+        cuts.append(LayerCut(int(start), keys, values))
+    model = model if model is not None else restore.list_model(cache)
+    fingerprint = model_fingerprint(model) if model is not None else None
+    snapshot = SessionSnapshot(geometry, offsets[0], plane_encoding(cache[0].dtype), tuple(cuts),
+                               fingerprint)
+    snapshot.check(geometry)
+    return snapshot
 
 
 def restore_into(cache: Sequence[Any], snapshot: SessionSnapshot, *, convert: bool = False,
