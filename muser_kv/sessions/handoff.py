@@ -10,8 +10,8 @@ here; MPI, NCCL and JACCL groups take the same calls).
 Invariants:
 
 * **What travels is a session file's content.** The header is the one
-  ``save_session`` writes (``muser_kv.sessions`` builds both: format, version,
-  geometry, position, encoding, starts, per-tensor sha256, user metadata, model
+  ``save_session`` writes (``save.session_header`` builds both: format, version,
+  geometry, position, encoding, starts, per-tensor digests, user metadata, model
   fingerprint, ``header_sha256``), and the tensors are the file's, in layer
   order. The receiver checks it with the sessions layer's own functions
   (``parse_header``, ``tensor_digests``, and the one restore path's gate and

@@ -1,22 +1,20 @@
 """Reading session files: the verified, streamed reader behind ``read_session``
-and ``load_session``.
+and ``load_session``, and the host memory it reads into.
 
-* **Verified load.** The header carries a sha256 over every other header field
-  (``header_sha256``), checked before any field is trusted, and every tensor a
-  digest of its little-endian bytes (``TENSOR_DIGESTS``: XXH3-128 from version
-  3; sha256 in version 2 files, which still load); format, version, encoding,
-  geometry, tensor set and dtypes are all checked before a single row is read.
-  A reader thread reads the tensors in chunks into reused staging buffers
-  (asking the kernel to read the next two ahead), the caller's thread copies
-  each into an MLX array (the upload), and a pool hashes that MLX array's own
-  bytes, so reading, upload and verification overlap, and what is verified is
-  what is installed. Nothing verified late
-  reaches the caller: ``read_session`` returns once every digest matched, and
-  ``load_session`` installs each verified layer into a new cache list that it
-  returns only once every layer is in. Whatever is wrong with a file --
-  truncated, bit-flipped, nested past reason, of an unknown dtype -- the error
-  is a ``SnapshotError`` naming what was expected and what came, never a
-  parser's own exception.
+* **Verified load.** The header is checked before any field is trusted
+  (``format.parse_header``: its checksum first) and the tensor table against
+  it (``verify``) before a single row is read. A reader thread reads the
+  tensors in chunks into reused staging buffers (asking the kernel to read
+  the next two ahead), the caller's thread copies each into an MLX array (the
+  upload), and a pool hashes that MLX array's own bytes, so reading, upload
+  and verification overlap, and what is verified is what is installed.
+  Nothing verified late reaches the caller: ``read_session`` returns once
+  every digest matched, and ``load_session`` installs each verified layer
+  into a new cache list that it returns only once every layer is in.
+* **One kind of refusal.** Whatever is wrong with a file -- truncated,
+  bit-flipped, nested past reason, of an unknown dtype -- the error is a
+  ``SnapshotError`` naming what was expected and what came, never a parser's
+  own exception. A missing file is not a wrong one: ``FileNotFoundError``.
 """
 
 from __future__ import annotations
