@@ -25,7 +25,7 @@ from conftest import tiny_model
 from ring_pair import INIT_FAILED
 
 import muser_kv
-from muser_kv.sessions import handoff, restore
+from muser_kv.sessions import handoff, restore, wire
 
 KW = dict(sliding_window=16, max_position_embeddings=128)
 PROMPT = np.random.default_rng(7).integers(0, 256, 80)
@@ -68,15 +68,15 @@ def unchanged(before, cache):
 
 
 def flip(target, bit=3):
-    """Make ``handoff._outgoing`` flip one bit of the message named ``target``, once."""
+    """Make ``wire.outgoing`` flip one bit of the message named ``target``, once."""
     def corrupt(name, x):
         if name != target:
             return x
-        handoff._outgoing = lambda n, y: y
+        wire.outgoing = lambda n, y: y
         data = np.array(x.view(mx.uint8)).reshape(-1).copy()
         data[len(data) // 2] ^= 1 << bit
         return mx.array(data).view(x.dtype).reshape(x.shape)
-    handoff._outgoing = corrupt
+    wire.outgoing = corrupt
 
 
 def outcome(call):
@@ -162,12 +162,12 @@ def exact_receiver(group, model, folder):
 
 
 def midway(action):
-    """Make ``handoff._outgoing`` run ``action`` when MIDWAY's turn comes."""
+    """Make ``wire.outgoing`` run ``action`` when MIDWAY's turn comes."""
     def hook(name, x):
         if name == MIDWAY:
             action()
         return x
-    handoff._outgoing = hook
+    wire.outgoing = hook
 
 
 def kill_sender(group, model, folder):

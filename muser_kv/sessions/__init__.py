@@ -1,3 +1,4 @@
-"""sessions: the session file format (header, digests, versions), save, load,
-restore, the model fingerprint, safetensors with numpy, handoff between
-processes, the CUDA upload helper. Imports caches and core."""
+"""sessions: the session file format (header, digests, versions) and the checks
+of a file's tensors, save, load, the one restore path, the model fingerprint,
+safetensors with numpy, handoff between processes and its wire, the CUDA upload
+helper, the KV store (``store/``). Imports caches and core."""

@@ -33,6 +33,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from muser_kv.sessions.tensorfile import show
+
 #: Names the scheme, so a later one is never compared with this one.
 SCHEME = "muser-kv-fingerprint-1"
 #: Elements per sampled slice.
@@ -103,7 +105,6 @@ def check_fingerprint(value: Any) -> Optional[Dict[str, str]]:
         return None
     if not isinstance(value, Mapping) or set(value) != set(KEYS) or not all(
             isinstance(value[k], str) for k in KEYS):
-        from muser_kv.sessions.tensorfile import show
         raise ValueError(f"expected null or an object of {list(KEYS)} strings, got {show(value)}")
     return dict(value)
 

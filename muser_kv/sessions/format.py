@@ -1,7 +1,9 @@
 """The session file: one safetensors file per session, its header (format,
 version, geometry, position, encoding, starts, digests, the model's
-fingerprint, user metadata, ``header_sha256``), the errors every refusal
-raises, and the checks of a header and its tensor table.
+fingerprint, user metadata, ``header_sha256``) and the check of a header, the
+tensors' digests and how a tensor's bytes are stored, and the errors every
+refusal raises. The checks of a file's tensors against its header:
+``muser_kv.sessions.verify``.
 
 * **What the digests protect against: accidents.** Bit rot, torn or truncated
   writes, a file edited or swapped by mistake (a random change goes unnoticed
@@ -35,7 +37,7 @@ FORMAT = "muser-kv-session"
 #: The version written. Version 2 added the header checksum and the model
 #: fingerprint (version 1 files, with neither, are refused: their header cannot
 #: be verified); version 3 changed only the tensors' digest, sha256 -> XXH3-128
-#: (sha256 hashes ~1 GB/s on a core, slower than the disks sessions live on).
+#: (why: docs/sessions.md, "The file").
 VERSION = "3"
 #: version read -> the digest of every tensor's bytes in files of that version
 #: (the header's own checksum, ``header_sha256``, is sha256 in both).
@@ -60,6 +62,8 @@ PLANE_ENCODINGS = {mx.float16: F16LE, mx.bfloat16: BF16LE}
 def plane_encoding(dtype: Any) -> str:
     """The encoding of planes of ``dtype`` (f16 -> ``f16le``, bf16 -> ``bf16le``)."""
     return PLANE_ENCODINGS[dtype]
+
+
 #: The geometry fields that shape the stored KV state (``num_heads`` does not).
 KV_FIELDS = ("num_layers", "layer_kinds", "window", "max_context", "kv_heads", "head_dim")
 #: Fields a header's geometry carries only where they are not 0 (a geometry whose
@@ -72,6 +76,8 @@ def kv_num_heads(kv_heads: int, global_kv_heads: int) -> int:
     """The query-head count a KV geometry records: never part of the K/V state,
     so the least count both kinds' K/V heads divide."""
     return math.lcm(kv_heads, global_kv_heads or kv_heads)
+
+
 #: The header field holding the sha256 over every other header field.
 HEADER_CHECKSUM = "header_sha256"
 #: Header keys every session file carries (``__metadata__``, str -> str), and no others.
@@ -171,7 +177,8 @@ def tensor_names(layer: int) -> Tuple[str, str]:
     return f"layers.{layer}.keys", f"layers.{layer}.values"
 
 
-def _hasher(algorithm: str) -> Any:
+def hasher(algorithm: str) -> Any:
+    """A new incremental hash of ``algorithm`` (a key of ``DIGEST_HEX``)."""
     if algorithm == "xxh3-128":
         return xxhash.xxh3_128()
     if algorithm == "sha256":
@@ -182,9 +189,18 @@ def _hasher(algorithm: str) -> Any:
 def digest_bytes(data: Any, algorithm: str = TENSOR_DIGEST) -> str:
     """``algorithm``'s lowercase hex digest of a C-contiguous buffer's bytes, in one
     call (both hashes let go of the GIL while they hash a large buffer)."""
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     h.update(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     return h.hexdigest()
+
+
+def stored_view(x: mx.array) -> np.ndarray:
+    """An MLX array's bytes as numpy in their safetensors storage dtype (bf16 as
+    its uint16 bits), evaluating it if need be: a view of MLX's buffer, no
+    copy. What a file's tensor holds, what a digest is taken of."""
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    return np.asarray(x)
 
 
 def tensor_digest(array: np.ndarray, algorithm: str = TENSOR_DIGEST) -> str:
@@ -195,10 +211,6 @@ def tensor_digest(array: np.ndarray, algorithm: str = TENSOR_DIGEST) -> str:
     return digest_bytes(a.view(np.uint8).reshape(-1), algorithm)
 
 
-def _workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
-
-
 def tensor_digests(arrays: Mapping[str, np.ndarray],
                    algorithm: str = TENSOR_DIGEST) -> Dict[str, str]:
     """``tensor_digest`` of every array, on a few threads (the hashes let go of
@@ -206,8 +218,12 @@ def tensor_digests(arrays: Mapping[str, np.ndarray],
     names = list(arrays)
     if not names:
         return {}
-    with ThreadPoolExecutor(min(len(names), _workers())) as pool:
+    with ThreadPoolExecutor(min(len(names), tensorfile.workers())) as pool:
         return dict(zip(names, pool.map(lambda n: tensor_digest(arrays[n], algorithm), names)))
+
+
+#: ``tensorfile.workers`` by the name ``store/reader.py`` imports from here.
+_workers = tensorfile.workers
 
 
 def geometry_to_json(geometry: MuseGeometry) -> str:
@@ -351,80 +367,3 @@ def parse_header(metadata: Optional[Mapping[str, str]], path: PathLike) -> Sessi
         raise SessionFileError(path, f"model fingerprint: {e}") from None
     return SessionHeader(fmt, version, geometry, position, encoding, tuple(starts),
                          checksums, user, model)
-
-
-def _unreadable(path: PathLike, e: BaseException) -> SessionFileError:
-    """A reader's failure as muser-kv's refusal (``FileNotFoundError`` is not one)."""
-    if isinstance(e, tensorfile.TensorFileError):
-        return SessionFileError(path, f"unreadable: truncated, or not a safetensors file ({e})")
-    return SessionFileError(path, f"unreadable: {e}")
-
-
-def _read_raw(path: PathLike) -> Tuple[Dict[str, str], Dict[str, tensorfile.Tensor]]:
-    """Header metadata and every tensor; unreadable or malformed -> ``SessionFileError``."""
-    try:
-        return tensorfile.read(path)
-    except FileNotFoundError:
-        raise
-    except (tensorfile.TensorFileError, OSError) as e:
-        raise _unreadable(path, e) from None
-
-
-@dataclass(frozen=True)
-class TensorCheck:
-    """One tensor's verification: ``status`` is OK, MISSING, UNEXPECTED, DTYPE or MISMATCH."""
-
-    name: str
-    status: str
-    detail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "OK"
-
-
-def _table_checks(h: SessionHeader, stored: Mapping[str, str]) -> Dict[str, TensorCheck]:
-    """What the header and the tensor table (name -> safetensors dtype) say
-    before a byte of data is read: every tensor present, of the header's
-    encoding, with a checksum, and none the header does not name. Tensors that
-    pass are absent from the result (their digest decides)."""
-    want = ENCODINGS[h.encoding][1]
-    out: Dict[str, TensorCheck] = {}
-    for name in h.tensor_names:
-        dtype = stored.get(name)
-        if dtype is None:
-            out[name] = TensorCheck(name, "MISSING", "tensor missing from the file")
-        elif dtype != want:
-            out[name] = TensorCheck(name, "DTYPE", f"encoding {h.encoding} expects dtype "
-                                    f"{tensorfile.DTYPE_NAMES[want]}, got "
-                                    f"{tensorfile.DTYPE_NAMES[dtype]}")
-        elif name not in h.checksums:
-            out[name] = TensorCheck(name, "MISMATCH", "no checksum in the header")
-    expected = set(h.tensor_names)
-    for n in sorted(set(stored) - expected):
-        out[n] = TensorCheck(n, "UNEXPECTED", "tensor not named by the header")
-    for n in sorted(set(h.checksums) - expected):
-        out[n] = TensorCheck(n, "UNEXPECTED", "checksum for a tensor the geometry does not have")
-    return out
-
-
-def _digest_check(h: SessionHeader, name: str, digest: str) -> TensorCheck:
-    if digest != h.checksums[name]:
-        return TensorCheck(name, "MISMATCH", f"{h.digest} expected {h.checksums[name]}, "
-                                             f"got {digest}")
-    return TensorCheck(name, "OK")
-
-
-def _refusal(path: PathLike, check: TensorCheck) -> SessionFileError:
-    what = {"MISSING": "missing tensor", "UNEXPECTED": "unexpected tensor",
-            "DTYPE": "wrong encoding for tensor",
-            "MISMATCH": "corrupted tensor (checksum mismatch)"}[check.status]
-    return SessionFileError(path, f"{what} {check.name!r}: {check.detail}")
-
-
-def _first_refusal(path: PathLike, h: SessionHeader, checks: Mapping[str, TensorCheck]) -> None:
-    """Raise for the first failing check: the header's tensors in order, then the rest."""
-    for name in h.tensor_names + sorted(set(checks) - set(h.tensor_names)):
-        check = checks.get(name)
-        if check is not None and not check.ok:
-            raise _refusal(path, check)

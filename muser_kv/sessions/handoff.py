@@ -10,8 +10,8 @@ here; MPI, NCCL and JACCL groups take the same calls).
 Invariants:
 
 * **What travels is a session file's content.** The header is the one
-  ``save_session`` writes (``muser_kv.sessions`` builds both: format, version,
-  geometry, position, encoding, starts, per-tensor sha256, user metadata, model
+  ``save_session`` writes (``save.session_header`` builds both: format, version,
+  geometry, position, encoding, starts, per-tensor digests, user metadata, model
   fingerprint, ``header_sha256``), and the tensors are the file's, in layer
   order. The receiver checks it with the sessions layer's own functions
   (``parse_header``, ``tensor_digests``, and the one restore path's gate and
@@ -83,7 +83,7 @@ from muser_kv.caches.factory import make_prompt_cache
 from muser_kv.core.geometry import MuseGeometry, context_limit
 from muser_kv.core.precision import DtypeLike, plane_dtype_for
 from muser_kv.sessions import format as fmt
-from muser_kv.sessions import restore, save, tensorfile
+from muser_kv.sessions import restore, save, tensorfile, wire
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import ENCODINGS, SessionFileError, SnapshotMismatch
 from muser_kv.sessions.snapshot import SessionSnapshot
@@ -97,23 +97,13 @@ from muser_kv.sessions.wire import (  # the errors are handoff's API too
     HandoffError,
     HandoffRefused,
     HandoffTimeout,
+    Link,
     LinkBroken,
     PayloadError,
     PeerLost,
     ReceivedSession,
     SentSession,
     StreamOutOfStep,
-    _array_bytes,
-    _bytes_array,
-    _Link,
-    _link,
-    _outgoing,
-    _preamble,
-    _read_preamble,
-    _read_verdict,
-    _stored,
-    _timeout,
-    _verdict,
 )
 
 #: What callers of the handoff use: the two calls, their results and errors.
@@ -141,9 +131,9 @@ def send_session(cache: Union[Sequence[Any], SessionSnapshot], dst: int, group: 
     Raises ``HandoffRefused`` when the receiver refuses it (its reason
     included; the link stays usable), ``PeerLost``, ``HandoffTimeout`` or
     ``LinkBroken``."""
-    timeout = _timeout(timeout, "timeout", allow_none=False)
-    wait = _timeout(wait, "wait", allow_none=True)
-    link = _link(group, dst, "send_session")
+    timeout = wire.seconds(timeout, "timeout", allow_none=False)
+    wait = wire.seconds(wait, "wait", allow_none=True)
+    link = wire.link(group, dst, "send_session")
     user = save.user_metadata(metadata)
     if isinstance(cache, SessionSnapshot):
         cut = cache if model is None else SessionSnapshot(
@@ -155,32 +145,32 @@ def send_session(cache: Union[Sequence[Any], SessionSnapshot], dst: int, group: 
     header = save.session_header(cut, arrays, user)
     raw = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
     with link.lock, _guarded(link):
-        link.post_send(_outgoing("preamble", _bytes_array(_preamble(len(raw)))))
-        link.post_send(_outgoing("header", _bytes_array(raw)))
+        link.post_send(wire.outgoing("preamble", wire.bytes_array(wire.preamble(len(raw)))))
+        link.post_send(wire.outgoing("header", wire.bytes_array(raw)))
         link.drain(timeout, "the header to be taken")
         _await_verdict(link, wait, timeout, "the answer to the header")
         sent = 0
         for i, layer in enumerate(cut.layers):
             for name, x in zip(fmt.tensor_names(i), (layer.keys, layer.values)):
                 if x.size:
-                    link.post_send(_outgoing(name, x))
+                    link.post_send(wire.outgoing(name, x))
                     sent += x.nbytes
         link.drain(timeout, "the session's tensors to be taken")
         _await_verdict(link, timeout, timeout, "the answer to the tensors")
     return SentSession(cut.position, sent, len(raw))
 
 
-def _await_verdict(link: _Link, wait: Optional[float], timeout: float, what: str) -> None:
+def _await_verdict(link: Link, wait: Optional[float], timeout: float, what: str) -> None:
     """Take the receiver's verdict (its head within ``wait``, its reason within
     ``timeout``); raise ``HandoffRefused`` on a refusal (the link stays in step)
     or ``StreamOutOfStep`` (the link breaks)."""
     link.post_recv((VERDICT.size,), mx.uint8)
     try:
-        code, nbytes, text_crc = _read_verdict(_array_bytes(link.take(wait, what)), link.peer)
+        code, nbytes, text_crc = wire.read_verdict(wire.array_bytes(link.take(wait, what)), link.peer)
         reason = ""
         if nbytes:
             link.post_recv((nbytes,), mx.uint8)
-            text = _array_bytes(link.take(timeout, f"{what} (its reason)"))
+            text = wire.array_bytes(link.take(timeout, f"{what} (its reason)"))
             if zlib.crc32(text) != text_crc:
                 raise StreamOutOfStep(f"rank {link.peer} sent a verdict whose reason fails "
                                       "its CRC32")
@@ -227,9 +217,9 @@ def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[An
     (None: until it does or the connection is lost) and ``timeout`` seconds for
     each later message; ``PeerLost``, ``HandoffTimeout``, ``StreamOutOfStep`` and
     ``LinkBroken`` leave ``into`` as it was too, and the link broken."""
-    timeout = _timeout(timeout, "timeout", allow_none=False)
-    wait = _timeout(wait, "wait", allow_none=True)
-    link = _link(group, src, "recv_session")
+    timeout = wire.seconds(timeout, "timeout", allow_none=False)
+    wait = wire.seconds(wait, "wait", allow_none=True)
+    link = wire.link(group, src, "recv_session")
     if into is not None and plane_dtype is not None:
         raise ValueError("recv_session: plane_dtype applies to a new cache; into= has its own planes")
     if getattr(model, "args", None) is None:
@@ -239,15 +229,15 @@ def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[An
     with link.lock, _guarded(link):
         link.post_recv((PREAMBLE.size,), mx.uint8)
         fingerprint = None if allow_other_model else model_fingerprint(model)  # while it comes
-        raw = _array_bytes(link.take(wait, "a session preamble"))
+        raw = wire.array_bytes(link.take(wait, "a session preamble"))
         try:
-            header_nbytes = _read_preamble(raw, src)
+            header_nbytes = wire.read_preamble(raw, src)
         except StreamOutOfStep as e:
             link.fail(str(e))
             _refuse(link, OUT_OF_STEP, e, timeout)
             raise
         link.post_recv((header_nbytes,), mx.uint8)
-        raw = _array_bytes(link.take(timeout, "the session header"))
+        raw = wire.array_bytes(link.take(timeout, "the session header"))
         try:
             header = _parse(raw, source)
             where = into_target or _new_target(header, model, plane_dtype, source)
@@ -266,7 +256,7 @@ class _guarded:
     of the link in flight (an interrupt, an error of ours), breaks it: what
     that transfer will take or give is no longer known to anyone."""
 
-    def __init__(self, link: _Link):
+    def __init__(self, link: Link):
         self.link = link
 
     def __enter__(self) -> None:
@@ -333,7 +323,7 @@ def _gate(header: fmt.SessionHeader, target: restore.Target, source: str) -> Non
                                    f"missing {missing}, unexpected {tensorfile.show(extra)}")
 
 
-def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, model: Any,
+def _receive_tensors(link: Link, header: fmt.SessionHeader, where: _Where, model: Any,
                      into: Optional[Sequence[Any]], timeout: float,
                      source: str) -> ReceivedSession:
     """Post every tensor's receive, then verify and install the layers as they
@@ -395,7 +385,7 @@ def _receive_tensors(link: _Link, header: fmt.SessionHeader, where: _Where, mode
     return ReceivedSession(install.cache, header.user, header.position, nbytes)
 
 
-def _take_layer(link: _Link, i: int, shape: Tuple[int, int, int], dtype: Any,
+def _take_layer(link: Link, i: int, shape: Tuple[int, int, int], dtype: Any,
                 timeout: float) -> List[mx.array]:
     """Layer ``i``'s keys and values as they came (an empty layer sends nothing)."""
     if not shape[0]:
@@ -408,7 +398,7 @@ def _install_batch(install: restore.Install, header: fmt.SessionHeader,
     """Check the batch's tensors against their digests, then install each layer
     through the restore path's loop; returns the bytes installed."""
     named = {n: x for i, pair in batch.items() for n, x in zip(fmt.tensor_names(i), pair)}
-    digests = fmt.tensor_digests({n: _stored(x) for n, x in named.items()})
+    digests = fmt.tensor_digests({n: fmt.stored_view(x) for n, x in named.items()})
     for n in named:
         if digests[n] != header.checksums[n]:
             raise PayloadError(source, f"corrupted tensor {n!r} (checksum mismatch): sha256 "
@@ -418,19 +408,19 @@ def _install_batch(install: restore.Install, header: fmt.SessionHeader,
     return sum(x.nbytes for x in named.values())
 
 
-def _answer(link: _Link, code: int, reason: str, timeout: float) -> None:
-    head, text = _verdict(code, reason)
-    link.post_send(_bytes_array(head))
+def _answer(link: Link, code: int, reason: str, timeout: float) -> None:
+    head, text = wire.verdict(code, reason)
+    link.post_send(wire.bytes_array(head))
     if text:
-        link.post_send(_bytes_array(text))
+        link.post_send(wire.bytes_array(text))
     link.drain(timeout, "the verdict to be taken")
 
 
-def _accept(link: _Link, timeout: float) -> None:
+def _accept(link: Link, timeout: float) -> None:
     _answer(link, ACCEPTED, "", timeout)
 
 
-def _refuse(link: _Link, code: int, error: BaseException, timeout: float) -> None:
+def _refuse(link: Link, code: int, error: BaseException, timeout: float) -> None:
     """Tell the sender why; a link failure while telling it is not this error's."""
     try:
         _answer(link, code, f"{type(error).__name__}: {error}", timeout)

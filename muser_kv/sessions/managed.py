@@ -107,7 +107,10 @@ _UNSET = object()
 _PREFETCHER: Any = _UNSET
 
 
-def _build() -> Optional[Prefetcher]:
+def build() -> Optional[Prefetcher]:
+    """A prefetcher on the CUDA runtime MLX loaded, for MLX's current device, or
+    ``None`` where MLX runs without CUDA (raises where the runtime lacks an
+    entry point: ``prefetcher`` turns that into ``None``)."""
     import mlx.core as mx
 
     cuda = getattr(mx, "cuda", None)
@@ -125,17 +128,24 @@ def _build() -> Optional[Prefetcher]:
 
 
 def prefetcher() -> Optional[Prefetcher]:
-    """The process's prefetcher, built once (by whichever thread asks first), or
-    ``None`` where MLX runs without CUDA or its runtime cannot be used: a hint
-    never fails a load."""
+    """The process's prefetcher, built once (``build``, by whichever thread asks
+    first), or ``None`` where MLX runs without CUDA or its runtime cannot be
+    used: a hint never fails a load."""
     global _PREFETCHER
     with _BUILD:
         if _PREFETCHER is _UNSET:
             try:
-                _PREFETCHER = _build()
+                _PREFETCHER = build()
             except Exception:
                 _PREFETCHER = None
         return _PREFETCHER
+
+
+def reset() -> None:
+    """Forget the process's prefetcher: the next ``prefetcher()`` builds it again."""
+    global _PREFETCHER
+    with _BUILD:
+        _PREFETCHER = _UNSET
 
 
 def to_gpu(view: np.ndarray) -> bool:

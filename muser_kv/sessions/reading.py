@@ -1,22 +1,20 @@
 """Reading session files: the verified, streamed reader behind ``read_session``
-and ``load_session``.
+and ``load_session``, and the host memory it reads into.
 
-* **Verified load.** The header carries a sha256 over every other header field
-  (``header_sha256``), checked before any field is trusted, and every tensor a
-  digest of its little-endian bytes (``TENSOR_DIGESTS``: XXH3-128 from version
-  3; sha256 in version 2 files, which still load); format, version, encoding,
-  geometry, tensor set and dtypes are all checked before a single row is read.
-  A reader thread reads the tensors in chunks into reused staging buffers
-  (asking the kernel to read the next two ahead), the caller's thread copies
-  each into an MLX array (the upload), and a pool hashes that MLX array's own
-  bytes, so reading, upload and verification overlap, and what is verified is
-  what is installed. Nothing verified late
-  reaches the caller: ``read_session`` returns once every digest matched, and
-  ``load_session`` installs each verified layer into a new cache list that it
-  returns only once every layer is in. Whatever is wrong with a file --
-  truncated, bit-flipped, nested past reason, of an unknown dtype -- the error
-  is a ``SnapshotError`` naming what was expected and what came, never a
-  parser's own exception.
+* **Verified load.** The header is checked before any field is trusted
+  (``format.parse_header``: its checksum first) and the tensor table against
+  it (``verify``) before a single row is read. A reader thread reads the
+  tensors in chunks into reused staging buffers (asking the kernel to read
+  the next two ahead), the caller's thread copies each into an MLX array (the
+  upload), and a pool hashes that MLX array's own bytes, so reading, upload
+  and verification overlap, and what is verified is what is installed.
+  Nothing verified late reaches the caller: ``read_session`` returns once
+  every digest matched, and ``load_session`` installs each verified layer
+  into a new cache list that it returns only once every layer is in.
+* **One kind of refusal.** Whatever is wrong with a file -- truncated,
+  bit-flipped, nested past reason, of an unknown dtype -- the error is a
+  ``SnapshotError`` naming what was expected and what came, never a parser's
+  own exception. A missing file is not a wrong one: ``FileNotFoundError``.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import dataclasses
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -40,22 +39,38 @@ from muser_kv.sessions.format import (
     PathLike,
     SessionFileError,
     SessionHeader,
-    TensorCheck,
-    _digest_check,
-    _first_refusal,
-    _hasher,
-    _read_raw,
-    _refusal,
-    _table_checks,
-    _unreadable,
-    _workers,
     digest_bytes,
+    hasher,
     parse_header,
+    stored_view,
     tensor_digests,
     tensor_names,
 )
 from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot
 from muser_kv.sessions.temporaries import tidy_temporaries
+from muser_kv.sessions.verify import (
+    TensorCheck,
+    digest_check,
+    first_refusal,
+    refusal,
+    table_checks,
+)
+
+
+@contextmanager
+def _refusing(path: PathLike) -> Iterator[None]:
+    """A reader's failure as muser-kv's refusal of ``path`` (``SessionFileError``).
+    A missing file is not a file that cannot be trusted: ``FileNotFoundError``
+    passes through, as ``open``'s does."""
+    try:
+        yield
+    except (tensorfile.TensorFileError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        if isinstance(e, tensorfile.TensorFileError):
+            raise SessionFileError(path, f"unreadable: truncated, or not a safetensors file "
+                                         f"({e})") from None
+        raise SessionFileError(path, f"unreadable: {e}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,16 +88,16 @@ class SessionFile:
         checksum (the digest of the file's version); no tensor the header does
         not name."""
         h = self.header
-        table = _table_checks(h, {n: t.dtype for n, t in self.tensors.items()})
+        table = table_checks(h, {n: t.dtype for n, t in self.tensors.items()})
         digests = tensor_digests({n: t.data for n, t in self.tensors.items()
                                   if n in h.checksums and n not in table}, h.digest)
-        out = [table.get(name) or _digest_check(h, name, digests[name])
+        out = [table.get(name) or digest_check(h, name, digests[name])
                for name in h.tensor_names]
         return out + [table[n] for n in sorted(set(table) - set(h.tensor_names))]
 
     def snapshot(self) -> SessionSnapshot:
         """The verified snapshot; refuses on the first failing tensor or shape."""
-        _first_refusal(self.path, self.header, {c.name: c for c in self.verify()})
+        first_refusal(self.path, self.header, {c.name: c for c in self.verify()})
         h = self.header
         dtype = ENCODINGS[h.encoding][0]
         cuts = []
@@ -102,21 +117,14 @@ def _to_mlx(data: np.ndarray, dtype: Any) -> mx.array:
     return mx.array(data)
 
 
-def _to_numpy(x: mx.array) -> np.ndarray:
-    """An MLX array's bytes as numpy, evaluating it if need be (a view of MLX's
-    buffer, no copy; bf16 as its uint16 bits)."""
-    if x.dtype == mx.bfloat16:
-        x = x.view(mx.uint16)
-    return np.asarray(x)
-
-
 def open_session(path: PathLike, *, tidy: bool = True) -> SessionFile:
     """Read a whole session file and parse its header (tensors are not yet
     verified). ``tidy`` removes the target's stale temporaries first (see
     ``tidy_temporaries``)."""
     if tidy:
         tidy_temporaries(path)
-    metadata, tensors = _read_raw(path)
+    with _refusing(path):
+        metadata, tensors = tensorfile.read(path)
     return SessionFile(Path(path), metadata, parse_header(metadata, path), tensors)
 
 
@@ -184,7 +192,7 @@ def _allocators() -> _Allocators:
     global _ALLOCATORS
     with _ALLOCATORS_LOCK:
         if _ALLOCATORS is None:
-            _ALLOCATORS = _Allocators(_workers())
+            _ALLOCATORS = _Allocators(tensorfile.workers())
         return _ALLOCATORS
 
 
@@ -211,7 +219,7 @@ def writable(x: mx.array) -> np.ndarray:
     """The bytes of the evaluated array ``x`` that no one else holds, as a
     writable numpy view of MLX's own buffer. The read lands there and the
     digest is taken there: what is verified is what the cache installs."""
-    view = _to_numpy(x)
+    view = stored_view(x)
     if view.nbytes and not view.flags.writeable:
         raise RuntimeError("session load: MLX gave a read-only view of a new array; "
                            "refusing to read into it")
@@ -268,7 +276,7 @@ def _read_placed(fd: int, entry: tensorfile.Entry, plane: np.ndarray, where: Pla
     at a time, into a staging buffer the thread reuses, hashed there and copied
     (bits, never values) into the plane where the runs say; returns the digest."""
     tensorfile.prefetch(fd, entry.begin, entry.nbytes)
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     n = entry.shape[0]
     if not entry.nbytes:
         return h.hexdigest()
@@ -315,20 +323,15 @@ class Reader:
         self._pool: Optional[ThreadPoolExecutor] = None
         if tidy:
             tidy_temporaries(path)
+        with _refusing(path):
+            f = open(path, "rb", buffering=0)
+        self._file: Optional[BinaryIO] = f
         try:
-            self._file: Optional[BinaryIO] = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise _unreadable(path, e) from None
-        try:
-            try:
-                metadata, entries = tensorfile.read_table(self._file)
-            except (tensorfile.TensorFileError, OSError) as e:
-                raise _unreadable(path, e) from None
+            with _refusing(path):
+                metadata, entries = tensorfile.read_table(f)
             self.header = parse_header(metadata, path)
             self.entries = {e.name: e for e in entries}
-            _first_refusal(path, self.header, _table_checks(
+            first_refusal(path, self.header, table_checks(
                 self.header, {n: e.dtype for n, e in self.entries.items()}))
         except BaseException:
             self.close()
@@ -368,7 +371,7 @@ class Reader:
         fresh = {e.name: _destination(e) for e in order if e.name not in placements}
         arrays = [placements[e.name].plane if e.name in placements else fresh[e.name].result()
                   for e in order]
-        workers = _workers()
+        workers = tensorfile.workers()
         free: "queue.Queue[np.ndarray]" = queue.Queue()
         if placements:  # each at least a row, at most the largest tensor
             largest = max(e.nbytes for e in order)
@@ -399,13 +402,11 @@ class Reader:
         for layer in dict.fromkeys(layer_of[e.name] for e in order):  # file order
             out = []
             for name in tensor_names(layer):
-                try:
+                with _refusing(self.path):
                     digest = digests[name].result()
-                except (tensorfile.TensorFileError, OSError) as exc:
-                    raise _unreadable(self.path, exc) from None
-                check = _digest_check(h, name, digest)
+                check = digest_check(h, name, digest)
                 if not check.ok:
-                    raise _refusal(self.path, check)
+                    raise refusal(self.path, check)
                 x = arrays_of[name]
                 out.append(x.view(mx.bfloat16) if x.dtype == mx.uint16 else x)  # bf16 bits
             yield layer, h.starts[layer], out[0], out[1]
@@ -428,7 +429,13 @@ def read_session(path: PathLike) -> SessionSnapshot:
     return snapshot
 
 
-
+#: Whether the host reads and writes planes in place (``None``: decide by
+#: device): a save then writes rows straight from the planes and a load reads
+#: them straight into new planes. Right where the planes are memory the host
+#: touches in place -- the CPU, Metal's unified memory; on CUDA a host access
+#: would move a plane into managed memory for good, so there a save writes a
+#: gathered cut and a load uploads arrays of their own that the install kernel
+#: places on the GPU.
 HOST_PLACES: Optional[bool] = None
 
 

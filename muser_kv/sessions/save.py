@@ -46,17 +46,17 @@ from muser_kv.sessions.format import (
     SessionHeader,
     SessionMetadataError,
     SnapshotError,
-    _hasher,
-    _workers,
     digest_bytes,
     geometry_to_json,
+    hasher,
     header_digest,
     parse_header,
+    stored_view,
     tensor_digests,
     tensor_names,
 )
-from muser_kv.sessions.reading import _to_numpy, host_places
-from muser_kv.sessions.snapshot import SessionSnapshot
+from muser_kv.sessions.reading import host_places
+from muser_kv.sessions.snapshot import SessionSnapshot, lazy_capture
 from muser_kv.sessions.temporaries import IN_FLIGHT, IN_FLIGHT_LOCK, tidy_temporaries
 
 # -- writing ---------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def _signed(fields: Mapping[str, str], digests: Mapping[str, str]) -> Dict[str, 
 def session_arrays(snapshot: SessionSnapshot) -> Dict[str, np.ndarray]:
     """Every tensor of ``snapshot`` by its name in a session file, as numpy
     views of MLX's buffers (evaluated; the snapshot keeps them alive)."""
-    return {name: np.ascontiguousarray(_to_numpy(x)) for name, x in _tensors(snapshot)}
+    return {name: np.ascontiguousarray(stored_view(x)) for name, x in _tensors(snapshot)}
 
 
 def session_header(snapshot: SessionSnapshot, arrays: Mapping[str, np.ndarray],
@@ -132,8 +132,8 @@ class PlaneRows:
     """A session tensor as it lies in a plane the host reads in place: its
     logical rows (``shape``, the file's ``[rows, H, D]``) along the ring's live
     runs, in a numpy view of the plane (``[R, H*D]`` token-major, ``[H, R, D]``
-    head-major). The inverse of ``_scatter``: the ring decides where each row
-    is, the writer follows the runs."""
+    head-major). The inverse of a placed load (``reading.Placement``): the ring
+    decides where each row is, the writer follows the runs."""
 
     plane: np.ndarray
     layout: str
@@ -163,14 +163,14 @@ class PlaneRows:
                 yield out
 
 
-def _plane_rows(cache: Sequence[MuseKVCache]) -> List[Tuple[str, PlaneRows]]:
+def plane_rows(cache: Sequence[MuseKVCache]) -> List[Tuple[str, PlaneRows]]:
     """Every tensor of a cache list's session, read from its planes in place."""
     out = []
     for i, c in enumerate(cache):
         runs = tuple(c.ring.live_runs())
         shape = (c.ring.len, c.kv_heads, c.head_dim)
         for name, plane in zip(tensor_names(i), c.planes.physical(c.slot)):
-            out.append((name, PlaneRows(_to_numpy(plane), c.layout, runs, shape)))
+            out.append((name, PlaneRows(stored_view(plane), c.layout, runs, shape)))
     return out
 
 
@@ -181,7 +181,7 @@ Source = Union[mx.array, PlaneRows]
 AHEAD = 4
 
 
-def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, Source]],
+def write_tensors(path: PathLike, tensors: Sequence[Tuple[str, Source]],
                    fields: Dict[str, str]) -> Dict[str, str]:
     """The one writer (tests replace it to fail mid-save): the file at ``path``
     (which exists) becomes the session, its header ``fields`` signed with the
@@ -204,7 +204,7 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, Source]],
     digests: List[Union[str, "Future[str]"]] = []
     staging: Optional[np.ndarray] = None
     with open(path, "r+b", buffering=0) as f, ThreadPoolExecutor(
-            _workers(), thread_name_prefix="muser-kv digest") as pool:
+            tensorfile.workers(), thread_name_prefix="muser-kv digest") as pool:
         fd = f.fileno()
         os.lseek(fd, reserved, os.SEEK_SET)
         for i, (_name, x) in enumerate(tensors):
@@ -214,7 +214,7 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, Source]],
                         or staging.size < x.row):
                     staging = np.empty(max(x.row, reading.PLACE_CHUNK // x.plane.itemsize),
                                        x.plane.dtype)
-                h = _hasher(algorithm)
+                h = hasher(algorithm)
                 for block in x.blocks(staging):
                     data = block.reshape(-1).view(np.uint8)
                     h.update(data)
@@ -223,7 +223,7 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, Source]],
             else:
                 mx.async_eval([t for _, t in tensors[i:i + 1 + AHEAD]
                                if isinstance(t, mx.array)])  # this one first
-                data = np.ascontiguousarray(_to_numpy(x))  # waits for x's gather; a view
+                data = np.ascontiguousarray(stored_view(x))  # waits for x's gather; a view
                 digests.append(pool.submit(digest_bytes, data, algorithm))
                 tensorfile.write_all(fd, data)
             end = os.lseek(fd, 0, os.SEEK_CUR)
@@ -239,7 +239,8 @@ def _write_tensors(path: PathLike, tensors: Sequence[Tuple[str, Source]],
     return header
 
 
-def _fsync_path(path: PathLike, directory: bool = False) -> None:
+def fsync_path(path: PathLike, directory: bool = False) -> None:
+    """Flush ``path`` (a file, or with ``directory`` a directory) to the device."""
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
     try:
         fd = os.open(os.fspath(path), flags)
@@ -283,8 +284,8 @@ def _atomic_write(path: Path, tensors: Sequence[Tuple[str, Source]],
         except OSError as e:
             raise _saving(path, e) from e
         try:
-            header = parse_header(_write_tensors(tmp, tensors, fields), path)
-            _fsync_path(tmp)
+            header = parse_header(write_tensors(tmp, tensors, fields), path)
+            fsync_path(tmp)
             os.replace(tmp, path)
         except BaseException as e:
             with suppress(OSError):
@@ -295,17 +296,9 @@ def _atomic_write(path: Path, tensors: Sequence[Tuple[str, Source]],
     finally:
         with IN_FLIGHT_LOCK:
             IN_FLIGHT.discard(str(tmp))
-    _fsync_path(directory, directory=True)
+    fsync_path(directory, directory=True)
     return header
 
-
-#: Whether the host reads and writes planes in place (``None``: decide by
-#: device): a save then writes rows straight from the planes and a load reads
-#: them straight into new planes. Right where the planes are memory the host
-#: touches in place -- the CPU, Metal's unified memory; on CUDA a host access
-#: would move a plane into managed memory for good, so there a save writes a
-#: gathered cut and a load uploads arrays of their own that the install kernel
-#: places on the GPU.
 
 
 def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
@@ -332,7 +325,7 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
         if model is not None:
             snapshot = dataclasses.replace(snapshot, model=model_fingerprint(model))
     else:
-        snapshot = SessionSnapshot._capture(cache, model)  # lazy: the gate, and the header
+        snapshot = lazy_capture(cache, model)  # the gate, and the header, before a gather
     encoding = encoding or snapshot.encoding
     # a live list in its own encoding, where the host reads planes in place: its
     # rows are written straight from the planes
@@ -341,5 +334,5 @@ def save_session(path: PathLike, cache: Union[Sequence[Any], SessionSnapshot],
     snapshot = snapshot.encoded(encoding)
     snapshot.check(snapshot.geometry)
     tensors: Sequence[Tuple[str, Source]] = (
-        _plane_rows(live) if live is not None else _tensors(snapshot))
+        plane_rows(live) if live is not None else _tensors(snapshot))
     return _atomic_write(Path(path), tensors, _header_fields(snapshot, user))

@@ -1,40 +1,22 @@
-"""The logical cut of a cache list and its fail-closed, rotation-preserving
-restore (seeds Ch 23.4). Invariants, each with a test (``tests/sessions/``):
+"""The logical cut of a cache list (``SessionSnapshot``) and its restore.
+Invariants, each with a test (``tests/sessions/``):
 
 * **Logical order out, never rotation.** A snapshot carries, per layer, the rows
   a restore needs in ascending logical order: a sliding layer exactly the last
   ``min(position, capacity)`` rows from ``position - count`` (``capacity =
   min(max_context, window)``), a global layer exactly ``[0, position)``. The
   physical rotation of a ring is not data: it is a function of the logical
-  origin, so bytes on disk are layout-stable across backends and builds.
-* **Rotation rebuilt on install.** ``MuseKVCache.install`` puts a ring's rows back at
-  ``origin_logical % capacity``, where sequential appends would have left them.
-  Attention sums rows in physical order and float addition is not associative,
-  so this is what makes a restored session replay the live one bit for bit.
-* **Fail closed, all or nothing.** Every layer is checked (rows, start, bytes,
-  dtype vs encoding, head geometry, layer kind) *before* the first plane
-  changes, by the one restore path's gate (``muser_kv.sessions.restore``), which
-  every kind of restore takes; a refusal names the layer, the field, the
-  expected and the got value. ``load_session`` only ever returns a fully
-  restored cache.
-* **A session carries its encoding.** Planes are f16 (``f16le``, the production
-  encoding) or bf16 (``bf16le``, for a model whose attention runs in bf16), and
-  a snapshot records which. One of another encoding -- bf16 into f16 planes, f16
-  into bf16, or an ``f32le`` interchange file (e.g. from a CPU oracle) -- is
-  refused (``EncodingMismatch``; ``ProductionF16Required`` when the planes are
-  f16) unless the caller asks for the conversion (``convert=True``: round to
-  nearest even), so two runtimes never silently share state only one of them
+  origin, so bytes on disk are layout-stable across backends and builds, and
+  ``MuseKVCache.install`` rebuilds it.
+* **A session carries its encoding and its model.** Planes are f16 (``f16le``,
+  the production encoding) or bf16 (``bf16le``, for a model whose attention
+  runs in bf16), and a snapshot records which, and the fingerprint of the
+  model its rows came from (``muser_kv.sessions.fingerprint``). Changing the
+  encoding rounds, except the exact widening to ``f32le`` (an interchange
+  file), so it needs ``convert=True``; the restore gate
+  (``muser_kv.sessions.restore``) refuses another encoding or another model
+  likewise, so two runtimes never silently share state only one of them
   defined.
-* **A session knows its model.** The header records the fingerprint of the
-  model whose cache was saved (``muser_kv.fingerprint``: its config and a few
-  small slices of every weight); a load into a model with another fingerprint,
-  or from a file that records none, is refused (``ModelMismatch``) unless the
-  caller passes ``allow_other_model=True``.
-
-The file records the *KV geometry*: every ``MuseGeometry`` field that shapes the
-stored state (layer count and kinds, window, max_context, KV heads, head_dim).
-The query head count never enters the KV state and a cache does not know it, so
-a snapshot normalizes ``num_heads`` to ``kv_heads`` and comparisons ignore it.
 """
 
 from __future__ import annotations
@@ -56,21 +38,12 @@ from muser_kv.sessions.format import (
     encoding_mismatch,
     plane_encoding,
 )
-
-# the gate's terms live with the gate (``muser_kv.sessions.restore``); these
-# names stay importable from here
-from muser_kv.sessions.restore import (  # noqa: F401
-    LayerCut,
-    cache_geometry,
-    check_model,
-    expected_cut,
-    kv_geometry,
-)
+from muser_kv.sessions.restore import LayerCut, cache_geometry
 
 
 @dataclass(frozen=True, eq=False)
 class SessionSnapshot:
-    """A complete restorable cut of one session (seeds 23.4's SessionCacheSnapshot).
+    """A complete restorable cut of one session.
 
     ``position`` is the logical position of the next token (every layer's
     ``offset``); ``layers[i]`` holds layer ``i``'s rows in logical order, f16 for
@@ -91,32 +64,8 @@ class SessionSnapshot:
         exactly its contract rows; the rows are evaluated now (a point-in-time copy).
         The snapshot records the fingerprint of ``model``, or of the model the
         list was built for (``make_prompt_cache(model)``), if either is known."""
-        snapshot = cls._capture(cache, model)
+        snapshot = lazy_capture(cache, model)
         mx.eval([a for cut in snapshot.layers for a in (cut.keys, cut.values)])
-        return snapshot
-
-    @classmethod
-    def _capture(cls, cache: Sequence[Any], model: Any = None) -> "SessionSnapshot":
-        """``capture`` with the cuts not yet evaluated: each is a gather of the
-        planes as they are now (MLX arrays are values: a later store into the
-        cache makes new planes, never changes these), so evaluating the cuts
-        later, one by one while earlier ones are written, still gives this
-        point in time."""
-        geometry = cache_geometry(cache)
-        offsets = [c.offset for c in cache]
-        if len(set(offsets)) != 1:
-            odd = next(i for i, o in enumerate(offsets) if o != offsets[0])
-            raise SnapshotMismatch("position (cache offset)", offsets[0], offsets[odd], odd,
-                                   geometry.layer_kind(odd))
-        cuts = []
-        for c in cache:
-            start, keys, values = c.snapshot()
-            cuts.append(LayerCut(int(start), keys, values))
-        model = model if model is not None else restore.list_model(cache)
-        fingerprint = model_fingerprint(model) if model is not None else None
-        snapshot = cls(geometry, offsets[0], plane_encoding(cache[0].dtype), tuple(cuts),
-                       fingerprint)
-        snapshot.check(geometry)
         return snapshot
 
     # -- the gate ---------------------------------------------------------------
@@ -171,6 +120,30 @@ class SessionSnapshot:
     @property
     def nbytes(self) -> int:
         return sum(c.keys.nbytes + c.values.nbytes for c in self.layers)
+
+
+def lazy_capture(cache: Sequence[Any], model: Any = None) -> SessionSnapshot:
+    """``SessionSnapshot.capture`` with the cuts not yet evaluated: each is a
+    gather of the planes as they are now (MLX arrays are values: a later store
+    into the cache makes new planes, never changes these), so evaluating the
+    cuts later, one by one while earlier ones are written, still gives this
+    point in time."""
+    geometry = cache_geometry(cache)
+    offsets = [c.offset for c in cache]
+    if len(set(offsets)) != 1:
+        odd = next(i for i, o in enumerate(offsets) if o != offsets[0])
+        raise SnapshotMismatch("position (cache offset)", offsets[0], offsets[odd], odd,
+                               geometry.layer_kind(odd))
+    cuts = []
+    for c in cache:
+        start, keys, values = c.snapshot()
+        cuts.append(LayerCut(int(start), keys, values))
+    model = model if model is not None else restore.list_model(cache)
+    fingerprint = model_fingerprint(model) if model is not None else None
+    snapshot = SessionSnapshot(geometry, offsets[0], plane_encoding(cache[0].dtype), tuple(cuts),
+                               fingerprint)
+    snapshot.check(geometry)
+    return snapshot
 
 
 def restore_into(cache: Sequence[Any], snapshot: SessionSnapshot, *, convert: bool = False,

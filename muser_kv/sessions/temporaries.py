@@ -25,7 +25,9 @@ def _temporary_pattern(path: Path) -> "re.Pattern[str]":
     return re.compile(rf"\.{re.escape(path.name)}\.(?:(\d+)-)?[0-9a-f]{{16}}\.tmp")
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` may still be running (this one is; one that
+    cannot be asked counts as running, so its files are kept)."""
     if pid == os.getpid():
         return True
     try:
@@ -35,6 +37,10 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError, ValueError, OSError):
         return True  # exists (someone else's), or cannot tell: keep its file
     return True
+
+
+#: ``alive`` by the name ``store/directory.py`` imports.
+_alive = alive
 
 
 def tidy_temporaries(path: PathLike) -> List[Path]:
@@ -61,7 +67,7 @@ def tidy_temporaries(path: PathLike) -> List[Path]:
             if str(tmp) in IN_FLIGHT:
                 continue
         pid = m.group(1)
-        if pid is not None and int(pid) != os.getpid() and _alive(int(pid)):
+        if pid is not None and int(pid) != os.getpid() and alive(int(pid)):
             continue
         try:
             if not stat.S_ISREG(os.lstat(tmp).st_mode):

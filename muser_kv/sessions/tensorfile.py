@@ -76,6 +76,14 @@ class Tensor:
 #: Bytes per read or write call: large enough that a call's overhead vanishes,
 #: small enough that reading overlaps whatever consumes the bytes.
 CHUNK = 16 << 20
+#: Threads that read, write or hash a file's tensors side by side (None: one per
+#: core, at most 8).
+WORKERS: Optional[int] = None
+
+
+def workers() -> int:
+    """The threads a session's reads, writes and digests run on (``WORKERS``)."""
+    return WORKERS or max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,6 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
-
-    @property
-    def dtype_name(self) -> str:
-        return DTYPE_NAMES[self.dtype]
 
 
 def head(tensors: Sequence[Tuple[str, str, Sequence[int]]], metadata: Mapping[str, str]) -> bytes:
@@ -164,17 +168,6 @@ def prefetch(fd: int, offset: int, nbytes: int) -> None:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
-
-
-def write(path: PathLike, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> None:
-    """Stream ``tensors`` (in order) to ``path`` in the safetensors layout, straight
-    from their buffers: no second copy of the payload is built in memory."""
-    prefix = head([(n, t.dtype, t.data.shape) for n, t in tensors.items()], metadata)
-    with open(path, "wb", buffering=0) as f:
-        write_all(f.fileno(), prefix)
-        for t in tensors.values():
-            if t.data.size:
-                write_all(f.fileno(), np.ascontiguousarray(t.data))
 
 
 def _header(raw: bytes) -> dict:

@@ -1,5 +1,6 @@
 """The handoff's wire: framing, verdicts, errors, and the link (one courier
-thread per (group, peer), running its transfers in order).
+thread per (group, peer), running its transfers in order). ``handoff`` runs
+the protocol over these; every outgoing message passes ``outgoing``.
 
 Wire, per session (sender S, receiver R; all integers little-endian):
 S->R preamble (``PREAMBLE``: magic, wire version, header length, CRC32), S->R
@@ -150,7 +151,7 @@ class _Courier:
         self._jobs.put((op, args, group, done))
 
 
-class _Link:
+class Link:
     """One (group, peer) pair: its courier, its lock, and whether it is broken."""
 
     def __init__(self, group: Any, peer: int):
@@ -209,11 +210,13 @@ class _Link:
         self.broken = why
 
 
-_LINKS: Dict[Tuple[int, int], _Link] = {}
+_LINKS: Dict[Tuple[int, int], Link] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def _link(group: Any, peer: Any, role: str) -> _Link:
+def link(group: Any, peer: Any, role: str) -> Link:
+    """The process's one link with rank ``peer`` of ``group`` (made on first
+    use), after checking both; ``role`` names the caller in a refusal."""
     if group is None or not hasattr(group, "rank"):
         raise TypeError(f"{role} needs an mx.distributed group, got {type(group).__name__}")
     if isinstance(peer, bool) or not isinstance(peer, int):
@@ -223,22 +226,23 @@ def _link(group: Any, peer: Any, role: str) -> _Link:
         raise ValueError(f"{role}: peer rank expected another rank of the group "
                          f"(0..{size - 1}, not {rank}), got {peer}")
     with _LINKS_LOCK:
-        link = _LINKS.get((id(group), peer))
-        if link is None or link.group is not group:
-            link = _Link(group, peer)
-            _LINKS[(id(group), peer)] = link
-    return link
+        found = _LINKS.get((id(group), peer))
+        if found is None or found.group is not group:
+            found = Link(group, peer)
+            _LINKS[(id(group), peer)] = found
+    return found
 
 
 @overload
-def _timeout(value: Optional[float], name: str, allow_none: Literal[False]) -> float: ...
+def seconds(value: Optional[float], name: str, allow_none: Literal[False]) -> float: ...
 
 
 @overload
-def _timeout(value: Optional[float], name: str, allow_none: bool) -> Optional[float]: ...
+def seconds(value: Optional[float], name: str, allow_none: bool) -> Optional[float]: ...
 
 
-def _timeout(value: Optional[float], name: str, allow_none: bool) -> Optional[float]:
+def seconds(value: Optional[float], name: str, allow_none: bool) -> Optional[float]:
+    """A caller's bound ``name`` as a positive float (or None, where allowed)."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -250,20 +254,25 @@ def _timeout(value: Optional[float], name: str, allow_none: bool) -> Optional[fl
 # -- framing ---------------------------------------------------------------------------
 
 
-def _bytes_array(data: bytes) -> mx.array:
+def bytes_array(data: bytes) -> mx.array:
+    """``data`` as the ``uint8`` array a message carries."""
     return mx.array(np.frombuffer(data, dtype=np.uint8))
 
 
-def _array_bytes(x: mx.array) -> bytes:
+def array_bytes(x: mx.array) -> bytes:
+    """A received ``uint8`` message's bytes."""
     return np.asarray(x).tobytes()
 
 
-def _preamble(header_nbytes: int) -> bytes:
+def preamble(header_nbytes: int) -> bytes:
+    """The preamble announcing a header of ``header_nbytes``."""
     fields = PREAMBLE.pack(PREAMBLE_MAGIC, WIRE_VERSION, 0, header_nbytes, 0)[:-4]
     return fields + struct.pack("<I", zlib.crc32(fields))
 
 
-def _read_preamble(raw: bytes, peer: int) -> int:
+def read_preamble(raw: bytes, peer: int) -> int:
+    """The header length a preamble from ``peer`` announces (``StreamOutOfStep``
+    for anything that is not this protocol's preamble)."""
     magic, version, _, header_nbytes, crc = PREAMBLE.unpack(raw)
     if magic != PREAMBLE_MAGIC:
         raise StreamOutOfStep(f"rank {peer} sent {magic!r} where a session preamble (magic "
@@ -280,13 +289,16 @@ def _read_preamble(raw: bytes, peer: int) -> int:
     return header_nbytes
 
 
-def _verdict(code: int, reason: str = "") -> Tuple[bytes, bytes]:
+def verdict(code: int, reason: str = "") -> Tuple[bytes, bytes]:
+    """A verdict's head and its reason's bytes (cut at ``MAX_REASON``)."""
     text = reason.encode("utf-8", "replace")[:MAX_REASON]
     fields = VERDICT.pack(VERDICT_MAGIC, WIRE_VERSION, code, len(text), zlib.crc32(text), 0)[:-4]
     return fields + struct.pack("<I", zlib.crc32(fields)), text
 
 
-def _read_verdict(raw: bytes, peer: int) -> Tuple[int, int, int]:
+def read_verdict(raw: bytes, peer: int) -> Tuple[int, int, int]:
+    """``(code, reason bytes, reason CRC32)`` of a verdict head from ``peer``
+    (``StreamOutOfStep`` for anything else)."""
     magic, version, code, nbytes, text_crc, crc = VERDICT.unpack(raw)
     if magic != VERDICT_MAGIC or crc != zlib.crc32(raw[:-4]):
         raise StreamOutOfStep(f"rank {peer} sent {magic!r}... where a verdict (magic "
@@ -298,16 +310,8 @@ def _read_verdict(raw: bytes, peer: int) -> Tuple[int, int, int]:
     return code, nbytes, text_crc
 
 
-def _outgoing(name: str, x: mx.array) -> mx.array:
+def outgoing(name: str, x: mx.array) -> mx.array:
     """The one seam every outgoing session message passes (``"preamble"``,
     ``"header"`` or a tensor's name): tests replace it to corrupt or stall a
     transfer."""
     return x
-
-
-def _stored(x: mx.array) -> np.ndarray:
-    """An evaluated array's bytes as numpy in its safetensors storage dtype (bf16 as
-    its uint16 bits), as a session file's reader hands them to ``tensor_digests``."""
-    if x.dtype == mx.bfloat16:
-        x = x.view(mx.uint16)
-    return np.asarray(x)

@@ -117,10 +117,13 @@ class NoV2(FakeRuntime):
 def test_a_runtime_without_the_entry_point_is_no_prefetcher(monkeypatch):
     with pytest.raises(AttributeError):
         managed.Prefetcher(NoV2(12080), device=0)  # found at construction, never mid-load
-    monkeypatch.setattr(managed, "_PREFETCHER", managed._UNSET)
-    monkeypatch.setattr(managed, "_build", lambda: managed.Prefetcher(NoV2(12080), device=0))
-    assert managed.prefetcher() is None
-    assert managed.to_gpu(np.zeros(16, np.uint8)) is False
+    monkeypatch.setattr(managed, "build", lambda: managed.Prefetcher(NoV2(12080), device=0))
+    managed.reset()
+    try:
+        assert managed.prefetcher() is None
+        assert managed.to_gpu(np.zeros(16, np.uint8)) is False
+    finally:
+        managed.reset()  # the next prefetcher() builds the real one
 
 
 def test_a_failed_prefetch_is_false_and_clears_the_runtimes_error(monkeypatch):

@@ -295,7 +295,7 @@ def dies_mid_write(tmp, arrays, header):
         f.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
-save_mod._write_tensors = dies_mid_write
+save_mod.write_tensors = dies_mid_write
 muser_kv.save_session(sys.argv[1], cache)
 """
 
@@ -354,8 +354,8 @@ def test_a_failed_save_removes_its_own_temporary(model, tmp_path, monkeypatch, f
     def boom(*args, **kwargs):
         raise KeyboardInterrupt() if failure == "interrupt" else OSError(28, "No space left")
 
-    target = {"writer": (save_mod, "_write_tensors"), "interrupt": (save_mod, "_write_tensors"),
-              "fsync": (save_mod, "_fsync_path"), "replace": (save_mod.os, "replace")}[failure]
+    target = {"writer": (save_mod, "write_tensors"), "interrupt": (save_mod, "write_tensors"),
+              "fsync": (save_mod, "fsync_path"), "replace": (save_mod.os, "replace")}[failure]
     cache = muser_kv.make_prompt_cache(model, 64)
     model(mx.array([[4, 5]]), cache=cache)
     monkeypatch.setattr(*target, boom)
@@ -376,6 +376,19 @@ def test_saving_into_a_missing_directory_names_the_callers_path(model, tmp_path)
     assert e.value.filename == str(target)
     assert "directory" in str(e.value) and str(target.parent) in str(e.value)
     assert ".tmp" not in str(e.value)
+
+
+def test_a_missing_file_is_not_found_rather_than_untrusted(model, tmp_path, capsys):
+    """No file at the path: ``FileNotFoundError`` (as ``open`` raises), never
+    ``SessionFileError``, whichever reader is asked; nothing is created."""
+    path = tmp_path / "absent.safetensors"
+    for call in (lambda: read_session(path), lambda: load_session(path, model)):
+        with pytest.raises(FileNotFoundError) as e:
+            call()
+        assert e.value.filename == str(path)
+    assert muser_kv.serving.cli.main(["inspect", str(path)]) == 2
+    assert "No such file" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_write_error_names_the_callers_path(model, tmp_path):

@@ -303,7 +303,7 @@ if where in ("write", "header"):  # an os.write of the real writer dies half-way
         return real(fd, data)
     tensorfile.os.write = write
 elif where == "fsync":
-    save_mod._fsync_path = lambda *a, **k: die()
+    save_mod.fsync_path = lambda *a, **k: die()
 elif where == "replace":
     save_mod.os.replace = lambda *a, **k: die()
 muser_kv.save_session(sys.argv[1], cache)
@@ -413,7 +413,7 @@ def test_the_streamed_read_and_write_give_the_planes_bitwise(tmp_path, monkeypat
     live rotation, and the digests are of the bytes on disk."""
     if chunk:
         monkeypatch.setattr(tensorfile, "CHUNK", chunk)
-    monkeypatch.setattr(reading, "_workers", lambda: readers)
+    monkeypatch.setattr(tensorfile, "WORKERS", readers)
     geo, live = odd_session(dtype, head_dim=5, kv_heads=3, position=37, max_context=77)
     path = tmp_path / "odd.safetensors"
     save_session(path, live)
@@ -476,14 +476,14 @@ def test_a_destination_mlx_will_not_let_us_write_is_refused(session40, tmp_path,
     _, data = session40
     path = tmp_path / "s.safetensors"
     path.write_bytes(data)
-    real = reading._to_numpy
+    real = reading.stored_view
 
     def read_only(x):
         view = real(x)
         view.flags.writeable = False
         return view
 
-    monkeypatch.setattr(reading, "_to_numpy", read_only)
+    monkeypatch.setattr(reading, "stored_view", read_only)
     with pytest.raises(RuntimeError, match="read-only view of a new array"):
         read_session(path)
 
@@ -518,7 +518,7 @@ def test_load_session_is_bitwise_whichever_way_rows_reach_the_planes(
     the wrap and rotated after it, and through chunks no row size divides."""
     monkeypatch.setattr(reading, "HOST_PLACES", places)
     monkeypatch.setattr(reading, "PLACE_CHUNK", chunk or reading.PLACE_CHUNK)
-    monkeypatch.setattr(reading, "_workers", lambda: readers)
+    monkeypatch.setattr(tensorfile, "WORKERS", readers)
     model = tiny_model(dtype, sliding_window=WINDOW)
     live = filled(model, position)
     path = tmp_path / "s.safetensors"
@@ -543,8 +543,8 @@ def test_a_save_from_the_planes_writes_the_file_a_gathered_cut_writes(
     model = tiny_model(dtype, sliding_window=WINDOW)
     live = filled(model, position, sliding_layout=layout)
     direct = []
-    real = save_mod._plane_rows
-    monkeypatch.setattr(save_mod, "_plane_rows", lambda c: direct.append(1) or real(c))
+    real = save_mod.plane_rows
+    monkeypatch.setattr(save_mod, "plane_rows", lambda c: direct.append(1) or real(c))
     files = {}
     for places in (True, False):
         monkeypatch.setattr(reading, "HOST_PLACES", places)

@@ -490,7 +490,7 @@ def test_failed_save_leaves_the_old_file_and_no_temp(saved, model, monkeypatch):
         Path(tmp).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(save_mod, "_write_tensors", torn_writer)
+    monkeypatch.setattr(save_mod, "write_tensors", torn_writer)
     with pytest.raises(OSError, match="disk full"):
         save_session(path, newer)
     assert path.read_bytes() == blob
