@@ -223,7 +223,6 @@ def tensor_digests(arrays: Mapping[str, np.ndarray],
 
 
 #: ``tensorfile.workers`` by the name ``store/reader.py`` imports from here.
-_workers = tensorfile.workers
 
 
 def geometry_to_json(geometry: MuseGeometry) -> str:

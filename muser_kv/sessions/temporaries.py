@@ -40,7 +40,6 @@ def alive(pid: int) -> bool:
 
 
 #: ``alive`` by the name ``store/directory.py`` imports.
-_alive = alive
 
 
 def tidy_temporaries(path: PathLike) -> List[Path]:

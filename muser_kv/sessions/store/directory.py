@@ -35,7 +35,7 @@ from muser_kv.sessions.store.tiers import (
     parse_header,
     payload_view,
 )
-from muser_kv.sessions.temporaries import _alive
+from muser_kv.sessions.temporaries import alive
 
 #: A directory tier at its bound rescans the directory (to see other processes'
 #: chunks and reads) at most this often; ``stats`` and ``gc`` always rescan.
@@ -218,7 +218,7 @@ class DirectoryTier(BlobTier):
                     found.append((st.st_mtime_ns, name, max(st.st_size - frame_size(name), 0)))
                 elif tidy:
                     m = _TEMPORARY.fullmatch(name)
-                    if m and int(m.group(2)) != me and not _alive(int(m.group(2))):
+                    if m and int(m.group(2)) != me and not alive(int(m.group(2))):
                         try:
                             os.unlink(self.path / shard / name)
                         except OSError:

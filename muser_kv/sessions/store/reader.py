@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from muser_kv.sessions import managed
-from muser_kv.sessions.format import _workers
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.landing import Landing
+from muser_kv.sessions.tensorfile import workers
 
 log = logging.getLogger("muser_kv.store")
 
@@ -71,7 +71,7 @@ class TierReader:
     def _readers(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(_workers(), thread_name_prefix="muser-kv store reader")
+                self._pool = ThreadPoolExecutor(workers(), thread_name_prefix="muser-kv store reader")
             return self._pool
 
     def _fetch(self, key: str, first: int = 0) -> Optional[Fetched]:
