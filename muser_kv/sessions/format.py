@@ -222,8 +222,6 @@ def tensor_digests(arrays: Mapping[str, np.ndarray],
         return dict(zip(names, pool.map(lambda n: tensor_digest(arrays[n], algorithm), names)))
 
 
-#: ``tensorfile.workers`` by the name ``store/reader.py`` imports from here.
-
 
 def geometry_to_json(geometry: MuseGeometry) -> str:
     g = {name: getattr(geometry, name) for name in KV_FIELDS}

@@ -39,8 +39,6 @@ def alive(pid: int) -> bool:
     return True
 
 
-#: ``alive`` by the name ``store/directory.py`` imports.
-
 
 def tidy_temporaries(path: PathLike) -> List[Path]:
     """Remove the stale temporaries of the session file ``path`` -- those a save
