@@ -222,7 +222,6 @@ def tensor_digests(arrays: Mapping[str, np.ndarray],
         return dict(zip(names, pool.map(lambda n: tensor_digest(arrays[n], algorithm), names)))
 
 
-
 def geometry_to_json(geometry: MuseGeometry) -> str:
     g = {name: getattr(geometry, name) for name in KV_FIELDS}
     g.update({name: getattr(geometry, name) for name in KV_EXTRA_FIELDS if getattr(geometry, name)})
