@@ -180,7 +180,7 @@ def _positive(text: str) -> int:
 
 def cmd_selftest(ns: argparse.Namespace) -> int:
     """Every kernel on this machine's GPU against the reference path, bit for bit."""
-    from muser_kv.serving.selftest import main as selftest
+    from muser_kv.core.selftest import main as selftest
 
     return selftest(ns.backend, jobs=ns.jobs)
 
