@@ -19,6 +19,7 @@ log = logging.getLogger("muser_kv.serving.server.serve")  # serve's: one logger 
 #: the request each handler thread is answering, as the context policy keeps it
 LAST_REQUEST = LastRequest()
 
+
 def rollback_depth(cli_args: argparse.Namespace) -> int:
     """How deep every cache the server installs with a draft model rolls back
     exactly: ``--retain``, raised to ``--num-draft-tokens`` (``MuseModelProvider``)."""

@@ -99,6 +99,7 @@ log = logging.getLogger(__name__)
 #: Landing buffers made per idle wait of the generation thread (its waits are 0.1 s).
 IDLE_RESTOCK_BYTES = 64 << 20
 
+
 class ServeRefused(Exception):
     """The server cannot start with these arguments (one line says why)."""
 
