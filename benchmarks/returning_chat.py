@@ -69,7 +69,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 import muser_kv
-from muser_kv.serving.prompt_cache import ExactPromptCache
+from muser_kv.serving.server.prompt_cache import ExactPromptCache
 
 PATHS = ("batched", "sequential")
 GLIMMER = "muse-glimmer"

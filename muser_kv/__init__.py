@@ -36,7 +36,6 @@ from muser_kv.core.precision import attention_dtype, plane_dtype_for
 from muser_kv.core.ring import CacheDiscontinuity, Ring, Run
 from muser_kv.serving.install import Installed, install, installed, uninstall
 from muser_kv.serving.policy import (
-    ChatShift,
     ChatTurns,
     ContextPolicy,
     ContextPolicyError,
@@ -47,9 +46,9 @@ from muser_kv.serving.policy import (
     SystemAfterTurns,
     compact_raw,
     complete_chat_turns,
-    shift_chat,
 )
-from muser_kv.serving.slots import MAX_SLOTS, EmptySlot, Prefill, Slot, SlotPool, StaleSession
+from muser_kv.serving.pool.chat_shift import ChatShift, shift_chat
+from muser_kv.serving.pool.slots import MAX_SLOTS, EmptySlot, Prefill, Slot, SlotPool, StaleSession
 from muser_kv.sessions.fingerprint import model_fingerprint
 from muser_kv.sessions.format import (
     EncodingMismatch,
@@ -123,7 +122,7 @@ __all__ = [
     "save_session",
     "send_session",
     "tidy_temporaries",
-    # serving: policy, slots, mlx-lm's hook
+    # serving: the shared policy, the slot pool, mlx-lm's hook
     "ChatShift",
     "ChatTurns",
     "ContextPolicy",

@@ -190,7 +190,8 @@ class RedisServer:
 def serve_args(argv: Sequence[str]) -> Any:
     """The namespace ``muser-kv serve argv`` parses, through mlx-lm's own
     ``main`` with its server loop stubbed out; the substituted names are put back."""
-    from muser_kv.serving import serve
+    from muser_kv.serving.server import serve
+    from muser_kv.serving.server.mlx_lm_server import server
 
     captured: Dict[str, Any] = {}
 
@@ -198,10 +199,10 @@ def serve_args(argv: Sequence[str]) -> Any:
         captured["args"] = provider.cli_args
 
     with serve.substituted(list(argv)):
-        saved, serve.server.run = serve.server.run, run
+        saved, server.run = server.run, run
         try:
-            serve.server.main()
+            server.main()
         finally:
-            serve.server.run = saved
-    assert serve.server.ModelProvider is not serve.MuseModelProvider  # put back
+            server.run = saved
+    assert server.ModelProvider is not serve.MuseModelProvider  # put back
     return captured["args"]

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # for the annotation only; cmd_inspect imports it when it run
 
 #: what ``muser-kv --help`` says the command is (every module it names exists)
 DESCRIPTION = ("footprint, inspect, selftest, store, and mlx-lm's generate, chat, cache-prompt "
-               "(muser_kv.serving.commands) and server (muser_kv.serving.serve) on muser-kv's "
+               "(muser_kv.serving.commands) and server (muser_kv.serving.server.serve) on muser-kv's "
                "caches")
 
 
@@ -180,7 +180,7 @@ def _positive(text: str) -> int:
 
 def cmd_selftest(ns: argparse.Namespace) -> int:
     """Every kernel on this machine's GPU against the reference path, bit for bit."""
-    from muser_kv.serving.selftest import main as selftest
+    from muser_kv.core.selftest import main as selftest
 
     return selftest(ns.backend, jobs=ns.jobs)
 
@@ -293,7 +293,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_command(argv[0], argv[1:])
     if argv[:1] == ["serve"]:
-        from muser_kv.serving.serve import main as serve
+        from muser_kv.serving.server.serve import main as serve
 
         return serve(argv[1:])
     ns = build_parser().parse_args(argv)

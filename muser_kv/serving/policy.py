@@ -1,6 +1,7 @@
 """Context policy: what a request keeps when it outgrows ``max_context``
-(seeds Ch 23.7), and what a server admits into its KV memory (``KVBudget``).
-Pure logic on token ids and byte counts; no arrays, no tokenizer.
+(seeds Ch 23.7). Pure logic on token ids; no arrays, no tokenizer. Shared by
+the two serving stacks: the library's slots (``serving.pool``: ``shift_chat``,
+``ChatShift``) and ``muser-kv serve`` (``serving.server.context_fit``).
 
 The engine never shifts: a cache refuses a write past ``max_context``
 (``ContextOverflow``). Deciding what survives is the server's job, and it keeps
@@ -11,9 +12,8 @@ semantic units, never token counts:
   each ``user`` message and owns everything after it up to the next one:
   assistant replies, tool calls and results, image-bearing messages. A shift
   drops the oldest whole turns, never part of one, and never the system
-  prologue; it refuses when the system prologue, the newest turn and the output
-  reserve cannot fit together.
-* **Raw.** A configured prefix plus the newest suffix that fits.
+  prologue (``pool.chat_shift``).
+* **Raw.** A configured prefix plus the newest suffix that fits (``compact_raw``).
 
 Every count here is a number of positions: the prompt is the concatenation of
 the messages' token ids, so a message costs ``len(message.tokens)`` positions.
@@ -23,12 +23,9 @@ Positions past ``max_context - output_reserve`` belong to generation.
 from __future__ import annotations
 
 import enum
-import hashlib
 import operator
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Tuple
-
-from muser_kv.core.geometry import LayerKind, MuseGeometry, allocated_rows
 
 #: The roles a message may carry.
 ROLES = ("system", "user", "assistant", "tool")
@@ -167,23 +164,6 @@ class ChatTurns:
 
 
 @dataclass(frozen=True)
-class ChatShift:
-    """What a chat shift keeps: the system prologue and the newest whole turns.
-
-    ``retained`` is the new prompt's messages in order; ``dropped_turns`` how many
-    of the oldest turns went; ``tokens`` the retained positions (without the
-    output reserve)."""
-
-    retained: Tuple[Message, ...]
-    dropped_turns: int
-    tokens: int
-
-    @property
-    def shifted(self) -> bool:
-        return self.dropped_turns > 0
-
-
-@dataclass(frozen=True)
 class RawCompaction:
     """What a raw shift keeps: ``tokens`` (the prefix, then the newest suffix)
     and how many middle tokens were ``dropped``."""
@@ -237,37 +217,11 @@ def complete_chat_turns(messages: Sequence[Message]) -> ChatTurns:
     return ChatTurns(tuple(system), tuple(tuple(t) for t in turns))
 
 
-def _check_budget(max_context: int, output_reserve: int) -> None:
+def check_context_budget(max_context: int, output_reserve: int) -> None:
+    """Refuse a ``max_context`` below 1 or an ``output_reserve`` below 0 (both ints)."""
     for name, value, low in (("max_context", max_context, 1), ("output_reserve", output_reserve, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
-def shift_chat(messages: Sequence[Message], max_context: int, output_reserve: int = 0) -> ChatShift:
-    """Drop the oldest whole turns until system + retained turns + reserve fit.
-
-    Keeps the most turns that fit (a suffix of the turns) and always the whole
-    system prologue. Raises ``ContextTooLong`` when the system prologue, the newest
-    turn and ``output_reserve`` cannot fit ``max_context`` together: that is the
-    smallest context a chat shift may produce."""
-    _check_budget(max_context, output_reserve)
-    chat = complete_chat_turns(messages)
-    budget = max_context - output_reserve
-    sizes = chat.turn_tokens
-    used = chat.system_tokens
-    minimum = used + (sizes[-1] if sizes else 0) + output_reserve
-    if minimum > max_context:
-        what = "system content" + (", newest turn" if sizes else "") + " and output reserve"
-        raise ContextTooLong(minimum, max_context, what)
-    keep = 0
-    for size in reversed(sizes):
-        if used + size > budget:
-            break
-        used += size
-        keep += 1
-    dropped = len(sizes) - keep
-    retained = chat.system + tuple(m for turn in chat.turns[dropped:] for m in turn)
-    return ChatShift(retained, dropped, used)
 
 
 def compact_raw(tokens: Sequence[int], max_context: int, output_reserve: int = 0,
@@ -278,7 +232,7 @@ def compact_raw(tokens: Sequence[int], max_context: int, output_reserve: int = 0
     the prefix and the reserve leave, and must get at least one: ``ContextTooLong``
     when ``keep_prefix + 1 + output_reserve`` exceeds ``max_context`` (or when a
     prompt no longer than its prefix does not fit)."""
-    _check_budget(max_context, output_reserve)
+    check_context_budget(max_context, output_reserve)
     if isinstance(keep_prefix, bool) or not isinstance(keep_prefix, int) or keep_prefix < 0:
         raise ValueError(f"keep_prefix must be an int >= 0, got {keep_prefix!r}")
     tokens = tuple(operator.index(t) for t in tokens)
@@ -292,115 +246,3 @@ def compact_raw(tokens: Sequence[int], max_context: int, output_reserve: int = 0
         raise ContextTooLong(keep_prefix + 1 + output_reserve, max_context,
                              "raw prefix, newest token and output reserve")
     return RawCompaction(tokens[:keep_prefix] + tokens[n - suffix:], n - keep_prefix - suffix)
-
-
-def turn_digest(turn: Sequence[Message]) -> bytes:
-    """sha256 of a turn's roles, image flags and token ids: how a slot remembers
-    the turns a shift dropped without keeping their tokens."""
-    h = hashlib.sha256()
-    for m in turn:
-        h.update(f"{m.role}\0{int(m.image)}\0{len(m.tokens)}\0".encode())
-        h.update(b"".join(t.to_bytes(8, "little") for t in m.tokens))
-    return h.digest()
-
-
-# -- KV memory: what a server admits --------------------------------------------
-
-
-@dataclass(frozen=True)
-class SequencePlanes:
-    """What one sequence's planes may cost a batching server (growing global
-    planes; ``muser-kv serve --kv-memory``), from the geometry's integers.
-
-    A sequence that writes ``P`` positions (its prompt plus ``max_tokens``)
-    holds its sliding rings whole and global planes that grow to hold ``P``
-    rows. In mlx-lm's batches, every slot of a global layer's planes holds the
-    rows of the longest sequence, and a right-padded prompt chunk reads up to
-    ``min(prefill_step, P)`` rows past the longest one's prompt; a growth
-    doubles, so it allocates less than twice what it must hold. ``bytes`` is
-    that bound for one slot.
-
-    Replacing one layer's planes (a growth, or a batch admitting a sequence
-    into more slots) holds the old planes until the copy into the new ones has
-    run, one layer at a time: ``transient`` is the largest such old plane."""
-
-    ring_bytes: int  #: every sliding ring of one sequence, K and V
-    row_bytes: int  #: one row of every global plane, K and V
-    max_context: int
-    prefill_step: int
-    layer_row_bytes: int = 0  #: one row of the widest single global layer, K and V
-    layer_ring_bytes: int = 0  #: the largest single sliding ring, K and V
-
-    @classmethod
-    def of(cls, geometry: MuseGeometry, prefill_step: int) -> "SequencePlanes":
-        rings = [geometry.allocated(i) * geometry.kind_row_bytes(LayerKind.SLIDING)
-                 for i in range(geometry.num_layers)
-                 if geometry.layer_kind(i) is LayerKind.SLIDING]
-        row = geometry.kind_row_bytes(LayerKind.GLOBAL)
-        return cls(sum(rings), geometry.global_layers * row, geometry.max_context, prefill_step,
-                   row if geometry.global_layers else 0, max(rings, default=0))
-
-    def rows(self, positions: int) -> int:
-        """The most rows a global plane holding ``positions`` positions allocates
-        in a batch whose longest sequence writes as many."""
-        reach = min(self.max_context, positions + min(self.prefill_step, positions))
-        # a growth doubles while the plane is short of what it must hold, so it
-        # ends below twice that (a plane sized from scratch holds what it must)
-        return min(allocated_rows(self.max_context), allocated_rows(max(2 * reach - 1, 1)))
-
-    def bytes(self, positions: int) -> int:
-        """One slot's planes, for a batch whose longest sequence writes ``positions``."""
-        return self.ring_bytes + self.row_bytes * self.rows(positions)
-
-    def transient(self, slots: int, positions: int) -> int:
-        """The old planes of one layer of a ``slots``-slot batch, held while they
-        are copied into new ones (a growth, or more slots for a new sequence)."""
-        return slots * max(self.layer_row_bytes * self.rows(positions), self.layer_ring_bytes)
-
-
-class KVMemoryExceeded(ValueError):
-    """A request whose planes alone would need more than the server's KV budget."""
-
-
-class KVBudget:
-    """The admission rule of a server with ``--kv-memory BYTES``: admitted
-    sequences (each by the positions it may write) cost ``len(admitted)`` slots
-    at the planes of the longest (``SequencePlanes.bytes``) plus one layer's
-    old planes while they are replaced (``SequencePlanes.transient``), and a
-    sequence is admitted only while that stays within the budget; the rest
-    wait, in order. Plain integers; the caller holds the lock (one generation
-    thread)."""
-
-    def __init__(self, budget: int, planes: SequencePlanes):
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"a KV budget must be a positive int of bytes, got {budget!r}")
-        self.budget, self.planes = budget, planes
-        self.admitted: dict = {}
-
-    def cost(self, positions: Iterable[int]) -> int:
-        held = list(positions)
-        if not held:
-            return 0
-        longest = max(held)
-        return len(held) * self.planes.bytes(longest) + self.planes.transient(len(held), longest)
-
-    @property
-    def held(self) -> int:
-        return self.cost(self.admitted.values())
-
-    def check(self, positions: int) -> None:
-        """Raise ``KVMemoryExceeded`` for a sequence that could never be admitted."""
-        need = self.cost([positions])
-        if need > self.budget:
-            raise KVMemoryExceeded(
-                f"this request's KV planes need {need:,} bytes ({positions} positions: its "
-                f"prompt and max_tokens), more than this server's --kv-memory {self.budget:,}")
-
-    def fits(self, positions: int) -> bool:
-        return self.cost(list(self.admitted.values()) + [positions]) <= self.budget
-
-    def admit(self, key: object, positions: int) -> None:
-        self.admitted[key] = positions
-
-    def release(self, key: object) -> None:
-        self.admitted.pop(key, None)

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from host_kernels import HostKernels, geometry_params
-from kernel_cases import edge_values
+from kernel_cases import EDGES, edge_values
 
 from muser_kv import Ring
 from muser_kv.core.geometry import allocated_rows
@@ -183,13 +183,6 @@ def test_gather_and_install(host, rows, plane, layout, ring_state):
         np.testing.assert_array_equal(a, b)
     padding = hk[capacity:] if layout == TOKEN_MAJOR else hk[:, capacity:]
     assert not padding.any()
-
-
-# f32 values where the conversion to each plane type is delicate: ties to even,
-# the largest finite values and overflow, subnormals, signed zero, NaN, inf.
-EDGES = np.array([1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 65504.0,
-                  65520.0, -65520.0, 3.4e38, 2.0 ** -24, 2.0 ** -25, 2.0 ** -133, -0.0, 0.0,
-                  float("nan"), -float("nan"), float("inf"), -float("inf")], np.float32)
 
 
 @pytest.mark.parametrize("plane", list(PLANES))

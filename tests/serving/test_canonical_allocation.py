@@ -28,7 +28,7 @@ from model_zoo import ZOO, quantizes
 
 import muser_kv
 from muser_kv.caches.batch import BatchKVCache
-from muser_kv.serving.prompt_cache import ExactPromptCache
+from muser_kv.serving.server.prompt_cache import ExactPromptCache
 
 CONTEXT = 1024
 N = 600

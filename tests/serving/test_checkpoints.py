@@ -29,7 +29,6 @@ from local_model import write_local_model
 from servers import serve_args, words
 
 import muser_kv
-from muser_kv.serving import serve
 from muser_kv.serving.checkpoints import (
     CHECKPOINT,
     checkpoint_interval,
@@ -38,7 +37,8 @@ from muser_kv.serving.checkpoints import (
     split_segments,
 )
 from muser_kv.serving.cli import main as muser_kv_main
-from muser_kv.serving.prompt_cache import ExactPromptCache
+from muser_kv.serving.server import serve
+from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.sessions import reading
 from muser_kv.sessions.store import planner
 

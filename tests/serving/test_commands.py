@@ -409,7 +409,7 @@ def test_help_names_modules_that_exist_and_promises_no_preallocated_caches(argv,
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps at spaces
     names = re.findall(r"\b(?:muser_kv|mlx_lm)(?:\.\w+)+", text)
     if argv == ["--help"]:
-        assert {"muser_kv.serving.commands", "muser_kv.serving.serve"} <= set(names)
+        assert {"muser_kv.serving.commands", "muser_kv.serving.server.serve"} <= set(names)
     for name in names:
         assert exists(name), f"{name} (in muser-kv {' '.join(argv)})"
     assert "preallocated" not in text

@@ -1,5 +1,5 @@
 """``muser-kv serve``'s context policy on mlx-lm's requests
-(``muser_kv.serving.context_fit``), with a stand-in for the chat template: a
+(``muser_kv.serving.server.context_fit``), with a stand-in for the chat template: a
 chat's prompt is its messages' words plus one generation marker, as the tests'
 local template renders it. Through HTTP: test_serve_context."""
 
@@ -12,8 +12,8 @@ import pytest
 from mlx_lm.server import CompletionRequest
 
 from muser_kv import ContextPolicy
-from muser_kv.serving.context_fit import FittedRequest, fit_request
-from muser_kv.serving.request_checks import RequestRefused
+from muser_kv.serving.server.context_fit import FittedRequest, fit_request
+from muser_kv.serving.server.request_checks import RequestRefused
 
 
 def length(request: Any) -> List[int]:

@@ -23,8 +23,8 @@ import pytest
 from local_model import write_local_model
 from servers import Server, words
 
-from muser_kv.serving import serve
-from muser_kv.serving.policy import KVBudget, KVMemoryExceeded, SequencePlanes
+from muser_kv.serving.server import serve
+from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
 
 CONTEXT = 4096
 PROMPT, TOKENS = 40, 60  # 100 positions: planes of 512 rows per global layer in a batch

@@ -24,8 +24,8 @@ from conftest import tiny_model
 from mlx_lm.models.cache import LRUPromptCache
 
 import muser_kv
-from muser_kv.serving import prompt_cache as pc
-from muser_kv.serving.prompt_cache import ExactPromptCache, exact_trim_depth
+from muser_kv.serving.server import prompt_cache as pc
+from muser_kv.serving.server.prompt_cache import ExactPromptCache, exact_trim_depth
 
 KEY = ("tiny", None, None)  # the server's model key: (model path, adapter, draft)
 WINDOW = 16
@@ -79,7 +79,7 @@ def test_a_longer_entry_within_its_exact_depth_is_reused_exactly(model):
     assert rest == ask[47:] and offsets(cache) == [47] * 8
     reference, _ = build(model, prompt(40), decode=7)  # the same state, built the same way
     assert np.array_equal(logits_after(model, cache, rest), logits_after(model, reference, rest))
-    assert offsets(lru._trie.get(KEY, held).prompt_cache) == [50] * 8  # the entry is untouched
+    assert offsets(lru.trie.get(KEY, held).prompt_cache) == [50] * 8  # the entry is untouched
 
 
 def test_a_longer_entry_past_its_exact_depth_is_passed_over(model):
@@ -202,7 +202,7 @@ def test_a_trim_refused_within_the_claimed_depth_prefills_afresh(model, monkeypa
     monkeypatch.setattr(pc, "exact_trim_depth", lambda caches: 10 ** 6)  # a depth that lies
     ask = held[:5] + [1, 2]
     assert lru.fetch_nearest_cache(KEY, ask) == (None, ask)
-    assert offsets(lru._trie.get(KEY, held).prompt_cache) == [50] * 8
+    assert offsets(lru.trie.get(KEY, held).prompt_cache) == [50] * 8
 
 
 # -- mlx-lm's own caches: mlx-lm's behaviour -----------------------------------------------------

@@ -17,7 +17,7 @@ from conftest import tiny_model
 
 import muser_kv
 from muser_kv import KVStore
-from muser_kv.serving.prompt_cache import ExactPromptCache
+from muser_kv.serving.server.prompt_cache import ExactPromptCache
 
 KEY = ("tiny", None, None)
 

@@ -50,8 +50,8 @@ from local_model import write_local_model
 from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, serve_args, words
 
 import muser_kv
-from muser_kv.serving import serve
-from muser_kv.serving.prompt_cache import ExactPromptCache
+from muser_kv.serving.server import serve
+from muser_kv.serving.server.prompt_cache import ExactPromptCache
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 64  # --max-context of the batched and draft servers
@@ -499,7 +499,7 @@ def test_the_speculative_path_stores_entries_keyed_by_what_they_hold(model_dir):
         lru.insert_cache("m", key, cache)
     assert short > 0  # the premise: some caches hold one token fewer than their key
     for tokens in (t for lrus in lru._lru._lrus.values() for _, t in lrus):
-        assert lru._trie.get("m", tokens).prompt_cache[0].offset == len(tokens)
+        assert lru.trie.get("m", tokens).prompt_cache[0].offset == len(tokens)
 
 
 def test_health_answers_ok_only_once_the_model_is_loaded(model_dir, monkeypatch):

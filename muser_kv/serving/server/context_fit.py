@@ -41,10 +41,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mlx_lm.server import CompletionRequest
-
 from muser_kv.serving.policy import ContextPolicy, ContextPolicyError, Message, compact_raw, complete_chat_turns
-from muser_kv.serving.request_checks import RequestRefused
+from muser_kv.serving.server.mlx_lm_server import server as mlx_server
+from muser_kv.serving.server.request_checks import RequestRefused
 
 #: the response headers that say what the policy did
 TURNS_DROPPED, TOKENS_DROPPED, PROMPT_TOKENS = (
@@ -71,7 +70,7 @@ class Fit:
 
 
 @dataclass
-class FittedRequest(CompletionRequest):
+class FittedRequest(mlx_server.CompletionRequest):
     """mlx-lm's request, with what the context policy keeps of it once decided
     (``settle``: in the handler's thread where the model is loaded, else in the
     generation thread, before it is tokenized there)."""
@@ -81,7 +80,7 @@ class FittedRequest(CompletionRequest):
     @classmethod
     def of(cls, request: Any) -> "FittedRequest":
         """A copy of mlx-lm's ``request`` (its message list a new list), not yet fitted."""
-        fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(CompletionRequest)}
+        fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(mlx_server.CompletionRequest)}
         fields["messages"] = list(fields["messages"] or [])
         return cls(**fields)
 

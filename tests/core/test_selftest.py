@@ -11,9 +11,8 @@ import mlx.core as mx
 import pytest
 from nvrtc import recording_cuda_kernel
 
-from muser_kv.core import kernels
+from muser_kv.core import kernels, selftest
 from muser_kv.core.kernels import KernelBackend
-from muser_kv.serving import selftest
 
 NO_GPU = not (mx.metal.is_available() or mx.cuda.is_available())
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from muser_kv.serving.policy import SequencePlanes
+from muser_kv.serving.server.kv_budget import SequencePlanes
 
 
 class RequestRefused(ValueError):

@@ -40,25 +40,12 @@ import numpy as np
 
 from muser_kv.core import kernels
 from muser_kv.core.geometry import allocated_rows
+from muser_kv.core.kernel_cases import model_kv, plane_buffer
 from muser_kv.core.kernels import HEAD_MAJOR, TOKEN_MAJOR, KernelBackend, ReferenceBackend
 from muser_kv.core.ring import Ring
 
 KERNELS = ("batch_store", "stage", "gather", "install")
 
-# f32 edges: ties to even for f16 and bf16, the largest finite f16 and what
-# rounds past it, f32's largest, f16 and bf16 subnormals, signed zeros, NaN, inf
-F32_EDGES = [1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 65504.0,
-             -65504.0, 65519.0, 65520.0, -65520.0, 3.4e38, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25,
-             2.0 ** -133, 1e-45, -0.0, 0.0, float("nan"), -float("nan"), float("inf"),
-             -float("inf")]
-# raw 16-bit patterns: signed zeros, subnormals, largest finite, infinities,
-# quiet and signalling NaNs with payloads, both signs
-EDGE_BITS = {
-    mx.float16: [0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x3C00, 0x3C01, 0x7BFF, 0xFBFF, 0x7C00,
-                 0xFC00, 0x7E00, 0x7C01, 0xFE00, 0x7FFF, 0xFD01],
-    mx.bfloat16: [0x0000, 0x8000, 0x0001, 0x007F, 0x8001, 0x3F80, 0x3F81, 0x477F, 0x4780, 0x7F7F,
-                  0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC0, 0x7FFF, 0xFFA1],
-}
 INPUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 PLANE_DTYPES = (mx.float16, mx.bfloat16)
 # (kv_heads, head_dim): Muse Glimmer's, and one whose small inputs MLX passes in
@@ -96,36 +83,6 @@ class KernelReport:
 
 def _name(dtype: mx.Dtype) -> str:
     return str(dtype).split(".")[-1]
-
-
-def _edges(shape: Tuple[int, ...], dtype: mx.Dtype, seed: int) -> mx.array:
-    """Random values of ``dtype`` with its edge cases at every third element
-    (raw bit patterns for f16 / bf16: no conversion makes them)."""
-    rng = np.random.default_rng(seed)
-    base = (rng.standard_normal(shape) * 8).astype(np.float32)
-    if dtype == mx.float32:
-        flat = base.reshape(-1)
-        flat[::3] = np.resize(np.array(F32_EDGES, np.float32), flat[::3].size)
-        return mx.array(base)
-    bits = np.array(mx.array(base, mx.float32).astype(dtype).view(mx.uint16)).reshape(-1)
-    bits[::3] = np.resize(np.array(EDGE_BITS[dtype], np.uint16), bits[::3].size)
-    return mx.array(bits.reshape(shape)).view(dtype)
-
-
-def _kv(n: int, dtype: mx.Dtype, seed: int, layout: str, h: int, d: int) -> mx.array:
-    """Model-shaped ``[1, h, n, d]`` K or V: the model's transposed view of
-    ``[1, n, h, d]``, a row-major array, or a slice at an offset into a buffer."""
-    if layout == "strided":
-        return _edges((1, n, h, d), dtype, seed).transpose(0, 2, 1, 3)
-    if layout == "offset":
-        return _edges((1, h, n + 3, d), dtype, seed)[:, :, 3:, :]
-    return _edges((1, h, n, d), dtype, seed)
-
-
-def _planes(layout: str, rows: int, dtype: mx.Dtype, seed: int, h: int,
-            d: int) -> Tuple[mx.array, mx.array]:
-    shape = (rows, h * d) if layout == TOKEN_MAJOR else (h, rows, d)
-    return _edges(shape, dtype, seed), _edges(shape, dtype, seed + 1)
 
 
 def _bits(x: mx.array) -> np.ndarray:
@@ -272,7 +229,7 @@ def _store(gpu, ref, h, d, t, p, layout, case, kv_layout):
         r = _ring(capacity, length, origin)
         start = r.end
         first, count = r.append_batch(start, n)
-        k, v = _kv(n, t, n + length, kv_layout, h, d), _kv(n, t, n + length + 1, kv_layout, h, d)
+        k, v = model_kv(n, t, n + length, kv_layout, h, d), model_kv(n, t, n + length + 1, kv_layout, h, d)
         got_k, got_v, dest = gpu.store_with_dest(k, v, layout, first, count, r, start, p)
         ref_k, ref_v = ref.store(k, v, layout, first, count, dtype=p)
         expect = mx.array([r.physical(start + first + j) for j in range(count)], mx.int32)
@@ -284,8 +241,8 @@ def _stage(gpu, ref, h, d, t, p, layout, case, kv_layout, rows):
     def run():
         capacity, length, origin, n = case
         r = _ring(capacity, length, origin)
-        planes = _planes(layout, _rows(capacity, rows), p, length, h, d)
-        k, v = _kv(n, t, 3, kv_layout, h, d), _kv(n, t, 4, kv_layout, h, d)
+        planes = plane_buffer(layout, _rows(capacity, rows), p, length, h, d)
+        k, v = model_kv(n, t, 3, kv_layout, h, d), model_kv(n, t, 4, kv_layout, h, d)
         got, expect = gpu.stage(*planes, r, k, v, layout), ref.stage(*planes, r, k, v, layout)
         return [("key shadow", got[0], expect[0]), ("value shadow", got[1], expect[1])]
     return run
@@ -294,7 +251,7 @@ def _stage(gpu, ref, h, d, t, p, layout, case, kv_layout, rows):
 def _gather(gpu, ref, h, d, p, layout, state, rows):
     def run():
         r = _ring(*state)
-        planes = _planes(layout, _rows(state[0], rows), p, state[1] + state[2], h, d)
+        planes = plane_buffer(layout, _rows(state[0], rows), p, state[1] + state[2], h, d)
         got, expect = gpu.gather(*planes, layout, r), ref.gather(*planes, layout, r)
         return [("key snapshot", got[0], expect[0]), ("value snapshot", got[1], expect[1])]
     return run
@@ -303,7 +260,7 @@ def _gather(gpu, ref, h, d, p, layout, state, rows):
 def _install(gpu, ref, h, d, p, layout, state, rows):
     def run():
         r = _ring(*state)
-        planes = _planes(layout, _rows(state[0], rows), p, 7, h, d)
+        planes = plane_buffer(layout, _rows(state[0], rows), p, 7, h, d)
         logical = ref.gather(*planes, layout, r)
         shape = tuple(planes[0].shape)
         got = gpu.install(*logical, layout, r, shape)

@@ -66,9 +66,8 @@ from muser_kv.serving.policy import (
     complete_chat_turns,
     count_tokens,
     prompt_tokens,
-    shift_chat,
-    turn_digest,
 )
+from muser_kv.serving.pool.chat_shift import shift_chat, turn_digest
 
 #: A pool serves at most this many concurrent slots (seeds Ch 22.6).
 MAX_SLOTS = 4

@@ -68,6 +68,7 @@ from mlx_lm.models.cache import (
 
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.serving.checkpoints import CHECKPOINT
+from muser_kv.serving.server import mlx_lm_server as mlx
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class ExactPromptTrie(PromptTrie):
             if not keys:
                 del self._keys[model]
 
-    def _is_muser(self, model: Any) -> bool:
+    def is_muser(self, model: Any) -> bool:
         keys = self._keys.get(model)
         if not keys:
             return False
@@ -154,7 +155,7 @@ class ExactPromptTrie(PromptTrie):
         ``PromptTrieResult`` that mlx-lm's fetch turns into exactly that reuse:
         ``shorter`` for an entry reused as it is, ``longer`` with
         ``common_prefix`` = the tokens reused for one to trim (never ``exact``)."""
-        if not self._is_muser(model):
+        if not self.is_muser(model):
             return super().search(model, tokens)
         best = self.choose(model, tokens)
         if best is None:
@@ -192,7 +193,7 @@ class ExactPromptTrie(PromptTrie):
     def pop_prefixes(self, model: Any, tokens: List[int]) -> List[Tuple[int, Any]]:
         """Drop the stored prefixes of the entry just added at ``tokens`` that it
         can be trimmed back to exactly (every one, for mlx-lm's own caches)."""
-        if not self._is_muser(model):
+        if not self.is_muser(model):
             popped = super().pop_prefixes(model, tokens)
             for length, _ in popped:
                 self._forget(model, tokens[:length])
@@ -202,7 +203,7 @@ class ExactPromptTrie(PromptTrie):
             entry.prompt_cache) else 0
         reach = len(tokens) + 1 - depth  # a prefix at least this long is given back by a trim
         popped = []
-        current = self._trie[model]
+        current = mlx.trie_root(self, model)
         for i, tok in enumerate(tokens):
             if "__value__" in current and i >= reach:
                 popped.append((i, current.pop("__value__")))
@@ -215,11 +216,10 @@ class ExactPromptCache(LRUPromptCache):
     """mlx-lm's server prompt cache, exact for muser-kv's caches past the wrap
     (module doc); for lists of mlx-lm's caches it is mlx-lm's, unchanged."""
 
-    _trie: ExactPromptTrie  # mlx-lm's trie, replaced in __init__
-
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         super().__init__(max_size, max_bytes)
-        self._trie = ExactPromptTrie()
+        self.trie = ExactPromptTrie()  #: the trie mlx-lm's cache keeps its entries in
+        mlx.set_prompt_trie(self, self.trie)
         self.store: Optional[KVStore] = None
         self._model_for: Callable[[Any], Any] = lambda key: None
 
@@ -234,7 +234,7 @@ class ExactPromptCache(LRUPromptCache):
         try:
             cache, rest = super().fetch_nearest_cache(model, tokens)
         except ValueError:
-            if not self._trie._is_muser(model):
+            if not self.trie.is_muser(model):
                 raise
             # a trim within every layer's exact depth refused: the depth was
             # wrong; the stored entry is untouched (the trim ran on a copy)

@@ -2,8 +2,9 @@
 
 The server is mlx-lm's own (``mlx_lm.server.main``, 0.32.2): its argument
 parser and every flag, its HTTP handler, its batching and its prompt-cache
-logic. While it runs, six names it looks up at run time are substituted,
-here and nowhere else (``substituted``), and put back afterwards:
+logic. While it runs, six names it looks up at run time are substituted
+(``substituted``, through ``mlx_lm_server.substituted``), and put back
+afterwards:
 
 =====================  ======================================================
 ``argparse``           the same module, whose ``ArgumentParser`` also takes
@@ -16,7 +17,7 @@ here and nowhere else (``substituted``), and put back afterwards:
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
                        ``muser_kv.install`` on every model it loads, and the
                        loaded model's ``Limits`` published for the handler
-``LRUPromptCache``     ``ExactPromptCache`` (``muser_kv.serving.prompt_cache``),
+``LRUPromptCache``     ``ExactPromptCache`` (``serving.server.prompt_cache``),
                        with a ``KVStore`` attached (the memory tier, and
                        ``--kv-store``'s directory or Redis)
 ``ResponseGenerator``  ``MuseResponseGenerator``: mlx-lm's generation thread,
@@ -32,7 +33,7 @@ here and nowhere else (``substituted``), and put back afterwards:
                        dropping a request whose client went away at its next
                        step (``_Answers``, ``_Window``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
-                       (mlx-lm's handler; a body field of the wrong type, and
+                       (``serving.server.handler``: mlx-lm's handler; a body field of the wrong type, and
                        a request whose ``num_draft_tokens`` is deeper than the
                        caches roll back exactly, are refused with 400 before
                        the request is queued; a client that goes away
@@ -41,7 +42,7 @@ here and nowhere else (``substituted``), and put back afterwards:
 ``scan_cache_dir``     huggingface_hub's, for ``/v1/models``: a hub cache that
                        cannot be scanned (none, on a machine that serves a
                        model directory) lists no hub models, where mlx-lm's
-                       answer would lose its body (``_hub_cache_scan``)
+                       answer would lose its body (``hub_cache_scan``)
 =====================  ======================================================
 
 Everything else is mlx-lm's. The server builds each request's caches with
@@ -49,18 +50,20 @@ Everything else is mlx-lm's. The server builds each request's caches with
 ``install`` sets. It batches when the caches have ``merge`` (muser-kv's do:
 ``muser_kv.batch``), and serves one request at a time otherwise (a draft
 model, a request with a seed), with the same caches and prompt cache. Before
-the server starts, the ``--model`` config is checked (``check_model``, through
-mlx-lm 0.32.2's private ``mlx_lm.utils._download`` and ``_get_classes``).
+the server starts, the ``--model`` config is checked (``check_model``, from
+its ``config.json`` and model classes alone). Every mlx-lm internal this
+relies on (the substituted names, the private members read, called or
+overridden) is named in ``serving.server.mlx_lm_server`` and read through it.
 
 A refusal (``RequestRefused``) is one line with HTTP 400, whether the handler
 raises it or the generation thread does; either way the request fails alone
 and the server keeps serving. The checks themselves (``check_body``,
-``admit``) are in ``muser_kv.serving.request_checks``; this module calls them.
+``admit``) are in ``serving.server.request_checks``; this module calls them.
 
 Each request's global planes grow with it (``make_prompt_cache``'s default), so
 memory follows the chats' lengths. ``--kv-memory BYTES`` bounds it: a request
 waits in the queue, in order, until the planes of every admitted sequence and
-its own fit (``policy.KVBudget``: every batch slot at the longest sequence's
+its own fit (``kv_budget.KVBudget``: every batch slot at the longest sequence's
 planes, as mlx-lm's batches hold them), and one whose planes alone exceed the
 budget is refused with 400. Prompt-cache entries are evicted, oldest first, to
 keep them within what the admitted sequences leave.
@@ -69,46 +72,32 @@ keep them within what the admitted sequences leave.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import functools
 import logging
 import sys
 import time
-import types
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
-
-import mlx_lm.server as server
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
 from muser_kv.serving.checkpoints import split_segments
-from muser_kv.serving.context_fit import FittedRequest, LastRequest, fit_request
 from muser_kv.serving.install import context_for, install, installed, vocab_size
-from muser_kv.serving.policy import ContextPolicy, KVBudget, KVMemoryExceeded, SequencePlanes
-from muser_kv.serving.prompt_cache import ExactPromptCache
-from muser_kv.serving.request_checks import Limits, ModelKey, RequestRefused, admit, check_body
-from muser_kv.serving.serve_flags import PROG, argparse_with
+from muser_kv.serving.policy import ContextPolicy
+from muser_kv.serving.server import mlx_lm_server as mlx
+from muser_kv.serving.server.context_fit import FittedRequest, fit_request
+from muser_kv.serving.server.handler import LAST_REQUEST, MuseAPIHandler, hub_cache_scan
+from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
+from muser_kv.serving.server.prompt_cache import ExactPromptCache
+from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
+from muser_kv.serving.server.serve_flags import PROG, argparse_with
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
 
-#: the request each handler thread is answering, as the context policy keeps it
-LAST_REQUEST = LastRequest()
-
 #: Landing buffers made per idle wait of the generation thread (its waits are 0.1 s).
 IDLE_RESTOCK_BYTES = 64 << 20
-
-#: what ``substituted`` replaces in ``mlx_lm.server``; a server without them is
-#: not the one this module was written against
-SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "ResponseGenerator",
-               "_run_http_server", "scan_cache_dir")
-
-for _name in SUBSTITUTED + ("main", "APIHandler", "ThreadingHTTPServer"):
-    if not hasattr(server, _name):  # pragma: no cover - another mlx-lm
-        raise ImportError(f"muser-kv serve wraps mlx-lm 0.32.2's server; mlx_lm.server has no "
-                          f"{_name!r} (mlx-lm {getattr(server, '__version__', '?')})")
 
 
 class ServeRefused(Exception):
@@ -121,14 +110,12 @@ def check_model(path: str, max_context: Optional[int]) -> Optional[MuseGeometry]
     cannot serve before it starts rather than in its generation thread. Raises
     ``ServeRefused`` naming what is missing; ``None`` for a custom architecture
     (``model_file``), which only its load can tell."""
-    from mlx_lm.utils import _download, _get_classes, load_config
-
     try:
-        local = _download(path, allow_patterns=["*.json"])
-        config = load_config(local)
+        local = mlx.config_dir(path)
+        config = mlx.load_config(local)
         if config.get("model_file"):
             return None
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = mlx.model_classes(config)
         # the model's own code holds its layer plan; its weights stay unevaluated
         model = model_class(args_class.from_dict(config))
         return MuseGeometry.from_model(model, context_for(model, local, max_context))
@@ -157,7 +144,7 @@ def check_budget(budget: int, planes: SequencePlanes) -> None:
                            f"their smallest ({least:,} bytes): no request could be admitted")
 
 
-class MuseModelProvider(server.ModelProvider):
+class MuseModelProvider(mlx.server.ModelProvider):
     """mlx-lm's ``ModelProvider``: every model it loads gets muser-kv's caches
     (``install``). The model must be one muser-kv serves (``UnsupportedModel``
     otherwise, and the load is undone). A draft model that muser-kv serves
@@ -190,10 +177,7 @@ class MuseModelProvider(server.ModelProvider):
                       draft_model_path: str = "default_model") -> ModelKey:
         """The ``model_key`` mlx-lm's ``load`` gives a request's names (its mapping,
         0.32.2): whether the request is for the model ``limits`` describes."""
-        adapter_path = self._adapter_map.get(model_path, adapter_path)
-        model_path = self._model_map.get(model_path, model_path)
-        draft_model_path = self._draft_model_map.get(draft_model_path, draft_model_path)
-        return (model_path, adapter_path, draft_model_path)
+        return mlx.model_key_for(self, model_path, adapter_path, draft_model_path)
 
     def _install(self, model: Any, drafts: Optional[int], path: Any = None) -> Any:
         a = self.cli_args
@@ -204,10 +188,8 @@ class MuseModelProvider(server.ModelProvider):
 
     @staticmethod
     def _local(path: Any) -> Any:
-        from mlx_lm.utils import _download
-
         try:
-            return _download(path, allow_patterns=["*.json"])
+            return mlx.config_dir(path)
         except Exception:  # no local config: install decides
             return path
 
@@ -258,12 +240,6 @@ def _prepare(store: KVStore, model: Any) -> None:
         log.exception("muser-kv serve: preparing the KV store for the loaded model failed")
 
 
-def rollback_depth(cli_args: argparse.Namespace) -> int:
-    """How deep every cache the server installs with a draft model rolls back
-    exactly: ``--retain``, raised to ``--num-draft-tokens`` (``MuseModelProvider``)."""
-    return max(cli_args.retain, cli_args.num_draft_tokens)
-
-
 class _Answers:
     """A request's response queue as the generation thread uses it: its last
     answer (``None``, or an exception) gives back its KV reservation; the
@@ -288,11 +264,11 @@ class _Answers:
         self._queue.put(item, *args, **kwargs)
         if item is None or isinstance(item, BaseException):
             self._release()
-        elif isinstance(item, server.GenerationContext):
+        elif isinstance(item, mlx.server.GenerationContext):
             self.ctx = item
-        elif isinstance(item, (server.Response, tuple)):
-            self.tokens += isinstance(item, server.Response)
-            if not self._gone and self.ctx is not None and self.ctx._should_stop:
+        elif isinstance(item, (mlx.server.Response, tuple)):
+            self.tokens += isinstance(item, mlx.server.Response)
+            if not self._gone and self.ctx is not None and mlx.stopped(self.ctx):
                 self._gone = True
                 self._abandoned(self.tokens, self._args.max_tokens)
 
@@ -323,7 +299,7 @@ class _Window:
         return next(self._budget)
 
 
-class MuseResponseGenerator(server.ResponseGenerator):
+class MuseResponseGenerator(mlx.server.ResponseGenerator):
     """mlx-lm's generation thread, admitting each request (``admit``) where
     mlx-lm tokenizes it: ``_tokenize``, on the batched and the one-at-a-time
     path alike, inside the ``try`` that fails one request alone. There the
@@ -456,7 +432,7 @@ class MuseResponseGenerator(server.ResponseGenerator):
         kv = self._budget()
         if kv is not None:
             for key, answers in list(self._answers.items()):
-                if answers.ctx is not None and answers.ctx._should_stop:
+                if answers.ctx is not None and mlx.stopped(answers.ctx):
                     self._release(key)
             self.prompt_cache.trim_to(n_bytes=kv.budget - kv.held)
         item = self._waiting
@@ -551,110 +527,20 @@ class MuseResponseGenerator(server.ResponseGenerator):
         return tokenized
 
 
-class MuseAPIHandler(server.APIHandler):
-    """mlx-lm's handler, refusing up front what would not run as asked: a body
-    field of the wrong type (``check_body``), and a speculative request whose
-    ``num_draft_tokens`` exceeds ``rollback_depth`` (it would fail at its first
-    deep rollback, mid-request). mlx-lm answers a refusal here as any invalid
-    parameter, HTTP 400 with one line; a ``RequestRefused`` from ``generate``
-    (``admit``) gets 400 too, where mlx-lm answers 404 to whatever it raises."""
-
-    def validate_model_parameters(self) -> None:
-        check_body(self.body, chat=self.path != "/v1/completions")
-        super().validate_model_parameters()
-        if self.stream_options is not None:  # mlx-lm reads the key, absent or not
-            self.stream_options = {"include_usage": False, **self.stream_options}
-        cli = self.response_generator.model_provider.cli_args
-        drafting = cli.draft_model is not None or self.requested_draft_model != "default_model"
-        depth = rollback_depth(cli)
-        if drafting and self.num_draft_tokens > depth:
-            raise ValueError(
-                f"num_draft_tokens must be at most {depth}: muser-kv's caches roll back "
-                f"exactly {depth} rows (the server's --retain / --num-draft-tokens), got "
-                f"{self.num_draft_tokens}")
-
-    def handle_completion(self, request: Any, stop_words: List[str]) -> None:
-        """mlx-lm's. A client that goes away mid-response ends it without a
-        traceback: mlx-lm's handler stops the request's generation on its way
-        out, and the generation thread logs the one line (``_abandoned``)."""
-        LAST_REQUEST.request = None  # this thread's last request (a kept-alive connection's)
-        try:
-            super().handle_completion(request, stop_words)
-        except ConnectionError as e:
-            self.close_connection = True
-            log.debug("muser-kv serve: the client went away (%s)", e)
-
-    def _set_completion_headers(self, status_code: int = 200) -> None:
-        # mlx-lm's handle_completion answers what generate() raises with 404,
-        # from inside its except block: a refusal there is the client's error
-        if status_code == 404 and isinstance(sys.exc_info()[1], RequestRefused):
-            status_code = 400
-        super()._set_completion_headers(status_code)
-        self._fit_headers(status_code)
-
-    def _set_stream_headers(self, status_code: int = 200) -> None:
-        super()._set_stream_headers(status_code)
-        self._fit_headers(status_code)
-
-    def _fit_headers(self, status_code: int) -> None:
-        """What the context policy did to the request answered (``context_fit``)."""
-        request = LAST_REQUEST.request
-        fit = request.fit if request is not None else None
-        if status_code == 200 and fit is not None:
-            for name, value in fit.headers().items():
-                self.send_header(name, value)
-
-
-def _hub_cache_scan(scan: Callable[..., Any]) -> Callable[..., Any]:
-    """``scan_cache_dir`` as mlx-lm's ``/v1/models`` calls it, after it has
-    sent its 200: a hub cache that cannot be scanned (none at all, the usual
-    case for a server of a local model directory; a file; unreadable) is one
-    with no models, so the answer still lists the served model."""
-    from huggingface_hub import CacheNotFound
-
-    def scan_or_nothing(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return scan(*args, **kwargs)
-        except CacheNotFound:  # no hub cache: nothing downloaded to list
-            pass
-        except Exception as e:
-            log.warning("muser-kv serve: /v1/models lists no hub models: the hub cache "
-                        "cannot be scanned (%s)", e)
-        return types.SimpleNamespace(repos=frozenset())  # what mlx-lm reads of a scan
-    return scan_or_nothing
-
-
 def mx_distributed_size() -> int:
     import mlx.core as mx
 
     return mx.distributed.init().size()
 
 
-def _serving_with(run_http_server: Any) -> Any:
-    def run_with_our_handler(host: str, port: int, response_generator: Any,
-                             server_class: Any = server.ThreadingHTTPServer,
-                             handler_class: Any = None) -> Any:
-        return run_http_server(host, port, response_generator, server_class, MuseAPIHandler)
-    return run_with_our_handler
-
-
-@contextlib.contextmanager
-def substituted(argv: Sequence[str]) -> Iterator[None]:
-    """``mlx_lm.server`` with ``SUBSTITUTED`` replaced (module doc), for the
-    duration of the block."""
-    replacements = {"argparse": argparse_with(argv), "ModelProvider": MuseModelProvider,
-                    "LRUPromptCache": ExactPromptCache,
-                    "ResponseGenerator": MuseResponseGenerator,
-                    "_run_http_server": _serving_with(server._run_http_server),
-                    "scan_cache_dir": _hub_cache_scan(server.scan_cache_dir)}
-    saved = {name: getattr(server, name) for name in replacements}
-    for name, value in replacements.items():
-        setattr(server, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(server, name, value)
+def substituted(argv: Sequence[str]) -> ContextManager[None]:
+    """``mlx_lm.server`` with ``mlx_lm_server.SUBSTITUTED`` replaced (module
+    doc), for the duration of the block."""
+    return mlx.substituted({
+        "argparse": argparse_with(argv), "ModelProvider": MuseModelProvider,
+        "LRUPromptCache": ExactPromptCache, "ResponseGenerator": MuseResponseGenerator,
+        "_run_http_server": mlx.run_http_server_with(MuseAPIHandler),
+        "scan_cache_dir": hub_cache_scan(mlx.server.scan_cache_dir)})
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -663,7 +549,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         with substituted(argv):
-            server.main()
+            mlx.server.main()
     except ServeRefused as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
