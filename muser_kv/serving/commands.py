@@ -96,7 +96,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     ours.add_argument("--max-context", type=_count(1), default=None, metavar="N",
                       help="tokens the cache holds; a write past it stops with an error, "
                            "nothing is dropped (default: the session file's, else the model's "
-                           "max_position_embeddings)")
+                           "max_position_embeddings, else no preset bound)")
     ours.add_argument("--retain", type=_count(0), default=DEFAULT_RETAIN, metavar="N",
                       help="overwritten rows each sliding ring keeps, i.e. how deep a trim is "
                            f"exact past the wrap (default {DEFAULT_RETAIN}; raised to "

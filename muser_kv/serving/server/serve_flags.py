@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("muser-kv caches")
     g.add_argument("--max-context", type=positive, default=None,
                    help="positions each sequence's caches hold (default: the model's "
-                        "max_position_embeddings); global planes grow to it as a sequence "
-                        "does")
+                        "max_position_embeddings, else no preset bound); global planes grow "
+                        "to it as a sequence does")
     g.add_argument("--retain", type=non_negative, default=DEFAULT_RETAIN,
                    help="overwritten rows each sliding ring keeps: how many tokens a cache "
                         "past the wrap can trim exactly, for prompt-cache reuse and "
