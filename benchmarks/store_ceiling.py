@@ -1,9 +1,10 @@
-"""What would one store op per layer buy in decode (issue 14, item 4), and is the in-place store race-free?
+"""What would one store op per layer buy in decode, and is the in-place store race-free?
 
 A muser-kv decode token stores each layer's K and V with two donated slice
 updates, then attends. Would one custom kernel per layer, writing both rows into
 the planes *in place* (through its input pointers), buy enough to justify
-relaxing design invariant 6? Measured in one run, in the decode loop of
+relaxing the rule that no kernel writes memory it does not declare as an
+output (docs/kernels.md)? Measured in one run, in the decode loop of
 ``decode.py`` (``_harness.attend_layers``, ``decode_steps``; sync and
 pipelined, ``--repeats`` alternating blocks of ``--steps`` tokens):
 

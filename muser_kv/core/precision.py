@@ -8,7 +8,8 @@ so it costs host time only) -- never guessed from a config:
 * bf16 attention -> **bf16 planes**. K/V are then stored bit for bit as the
   model produced them (as mlx-lm's own caches store them) and attention stays
   in bf16. f16 planes would meet bf16 queries, MLX would promote attention to
-  f32, and the residual stream with it (3.2x slower decode on the H200).
+  f32, and the residual stream with it (several times slower decode:
+  docs/performance.md).
 * f16 or f32 attention -> **f16 planes**, the production encoding (an f32
   model's K/V round to nearest even on the way in).
 

@@ -13,8 +13,8 @@ the device's own conversions apply to both sides. One line per kernel; any
 difference (or a kernel that fails to build or run) exits 1.
 
 MLX compiles one program per kernel and set of template values, never per
-shape or grid, and on CUDA that compile (~1.3 s of NVRTC on the H200's host) is
-most of the time. The kernels' only template values are their element types
+shape or grid, and on CUDA that compile (NVRTC, on the host) is most of the
+time. The kernels' only template values are their element types
 (head geometry and layout are runtime ``params``), so there are 16 programs:
 batch_store and stage 3 input types x 2 plane types each, gather and install 2
 plane types each. The cases are grouped by that instantiation (kernel, input
@@ -332,9 +332,8 @@ def default_jobs(instantiations: int) -> int:
     at most one per CPU this process may use (4 for the 16 programs).
 
     Each worker pays a process start, an MLX import and a GPU context, each group
-    one compile (~1.3 s of NVRTC on the H200's host). The start-ups, not the
-    compiles, dominated there: 16 workers spent 224 s of CPU in a 20 s run,
-    contending for the CPUs. With start-up ``s`` per worker and compile ``c`` per
+    one compile. The start-ups, not the compiles, dominate when the workers
+    contend for the CPUs (docs/performance.md, the selftest). With start-up ``s`` per worker and compile ``c`` per
     group, ``j`` workers take about ``s*j + c*n/j``, least at ``j = sqrt(c*n/s)``:
     ``sqrt(n)`` where ``s`` is about ``c``."""
     affinity = getattr(os, "sched_getaffinity", None)

@@ -1,5 +1,5 @@
 """Context policy: what a request keeps when it outgrows ``max_context``
-(seeds Ch 23.7). Pure logic on token ids; no arrays, no tokenizer. Shared by
+(docs/policy.md). Pure logic on token ids; no arrays, no tokenizer. Shared by
 the two serving stacks: the library's slots (``serving.pool``: ``shift_chat``,
 ``ChatShift``) and ``muser-kv serve`` (``serving.server.context_fit``).
 

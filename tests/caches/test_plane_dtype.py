@@ -4,7 +4,7 @@ A bf16 model gets bf16 planes, so its K/V are stored bit for bit as it made
 them and attention stays in bf16: logits keep mlx-lm's dtype and equal mlx-lm's
 own caches bitwise wherever both sum the same rows in the same order (one
 prefill chunk, decode before the ring wraps). Past the wrap our ring's rotation
-follows positions (design invariant 4, which restore replay rests on) while
+follows positions (rotation = position % capacity, which restore replay rests on) while
 mlx-lm's RotatingKVCache rotates with its write head, so a GPU may sum rows in
 another order: there logits are held to WRAP_ULPS bf16 ulps and greedy tokens
 must agree wherever the top two are further apart than that (on the CPU both

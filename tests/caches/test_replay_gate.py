@@ -1,4 +1,4 @@
-"""The replay gate (seeds Ch 15.6, 23.4): a session saved at positions 1, 31,
+"""The replay gate: a session saved at positions 1, 31,
 32, 33, W-1, W, W+1 and restored into a fresh cache -- in this process and in
 a new one -- continues with logits bitwise equal to the live session for 8
 tokens. One run uses the real window W = 2,048. A restore packed at physical

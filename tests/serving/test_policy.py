@@ -1,4 +1,4 @@
-"""The context policy as pure logic (seeds Ch 23.7): whole turns, the system
+"""The context policy as pure logic: whole turns, the system
 prologue always kept, refusal when the smallest unit plus reserve cannot fit,
 raw prefix + newest suffix."""
 

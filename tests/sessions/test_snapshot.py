@@ -1,5 +1,5 @@
 """Sessions: the logical cut, safetensors on disk, the fail-closed gate, and a
-rotation-preserving, all-or-nothing restore (seeds Ch 23.4)."""
+rotation-preserving, all-or-nothing restore."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """SlotPool: up to four serving sessions over one model, plus one hidden staging
-session that rebuilds a shifted context off to the side (seeds Ch 22.4-22.6, 23.7).
+session that rebuilds a shifted context off to the side (docs/policy.md).
 
 Invariants, each with a test (``tests/serving/test_slots.py``):
 
@@ -69,7 +69,8 @@ from muser_kv.serving.policy import (
 )
 from muser_kv.serving.pool.chat_shift import shift_chat, turn_digest
 
-#: A pool serves at most this many concurrent slots (seeds Ch 22.6).
+#: A pool serves at most this many concurrent slots, beside its staging session
+#: (docs/policy.md).
 MAX_SLOTS = 4
 
 #: Positions per prefill chunk by default (the seeds' 512-position chunks).

@@ -3,14 +3,13 @@
 A chunk read from the directory or Redis lands in a new host-visible MLX
 buffer (a CPU stream's allocation), is verified there and decoded into views
 of it (``chunks.decode``). On MLX CUDA that memory is managed, and the first
-touch of each of its pages is a fault the driver serves one at a time: on the
-H200 making a 32k rebuild's 517 MB cost the readers about three times what
-reading, hashing and migrating it did. So a store keeps a stock of buffers
+touch of each of its pages is a fault the driver serves one at a time, which
+costs a reader more than reading, hashing and migrating the chunk
+([store.md](../../../docs/store.md), "Reading a tier"). So a store keeps a stock of buffers
 made ahead, off the request's path, in the sizes its chunks have, and a read
 takes one. What lookups took is made again when asked (``restock``: a server
 asks while it idles, a little at a time, since making managed memory while
-the GPU works slows the work down: on the H200 a restock behind a 32k
-request's prefill made that prefill 0.1-0.3 s slower).
+the GPU works slows that work down).
 
 A stocked buffer is used once and never returned (the views a decode makes
 keep it alive for as long as the rows live, which the store does not track),
