@@ -2,7 +2,7 @@
 
 Of the real Muse Glimmer (``_harness.build_model``, ``--dtype``), cold and warm,
 against re-prefilling it through mlx-lm's ``generate_step``; and are the
-restored planes and next log-probs bitwise the live session's? (issue 14) One run:
+restored planes and next log-probs bitwise the live session's? One run:
 
 1. warm-up (untimed): a ``--warmup``-token prompt through every path below
    (prefill across the wrap, save, load, one decode step), so nothing below compiles;
@@ -20,7 +20,7 @@ restored planes and next log-probs bitwise the live session's? (issue 14) One ru
    log-probabilities must equal its bits.
 
 Printed: prefill TTFT, save, load, first token, load + first token and the
-speed-up (prefill TTFT / (load + first token)), cold and warm, beside issue 14's
+speed-up (prefill TTFT / (load + first token)), cold and warm, beside the
 targets (load + first token < 1.0 s, >= 20x), and whether the bits matched.
 
     bash benchmarks/device.sh resume bfloat16                  # H200: real geometry, 130,000 tokens
@@ -42,7 +42,7 @@ from mlx_lm.generate import generate_step
 
 import muser_kv
 
-TARGET_S = 1.0  # issue 14: load_session + the first token under a second ...
+TARGET_S = 1.0  # the goal: load_session + the first token under a second ...
 TARGET_X = 20.0  # ... and at least 20x sooner than the prefill
 
 

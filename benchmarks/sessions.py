@@ -5,7 +5,7 @@ iff i % 4 == 3, 2 KV heads x 128, window 2048), each beside its naive
 alternative in the same run, with the ratio (absolute numbers are context: a
 disk, a page cache and a CPU are shared):
 
-1. **Sessions at disk speed (issue 14)**, GB/s against raw I/O of the same
+1. **Sessions at disk speed**, GB/s against raw I/O of the same
    bytes. A cache at full depth (default 131,072 x 52 layers: 1,826,619,392 B of
    planes, every row live) is saved with ``save_session`` and loaded with
    ``load_session`` (a cache for a tiny Muse Glimmer of ``max_position_embeddings
@@ -56,7 +56,7 @@ from muser_kv.sessions.tensorfile import CHUNK  # the bytes per call, both sides
 
 KIB = 1 << 10
 DISK_FACTOR = 2.5  # free space required, in multiples of the session's bytes
-TARGET = 0.8  # issue 14: save and load at no less than 0.8x raw I/O of the same bytes
+TARGET = 0.8  # the goal: save and load at no less than 0.8x raw I/O of the same bytes
 
 
 def parse_args(argv=None):

@@ -99,7 +99,7 @@ PLANE_SYSTEMS = ("slice", "inplace", "attend")
 GRANULE = 256  # muser-kv allocates plane rows in multiples of 256
 #: final hidden states of the two race paths: f16 over O(1) values, 52 layers
 RACE_TOLERANCE = 1e-2
-#: (depth, mode, minimum slice/inplace speed-up) -- issue 14's adoption bars
+#: (depth, mode, minimum slice/inplace speed-up) -- the adoption bars
 BARS = ((131072, "pipelined", 1.25), (2048, "sync", 1.0), (2048, "pipelined", 1.0))
 
 # -- the in-place store kernel ---------------------------------------------------
@@ -483,7 +483,7 @@ def main(argv=None) -> Dict[str, Any]:
                 + ["slice/inplace", "bar", "meets"], rows, digits=3,
                 title="Decode ms/token (median of alternating blocks) and ratios",
                 note="slice/inplace: the speed-up of one in-place store op per layer over two slice "
-                     "updates; the bars are issue 14's (>= 1.25 at 131072 pipelined, >= 1.0 at 2048)")
+                     "updates; the adoption bars are (>= 1.25 at 131072 pipelined, >= 1.0 at 2048)")
     payload = {"benchmark": "store_ceiling", "args": vars(args), "kernel_backend": backend,
                "systems": list(systems), "results": results, "race": []}
     H.write_json(args.json, payload)  # the timing survives a race check cut short

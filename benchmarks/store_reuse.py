@@ -86,7 +86,7 @@ from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 
 SCENARIOS = ("regenerate", "edit", "branch")
 PART_NAMES = {1: "regenerate / edit / branch", 2: "memory", 3: "restart"}
-#: issue 24's goals
+#: the goals the tables are held to
 SPEEDUP_32K, SPEEDUP_130K, REBUILD_130K_S, RESTART_S = 10.0, 30.0, 0.3, 0.5
 LONG = 65536  # a history past this is judged by the 130k goals
 

@@ -1,4 +1,4 @@
-"""One restore path (issue 32, item 1): a snapshot install, a session load and a
+"""One restore path: a snapshot install, a session load and a
 KV-store rebuild go through one gate -- each check once per restore, the same
 refusal with the same error -- and one install loop, so the lists they give
 for one state are one list, bit for bit, allocation included. (A handoff

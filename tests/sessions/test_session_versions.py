@@ -1,4 +1,4 @@
-"""Session files at disk speed (issue 14): version 3's XXH3-128 digests on
+"""Session files at disk speed: version 3's XXH3-128 digests on
 every byte, version 2 (sha256) files still read, saves that die leave the old
 file, and the chunked, threaded read and write giving the planes bit for bit."""
 
