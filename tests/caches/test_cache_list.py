@@ -223,7 +223,7 @@ def test_lists_from_separate_calls_are_separate(model_f32):
     model_f32(prompt(1), cache=both[:8])
 
 
-# -- issue 31, item 2: a slice of a list, used or fresh, is refused before any write ---------
+# -- a slice of a list, used or fresh, is refused before any write ---------
 
 #: slices of an 8-layer list: a prefix (what mlx-lm's zip would run short), a
 #: suffix, a middle, every other layer, the list reversed
