@@ -15,8 +15,9 @@ for ``n`` tokens at a position, everything the rest of the code needs (where
 the rows go, which old rows leave the window, whether the call reads the plane
 in place or through the staging shadow, which rows it returns and so which
 mask); ``Ring.trimmed`` answers the same for a rewind, ``Ring.installed`` for a
-restore, ``Ring.ahead`` for the rows about to be overwritten. Nothing else does
-modular arithmetic on positions.
+restore, ``Ring.runs`` for any live span (the rows about to be overwritten are
+``runs(origin_logical, n)``), ``Ring.step`` for the decode hot path's one token.
+Nothing else does modular arithmetic on positions.
 """
 
 from __future__ import annotations
@@ -204,6 +205,24 @@ class Ring:
         self.origin_physical = (self.origin_physical + 1) % self.capacity
         return write
 
+    def step(self, prev: "Ring", lead: int, limit: int) -> int:
+        """The decode hot path's one token at ``end``: reserve its physical row
+        (as ``append``) and return it, when ``prev`` (the list neighbour's ring)
+        is exactly ``lead`` positions ahead and ``end`` is below ``limit``; else
+        return -1 and change nothing (the caller takes the checked path, which
+        raises the error). One call does what the gate, the read and the append
+        each did, because this runs once per layer per token."""
+        ol, n = self.origin_logical, self.len
+        if ol + n >= limit or prev.origin_logical + prev.len != ol + n + lead:
+            return -1
+        if n < self.capacity:
+            self.len = n + 1
+            return (self.origin_physical + n) % self.capacity
+        write = self.origin_physical
+        self.origin_logical = ol + 1
+        self.origin_physical = (write + 1) % self.capacity
+        return write
+
     def append_batch(self, start: int, count: int) -> Tuple[int, int]:
         """Reserve rows for ``count`` positions from ``start``.
 
@@ -289,16 +308,3 @@ class Ring:
         """The ring a sequential build leaves holding ``count`` rows from
         ``start``: the rotation is ``start % capacity`` (design invariant 4)."""
         return cls(capacity, count, start, start % capacity, layer)
-
-    def ahead(self, count: int) -> List[Run]:
-        """Physical runs of the next ``count`` rows a full ring will overwrite
-        (its oldest live rows), ``Run.source`` counting from ``origin_logical``."""
-        return self.runs(self.origin_logical, min(count, self.len))
-
-    def rewind(self, count: int) -> None:
-        """Forget the newest ``count`` rows; exact only while nothing they replaced
-        is needed back (the caller proves that: an unwrapped ring, a growing plane,
-        or rows restored from a checkpoint)."""
-        if not 0 <= count <= self.len:
-            raise ValueError(f"layer {self.layer}: cannot rewind {count} of {self.len} rows")
-        self.len -= count
