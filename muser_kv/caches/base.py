@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from operator import attrgetter
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
@@ -138,9 +139,9 @@ class MuseKVCache(ABC):
         self.settle()
         self.replaced()
 
-    @property
-    def offset(self) -> int:
-        return self.ring.end
+    #: the logical position of the next token (``Ring.end``, read with no Python
+    #: call: RoPE reads it once per layer per forward)
+    offset = property(attrgetter("ring.end"))
 
     @property
     def cache_list(self) -> Optional[cachelist.CacheList]:

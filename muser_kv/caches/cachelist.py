@@ -143,12 +143,11 @@ class CacheList:
         n = len(members)
         if len(handed) < n:
             return False
-        if not all(r() is c for r, c in zip(members, handed)):
-            for r, c in zip(members, handed):
-                mine = r()
-                if c is not mine and (mine is None or getattr(c, "cache_list", None) is not self
-                                      or getattr(c, "layer", None) != mine.layer):
-                    return False
+        for r, c in zip(members, handed):  # a loop, not all(...): no generator per forward
+            mine = r()
+            if c is not mine and (mine is None or getattr(c, "cache_list", None) is not self
+                                  or getattr(c, "layer", None) != mine.layer):
+                return False
         return len(handed) == n or all(x is None for x in handed[n:])
 
     def check_whole(self, handed: Sequence[Any], what: str) -> None:

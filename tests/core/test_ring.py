@@ -195,6 +195,11 @@ def test_step_is_append_when_in_step_and_nothing_otherwise():
         assert a.step(prev, 1, 1000) == -1 and a == before  # prev is level now, not 1 ahead
         assert a.step(a, 0, a.end) == -1 and a == before  # at the limit
         assert a.step(a, 0, a.end + 1) == b.append(b.end) and a == b
+        assert a.end == a.origin_logical + a.len == b.end
+    split = Ring(8, 3, 0, 6)  # live rows split around the end: read through the shadow
+    before = split.copy()
+    assert split.read_for(1) is Read.SHADOW
+    assert split.step(split, 0, 1000) == -1 and split == before and split.end == before.end
 
 
 @settings(max_examples=300, deadline=None)
