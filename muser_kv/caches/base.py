@@ -562,14 +562,14 @@ class MuseKVCache(ABC):
         self._rewind(self.ring.trimmed(n))
         if self._checkpoints:
             for cp in list(self._checkpoints):
-                cp._trimmed(self, self.offset)
+                cp.cache_trimmed(self, self.offset)
         return n
 
     # -- checkpoints (speculative.py) --------------------------------------------------
 
     def watch(self, checkpoint: Any) -> None:
         """Tell ``checkpoint`` of every move that is not a write: a trim (its
-        ``_trimmed(cache, position)``) and a restore (``_replaced(cache)``)."""
+        ``cache_trimmed(cache, position)``) and a restore (``cache_replaced(cache)``)."""
         if self._checkpoints is None:
             self._checkpoints = weakref.WeakSet()
         self._checkpoints.add(checkpoint)
@@ -583,7 +583,7 @@ class MuseKVCache(ABC):
         checkpoints and a trim round describe is gone."""
         if self._checkpoints:
             for cp in list(self._checkpoints):
-                cp._replaced(self)
+                cp.cache_replaced(self)
         if self._list is not None:
             self._list.forget_round()
 
