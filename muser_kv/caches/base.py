@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import copy
 import weakref
-from operator import attrgetter
 from abc import ABC, abstractmethod
+from operator import attrgetter
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import mlx.core as mx
