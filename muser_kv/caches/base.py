@@ -141,7 +141,7 @@ class MuseKVCache(ABC):
 
     #: the logical position of the next token (``Ring.end``, read with no Python
     #: call: RoPE reads it once per layer per forward)
-    offset = property(attrgetter("ring.end"))
+    offset = property(attrgetter("ring.end"), doc="The logical position of the next token.")
 
     @property
     def cache_list(self) -> Optional[cachelist.CacheList]:
