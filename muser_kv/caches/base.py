@@ -139,9 +139,9 @@ class MuseKVCache(ABC):
         self.settle()
         self.replaced()
 
-    #: the logical position of the next token (``Ring.end``, read with no Python
-    #: call: RoPE reads it once per layer per forward)
-    offset = property(attrgetter("ring.end"), doc="The logical position of the next token.")
+    offset = property(attrgetter("ring.end"), doc=(
+        "The logical position of the next token: ``Ring.end``, read with no Python call "
+        "(RoPE reads it once per layer per forward)."))
 
     @property
     def cache_list(self) -> Optional[cachelist.CacheList]:
