@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import weakref
 from abc import ABC, abstractmethod
+from operator import attrgetter
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import mlx.core as mx
@@ -50,7 +51,6 @@ State = Tuple[mx.array, mx.array, Tuple[str, ...], Any]
 
 #: ``INPUT_DTYPES`` as a set: the decode fast path's membership test
 INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
-_ONE = 1
 
 _Cache = TypeVar("_Cache", bound="MuseKVCache")
 
@@ -102,9 +102,46 @@ class MuseKVCache(ABC):
 
     # -- identity -------------------------------------------------------------------
 
+    def join(self, group: "cachelist.CacheList", index: int, prev: Ring,
+             first_of_kind: bool) -> None:
+        """Take place ``index`` of list ``group`` (``cachelist.bind``): ``prev`` is
+        its predecessor's ring (the last layer's, for layer 0), read by every
+        write's in-step check; ``first_of_kind``: the cache a model asks for its
+        kind's mask before a forward."""
+        self._list = group
+        self._index = index
+        self._prev = prev
+        self._lead = 1 if index else 0
+        self._first_of_kind = first_of_kind
+
     @property
-    def offset(self) -> int:
-        return self.ring.end
+    def list_index(self) -> int:
+        """This cache's place in its list (0 for a cache alone)."""
+        return self._index
+
+    @property
+    def predecessor_end(self) -> int:
+        """Where the cache before this one in its list is (layer 0: the last
+        layer; a cache alone: itself)."""
+        return self._prev.end
+
+    @property
+    def window_size(self) -> int:
+        """The window the cache was built with, whatever its kind."""
+        return self._window
+
+    def reset(self) -> None:
+        """Empty this cache in place: every row of its slot zero, the ring empty,
+        nothing retained, open checkpoints told: a fresh cache's state, bit for
+        bit, in the same planes and list."""
+        self.planes.clear_slot(self.slot)
+        self.ring.assign(Ring(self.capacity, layer=self.layer))
+        self.settle()
+        self.replaced()
+
+    offset = property(attrgetter("ring.end"), doc=(
+        "The logical position of the next token: ``Ring.end``, read with no Python call "
+        "(RoPE reads it once per layer per forward)."))
 
     @property
     def cache_list(self) -> Optional[cachelist.CacheList]:
@@ -195,27 +232,13 @@ class MuseKVCache(ABC):
         refuses the list (returns 0) before any layer changes."""
         return self._prev.end == self.ring.end
 
-    def _fast_one(self, keys: mx.array, values: mx.array) -> Optional[mx.Dtype]:
-        """The decode fast path's gate, every check ``check_input`` / ``check_write``
-        would make for one token, in the fewest operations: one token of the
-        model's shape and a float dtype, room below ``max_context``, the list in
-        step (one read of the neighbour's ring). The dtype when all hold."""
-        if keys.shape == self._one_token and values.shape == self._one_token:
-            dtype = keys.dtype
-            ring, prev = self.ring, self._prev
-            end = ring.origin_logical + ring.len
-            if (dtype == values.dtype and dtype in INPUT_DTYPE_SET and end < self.max_context
-                    and prev.origin_logical + prev.len == end + self._lead):
-                return dtype
-        return None
-
     def _plane_rows(self, keys: mx.array, values: mx.array) -> Pair:
         """One model-shaped token ``[1, H, 1, D]`` of another dtype in the planes'
         dtype (the store kernel: one rounding to nearest even)."""
         k, v = self.backend.store(keys, values, self.layout, 0, 1, None, 0, self.dtype)
         return k.reshape(keys.shape), v.reshape(values.shape)
 
-    def _store(self, keys: mx.array, values: mx.array, plan: Write) -> None:
+    def store(self, keys: mx.array, values: mx.array, plan: Write) -> None:
         """Place a write's surviving rows along its runs (the store kernel converts
         and lays them out; MLX's updates place them)."""
         first = plan.runs[0].source
@@ -236,9 +259,8 @@ class MuseKVCache(ABC):
         the list (``cachelist``), before anything is written. Any other cache of
         a list, asked by a model, was handed to it in less than the whole list
         (a slice): it refuses that (``CacheList.check_asked``)."""
-        # ``N is _ONE``: the int 1 exactly (CPython keeps one object for it; any
-        # other 1 -- True, 1.0, numpy's -- takes the checked path below)
-        if N is _ONE and not return_array and not self._first_of_kind and (
+        # the int 1 exactly (True, 1.0, numpy's 1 take the checked path below)
+        if N.__class__ is int and N == 1 and not return_array and not self._first_of_kind and (
                 window_size is None or window_size == self._window):
             if self._list is not None:  # 0 check_asked, 1 here, 2 its caller
                 self._list.check_asked(2)
@@ -374,11 +396,11 @@ class MuseKVCache(ABC):
         if held is not None:
             cache._adopt_retained(*held)
         else:
-            cache._settle()
+            cache.settle()
         cache._first_of_kind = True  # asked for a mask first: binds the list it is handed
         return cache
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """After the contents changed wholesale (an install, a restore): evaluate
         what the next write will need, so it never waits in that write's graph
         (a regime holding nothing beside its planes has nothing to evaluate)."""
@@ -472,7 +494,7 @@ class MuseKVCache(ABC):
             self.planes.copy_slot(self.slot, fresh)
         self.ring.assign(ring)
         self.replaced()
-        self._settle()
+        self.settle()
 
     def hold(self) -> Any:
         """What ``release`` needs to put this cache back as it is now (the arrays
@@ -550,14 +572,14 @@ class MuseKVCache(ABC):
         self._rewind(self.ring.trimmed(n))
         if self._checkpoints:
             for cp in list(self._checkpoints):
-                cp._trimmed(self, self.offset)
+                cp.cache_trimmed(self, self.offset)
         return n
 
     # -- checkpoints (speculative.py) --------------------------------------------------
 
     def watch(self, checkpoint: Any) -> None:
         """Tell ``checkpoint`` of every move that is not a write: a trim (its
-        ``_trimmed(cache, position)``) and a restore (``_replaced(cache)``)."""
+        ``cache_trimmed(cache, position)``) and a restore (``cache_replaced(cache)``)."""
         if self._checkpoints is None:
             self._checkpoints = weakref.WeakSet()
         self._checkpoints.add(checkpoint)
@@ -571,7 +593,7 @@ class MuseKVCache(ABC):
         checkpoints and a trim round describe is gone."""
         if self._checkpoints:
             for cp in list(self._checkpoints):
-                cp._replaced(self)
+                cp.cache_replaced(self)
         if self._list is not None:
             self._list.forget_round()
 

@@ -50,7 +50,12 @@ import mlx.core as mx
 from muser_kv.caches import base, cachelist
 from muser_kv.caches.base import Mask, MuseKVCache
 from muser_kv.caches.growing import GlobalKVCache
-from muser_kv.caches.masks import additive_mask, batch_chunk_mask, batch_decode_mask
+from muser_kv.caches.masks import (
+    additive_mask,
+    batch_chunk_mask,
+    batch_decode_mask,
+    decode_read_rows,
+)
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.writes import ContextOverflow, evaluated_with, require_bound
 from muser_kv.core import kernels
@@ -63,16 +68,7 @@ Pair = Tuple[mx.array, mx.array]
 def _bound(source: MuseKVCache, planes: Planes, slot: int) -> MuseKVCache:
     """A cache like ``source`` (same geometry, ring state and retained rows) in
     slot ``slot`` of ``planes``; the rows are the caller's to put there."""
-    kw = dict(window=source._window, max_context=source.max_context, layer=source.layer, slot=slot)
-    if isinstance(source, SlidingKVCache):
-        ring = SlidingKVCache(planes, retain=source.retain, **kw)
-        ring.ring.assign(source.ring)
-        ring._retained = source._retained.copy()
-        return ring
-    cache = GlobalKVCache(planes, **kw)
-    cache.ring.assign(source.ring)
-    cache.growing = source.growing
-    return cache
+    return cast(Any, source).bound_to(planes, slot)
 
 
 class BatchKVCache:
@@ -88,7 +84,7 @@ class BatchKVCache:
         first = seqs[0]
         self.kind = first.kind
         self.layer = first.layer
-        self._window = first._window
+        self._window = first.window_size
         self.max_context = first.max_context
         self._remaining: Optional[List[int]] = None  # real tokens left per sequence (prepare)
         self._offsets: Optional[mx.array] = None
@@ -111,10 +107,10 @@ class BatchKVCache:
         for i, c in enumerate(caches):
             if not isinstance(c, MuseKVCache):
                 raise TypeError(f"merge: cache {i} is a {type(c).__name__}, not a muser-kv cache")
-            mine = (c.kind, c.layout, c.dtype, c.kv_heads, c.head_dim, c._window, c.max_context,
+            mine = (c.kind, c.layout, c.dtype, c.kv_heads, c.head_dim, c.window_size, c.max_context,
                     c.capacity, getattr(c, "retain", 0))
             want = (first.kind, first.layout, first.dtype, first.kv_heads, first.head_dim,
-                    first._window, first.max_context, first.capacity, getattr(first, "retain", 0))
+                    first.window_size, first.max_context, first.capacity, getattr(first, "retain", 0))
             if mine != want:
                 raise ValueError(f"merge: cache {i} (kind, layout, dtype, kv_heads, head_dim, window, "
                                  f"max_context, capacity, retain) = {mine}, expected {want}")
@@ -161,7 +157,9 @@ class BatchKVCache:
                 lengths: Optional[Sequence[int]] = None,
                 right_padding: Optional[Sequence[int]] = None) -> None:
         """Before a right-padded prompt: ``lengths[b]`` of the coming tokens are
-        sequence ``b``'s own, the rest padding (never stored)."""
+        sequence ``b``'s own, the rest padding (never stored). mlx-lm's
+        ``BatchGenerator`` also passes ``right_padding``; ``lengths`` already
+        says everything it does, so it is accepted and not read."""
         if left_padding is not None and any(int(p) for p in left_padding):
             raise ValueError(
                 "muser-kv batches take right-padded prompts (mlx-lm's BatchGenerator pads "
@@ -226,15 +224,17 @@ class BatchKVCache:
         held: List[mx.array] = []
         rows, slots = [], []
         active = self.active or [True] * len(self.seqs)
+        read = decode_read_rows(self.kind, [s.ring for s in self.seqs], active)
         if self.kind is LayerKind.GLOBAL:  # room for every ring's extent after its token
             self.planes.settle(max(s.ring.len + on for s, on in zip(self.seqs, active)))
         for b, (s, on) in enumerate(zip(self.seqs, active)):
             if not on:
                 continue
             ring = s.ring
-            if isinstance(s, SlidingKVCache) and s.retain and ring.len == ring.capacity:
-                if not s._retained.covers(ring.origin_logical):
-                    held.append(s._retain(ring.origin_logical, 1))
+            if isinstance(s, SlidingKVCache) and ring.len == ring.capacity:
+                kept = s.keep_overwritten(ring.origin_logical, ring.origin_logical + 1)
+                if kept is not None:
+                    held.append(kept)
             rows.append(ring.append(ring.end))
             slots.append(b)
         if keys.dtype != self.planes.dtype:
@@ -245,27 +245,15 @@ class BatchKVCache:
             self.planes.put_rows(rows, keys, values, slots)
         else:
             self.planes.put_rows(rows, keys, values)
-        out = self.planes.prefix(self._read_rows(), slots=len(self.seqs))
+        out = self.planes.prefix(read, slots=len(self.seqs))
         if self.kind is LayerKind.SLIDING:
             for s in _rings(self.seqs):
-                ring = s.ring
-                if s.retain and ring.len == ring.capacity and not s._retained.covers(
-                        ring.origin_logical):
-                    held.append(s._take_ahead())
+                ahead = s.copy_ahead()
+                if ahead is not None:
+                    held.append(ahead)
         for h in held:
             out = evaluated_with(out, h)
         return out
-
-    def _read_rows(self) -> int:
-        """Rows every sequence's read spans after a decode write: a ring's
-        capacity (or less, before any ring filled), a plane's longest prefix."""
-        longest = max(1, max(s.ring.len for s in self.seqs))
-        if self.kind is LayerKind.SLIDING:
-            capacity = self.seqs[0].ring.capacity
-            if all(s.ring.origin_physical == 0 for s in self.seqs):
-                return min(longest, capacity)
-            return capacity
-        return longest
 
     def _chunk(self, keys: mx.array, values: mx.array, real: List[int]) -> Pair:
         """A chunk per sequence, its first ``real[b]`` tokens its own."""
@@ -277,7 +265,7 @@ class BatchKVCache:
             for b, (s, r) in enumerate(zip(self.seqs, real)):
                 if r:
                     plan = s.ring.write(s.ring.end, r)
-                    s._store(keys[b:b + 1, :, :r], values[b:b + 1, :, :r], plan)
+                    s.store(keys[b:b + 1, :, :r], values[b:b + 1, :, :r], plan)
                     s.ring.assign(plan.after)
             return self.planes.prefix(rows, slots=len(self.seqs))
         # sliding: the staging shadow of every sequence, right-aligned
@@ -297,19 +285,14 @@ class BatchKVCache:
             shadows_v.append(mx.concatenate([old_v, chunk_v]))
             if r:
                 plan = s.ring.write(s.ring.end, r)
-                lo, hi = plan.evicted
-                if s.retain and hi > lo:  # the rows leaving the window, from this shadow
-                    keep = min(hi - lo, s.retain)
-                    base = pad  # shadow row of position lo
-                    span = slice(base + hi - lo - keep, base + hi - lo)
-                    kept = mx.stack([shadows_k[-1][span], shadows_v[-1][span]], 1)
-                    s._retained.add(hi - keep, kept, plan.after.origin_logical)
+                kept = s.keep_from_shadow(plan, shadows_k[-1], shadows_v[-1], pad)
+                if kept is not None:
                     held.append(kept)
-                s._store(k_b[:, :, :r], v_b[:, :, :r], plan)
+                s.store(k_b[:, :, :r], v_b[:, :, :r], plan)
                 s.ring.assign(plan.after)
-                if s.retain and s.ring.len == s.ring.capacity and not s._retained.covers(
-                        s.ring.origin_logical):
-                    held.append(s._take_ahead())
+                ahead = s.copy_ahead()
+                if ahead is not None:
+                    held.append(ahead)
         h, d = self.planes.kv_heads, self.planes.head_dim
         shadow_k = mx.stack(shadows_k).reshape(len(self.seqs), width + n, h, d).transpose(0, 2, 1, 3)
         shadow_v = mx.stack(shadows_v).reshape(len(self.seqs), width + n, h, d).transpose(0, 2, 1, 3)
@@ -429,7 +412,7 @@ class BatchKVCache:
         """The planes (every slot), with the sequences' retained copies made since
         the last read attached (``RetainedRows.pending``)."""
         pending = [x for s in self.seqs if isinstance(s, SlidingKVCache)
-                   for x in s._retained.pending()]
+                   for x in s.pending_retained()]
         kv = (self.planes.k, self.planes.v)
         return tuple(mx.depends(list(kv), pending)) if pending else kv
 

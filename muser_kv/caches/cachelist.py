@@ -143,12 +143,11 @@ class CacheList:
         n = len(members)
         if len(handed) < n:
             return False
-        if not all(r() is c for r, c in zip(members, handed)):
-            for r, c in zip(members, handed):
-                mine = r()
-                if c is not mine and (mine is None or getattr(c, "cache_list", None) is not self
-                                      or getattr(c, "layer", None) != mine.layer):
-                    return False
+        for r, c in zip(members, handed):  # a loop, not all(...): no generator per forward
+            mine = r()
+            if c is not mine and (mine is None or getattr(c, "cache_list", None) is not self
+                                  or getattr(c, "layer", None) != mine.layer):
+                return False
         return len(handed) == n or all(x is None for x in handed[n:])
 
     def check_whole(self, handed: Sequence[Any], what: str) -> None:
@@ -170,14 +169,15 @@ class CacheList:
 
     def out_of_step(self, cache: Any, n: int) -> CacheOutOfStep:
         """The error for ``cache`` refusing a write of ``n`` tokens."""
-        ahead = cache._prev.end
+        index = cache.list_index
+        ahead = cache.predecessor_end
         positions = self.positions()
-        if cache._index == 0:
+        if index == 0:
             why = (f", the list's last layer at {ahead}: the previous write has not reached "
                    "every layer")
             return CacheOutOfStep(cache.layer, ahead, cache.offset, positions, why)
-        before = self._members[cache._index - 1]()
-        name = before.layer if before is not None else cache._index - 1
+        before = self._members[index - 1]()
+        name = before.layer if before is not None else index - 1
         why = (f": a write of {n} here follows layer {name} to {cache.offset + n}, but layer "
                f"{name} is at {ahead}")
         return CacheOutOfStep(cache.layer, ahead - n, cache.offset, positions, why)
@@ -189,8 +189,8 @@ class CacheList:
         (see the module doc); record the round so its other layers pass in O(1)."""
         start = cache.offset
         r = self._round
-        if r is not None and r[0] == start and r[1] == n and cache._index in r[2]:
-            r[2].discard(cache._index)
+        if r is not None and r[0] == start and r[1] == n and cache.list_index in r[2]:
+            r[2].discard(cache.list_index)
             if not r[2]:
                 self._round = None
             return
@@ -205,13 +205,13 @@ class CacheList:
                         f"layer {c.layer}: can trim at most {depth} tokens exactly, asked for {n} "
                         f"(by a trim of layer {cache.layer}; refused before any layer of the "
                         "list changed)")
-                pending.add(c._index)
+                pending.add(c.list_index)
             elif at != start - n:
                 raise CacheOutOfStep(
                     c.layer, start, at, [m.offset for m in members],
                     f": a trim of {n} from {start} (layer {cache.layer}) needs every layer at "
                     f"{start} or {start - n}")
-        pending.discard(cache._index)
+        pending.discard(cache.list_index)
         self._round = (start, n, pending) if pending else None
 
     def forget_round(self) -> None:
@@ -311,11 +311,8 @@ def bind(caches: Sequence[Any], model: Any = None, model_layers: int = 0) -> Cac
     group = CacheList(caches, model, model_layers)
     seen = set()
     for i, c in enumerate(caches):
-        c._list = group
-        c._index = i
-        c._prev = caches[i - 1].ring  # layer 0: the last layer's (a ring is one object for life)
-        c._lead = 1 if i else 0
-        c._first_of_kind = c.kind not in seen
+        # layer 0's predecessor is the last layer (a ring is one object for life)
+        c.join(group, i, caches[i - 1].ring, c.kind not in seen)
         seen.add(c.kind)
     return group
 
@@ -344,7 +341,8 @@ def adopt(cache: Any, depth: int) -> Optional[CacheList]:
     caches = list(handed)
     while caches and caches[-1] is None:
         caches.pop()
-    if not all(hasattr(c, "ring") and getattr(c, "_list", False) is None for c in caches):
+    if not all(hasattr(c, "ring") and hasattr(c, "join") and c.cache_list is None
+               for c in caches):
         return None
     # without padding a rebuilt list takes its own length as its model's: a list
     # cut short is refused at its first forward, never run short

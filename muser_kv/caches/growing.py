@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
-from muser_kv.caches.base import REGIMES, Mask, MuseKVCache
+from muser_kv.caches.base import INPUT_DTYPE_SET, REGIMES, Mask, MuseKVCache
 from muser_kv.caches.masks import causal_mask
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.planes import Planes
@@ -57,29 +57,40 @@ class GlobalKVCache(MuseKVCache):
         raise ValueError(f"layer {self.layer}: a global plane retains no rows")
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """One token of the model's shape (the decode hot path) takes the fewest
+        calls: ``Ring.step`` checks the list and the limit and reserves the row,
+        the planes settle only when the live rows leave their allocation's
+        band, ``Planes.put_token`` writes the row and reads the prefix back.
+        Every other write takes the checked path."""
         ring = self.ring
-        dtype = self._fast_one(keys, values)
-        if dtype is not None:
-            planes = self.planes
-            if dtype != planes.dtype:
-                keys, values = self._plane_rows(keys, values)
-            live = ring.len + 1  # the ring's extent after this token (it never wraps)
-            if not planes.low < live <= planes.high:
-                planes.settle(live)
-            row = ring.append(ring.end)
-            if planes.slots == 1:  # Planes.put_one and .prefix, inlined (the hot path)
-                planes.k[:, :, row:row + 1, :] = keys
-                planes.v[:, :, row:row + 1, :] = values
-                return planes.k[:, :, :row + 1, :], planes.v[:, :, :row + 1, :]
-            planes.put_one(row, keys, values, self.slot)
-            return planes.prefix(ring.len, self.slot)
+        if keys.shape == self._one_token and values.shape == self._one_token:
+            dtype = keys.dtype
+            if dtype == values.dtype and dtype in INPUT_DTYPE_SET:
+                row = ring.step(self._prev, self._lead, self.max_context)
+                if row >= 0:
+                    planes = self.planes
+                    if dtype != planes.dtype:
+                        keys, values = self._plane_rows(keys, values)
+                    live = ring.len  # the ring's extent (it never wraps)
+                    if not planes.low < live <= planes.high:
+                        planes.settle(live)
+                    return planes.put_token(row, keys, values, self.slot, live)
         n = self.check_input(keys, values)
         self.check_write(n)
         plan = ring.write(ring.end, n)
         self.planes.settle(plan.after.extent)
-        self._store(keys, values, plan)
+        self.store(keys, values, plan)
         ring.assign(plan.after)
         return self.planes.prefix(ring.len, self.slot)
+
+    def bound_to(self, planes: Planes, slot: int) -> "GlobalKVCache":
+        """A cache like this one (geometry, ring state, growth) in slot ``slot``
+        of ``planes``; the rows are the caller's to put there."""
+        other = GlobalKVCache(planes, window=self._window, max_context=self.max_context,
+                              layer=self.layer, slot=slot)
+        other.ring.assign(self.ring)
+        other.growing = self.growing
+        return other
 
     def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
         offset = self.ring.len

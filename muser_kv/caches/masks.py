@@ -82,7 +82,7 @@ def batch_decode_mask(kind: LayerKind, rings: Sequence[Ring], active: Optional[S
     # rows each sequence holds after the write (a placeholder sees at least one)
     after = [r.len + 1 if on else max(1, r.len) for r, on in zip(rings, on_list)]
     if kind is LayerKind.GLOBAL:
-        rows = max(after)
+        rows = decode_read_rows(kind, rings, on_list)
         if len(set(after)) == 1 and (window_size is None or rows <= window_size) \
                 and not return_array:
             return None
@@ -91,7 +91,7 @@ def batch_decode_mask(kind: LayerKind, rings: Sequence[Ring], active: Optional[S
         if window_size is not None:
             valid = valid & (mx.array(after).reshape(B, 1) - 1 - j < window_size)
         return valid.reshape(B, 1, 1, rows)
-    rows = _rows_after_decode(rings, on_list)
+    rows = decode_read_rows(kind, rings, on_list)
     # each ring's live rows once the token is written (a placeholder: the
     # rows it holds, at least its origin row), as the ring's physical runs
     runs = [_runs_after_decode(r, on) for r, on in zip(rings, on_list)]
@@ -108,10 +108,20 @@ def batch_decode_mask(kind: LayerKind, rings: Sequence[Ring], active: Optional[S
     return (inside[0] | inside[1]).reshape(B, 1, 1, rows)
 
 
-def _rows_after_decode(rings: Sequence[Ring], active: Sequence[bool]) -> int:
+def decode_read_rows(kind: LayerKind, rings: Sequence[Ring],
+                     active: Optional[Sequence[bool]]) -> int:
+    """The rows of every sequence a batch decode step reads (and its mask
+    spans), for sequences whose rings are ``rings`` before the step
+    (``active``: whom it writes; ``None``: every sequence): a plane's longest
+    prefix after the token; a ring's capacity, or while no ring has moved its
+    origin row the longest ring after the token. The batch's read and its mask
+    both ask here, so they always agree."""
+    on = active if active else [True] * len(rings)
+    longest = max(max(1, r.len + (1 if a else 0)) for r, a in zip(rings, on))
+    if kind is LayerKind.GLOBAL:
+        return longest
     capacity = rings[0].capacity
     if all(r.origin_physical == 0 for r in rings):
-        longest = max(max(1, r.len + (1 if on else 0)) for r, on in zip(rings, active))
         return min(longest, capacity)
     return capacity
 

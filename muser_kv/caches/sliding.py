@@ -21,19 +21,14 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
-from muser_kv.caches.base import (
-    REGIMES,
-    Mask,
-    MuseKVCache,
-    State,
-)
+from muser_kv.caches.base import INPUT_DTYPE_SET, REGIMES, Mask, MuseKVCache, State
 from muser_kv.caches.masks import additive_mask, causal_mask
 from muser_kv.caches.speculative import DEFAULT_RETAIN, RetainedRows
 from muser_kv.caches.writes import evaluated_with
 from muser_kv.core import kernels
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.planes import Planes
-from muser_kv.core.ring import Read, Ring, Trim
+from muser_kv.core.ring import Read, Ring, Trim, Write
 
 Pair = Tuple[mx.array, mx.array]
 
@@ -49,51 +44,34 @@ class SlidingKVCache(MuseKVCache):
                          max_context=max_context, layer=layer, slot=slot)
         self.retain = retain
         self._retained = RetainedRows(retain)
-        # one slot whose allocation is exactly the ring: a full ring is read as the
-        # whole plane, with no op (the hot path's test)
-        self._whole = planes.slots == 1 and planes.rows == self.ring.capacity
 
     # -- the protocol mlx-lm's models call ---------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Pair:
+        """One token of the model's shape (the decode hot path) takes the fewest
+        calls: ``Ring.step`` checks the list and the limit and reserves the row,
+        ``Planes.put_token`` writes it and reads the ring back, ``copy_ahead``
+        runs only when the next victim has no copy. A token whose victim has no
+        copy yet, and every other write, take ``_write``."""
         ring = self.ring
-        dtype = self._fast_one(keys, values)
-        if dtype is not None:
-            read = ring.read_for(1)
-            if read is Read.RING:
-                return self._decode_full(keys, values, dtype, ring.end)
-            if read is Read.PREFIX:
-                if dtype != self.planes.dtype:
-                    keys, values = self._plane_rows(keys, values)
-                self.planes.put_one(ring.append(ring.end), keys, values, self.slot)
-                return self._copy_ahead(self.planes.prefix(ring.len, self.slot))
+        if keys.shape == self._one_token and values.shape == self._one_token:
+            dtype = keys.dtype
+            retained = self._retained
+            # the victim of a full ring is covered (RetainedRows.covers, inlined)
+            if (dtype == values.dtype and dtype in INPUT_DTYPE_SET and (
+                    not self.retain or ring.len < ring.capacity
+                    or retained.start <= ring.origin_logical < retained.end)):
+                row = ring.step(self._prev, self._lead, self.max_context)
+                if row >= 0:
+                    planes = self.planes
+                    if dtype != planes.dtype:
+                        keys, values = self._plane_rows(keys, values)
+                    kv = planes.put_token(row, keys, values, self.slot, ring.len)
+                    if (self.retain and ring.len == ring.capacity
+                            and not retained.start <= ring.origin_logical < retained.end):
+                        return evaluated_with(kv, self._take_ahead())  # copy_ahead's work
+                    return kv
         return self._write(keys, values)
-
-    def _decode_full(self, keys: mx.array, values: mx.array, dtype: mx.Dtype, end: int) -> Pair:
-        """One token into a full ring, read as it lies: the decode hot path, with
-        the input checks settled by the caller and the least host work per layer
-        (this is where a decode step's time goes: dispatch and Python, not bytes).
-        The row it overwrites was copied ahead, so retention costs nothing here."""
-        ring, retained, planes = self.ring, self._retained, self.planes
-        held = None
-        # retained.covers(victim), inlined (this runs once per layer per token)
-        if self.retain and not retained.start <= ring.origin_logical < retained.end:
-            held = self._retain(ring.origin_logical, 1)  # no copy ahead: copy the victim now
-        if dtype != planes.dtype:
-            keys, values = self._plane_rows(keys, values)
-        row = ring.append(end)
-        if self._whole:  # Planes.put_one and .prefix, inlined (the hot path)
-            planes.k[:, :, row:row + 1, :] = keys
-            planes.v[:, :, row:row + 1, :] = values
-            kv = (planes.k.astype(planes.dtype), planes.v.astype(planes.dtype))
-        else:
-            planes.put_one(row, keys, values, self.slot)
-            kv = planes.prefix(ring.capacity, self.slot)
-        if held is not None:
-            kv = evaluated_with(kv, held)
-        if self.retain and not retained.start <= ring.origin_logical < retained.end:
-            return self._copy_ahead(kv)
-        return kv
 
     def _write(self, keys: mx.array, values: mx.array) -> Pair:
         """Any write: validated in full before anything changes, planned by the
@@ -101,22 +79,17 @@ class SlidingKVCache(MuseKVCache):
         n = self.check_input(keys, values)
         self.check_write(n)
         plan = self.ring.write(self.ring.end, n)
-        lo, hi = plan.evicted
         held = None
         if plan.read is Read.SHADOW:
             k_rows, v_rows = self.backend.stage(*self.planes.physical(self.slot), self.ring,
                                                 keys, values, self.layout)
-            if self.retain and hi > lo:  # the shadow starts at origin_logical: the evicted rows
-                keep = min(hi - lo, self.retain)
-                held = mx.stack([k_rows[hi - lo - keep:hi - lo], v_rows[hi - lo - keep:hi - lo]], 1)
-                self._retained.add(hi - keep, held, plan.after.origin_logical)
+            held = self.keep_from_shadow(plan, k_rows, v_rows, 0)
             out = (kernels.attention_view(k_rows, kernels.TOKEN_MAJOR, self.kv_heads, self.head_dim),
                    kernels.attention_view(v_rows, kernels.TOKEN_MAJOR, self.kv_heads, self.head_dim))
-            self._store(keys, values, plan)
+            self.store(keys, values, plan)
         else:
-            if self.retain and hi > lo and not self._retained.covers(lo):
-                held = self._retain(lo, hi - lo)  # one token overwrites the oldest row
-            self._store(keys, values, plan)
+            held = self.keep_overwritten(*plan.evicted)
+            self.store(keys, values, plan)
             out = None
         self.ring.assign(plan.after)
         if out is None:
@@ -124,7 +97,8 @@ class SlidingKVCache(MuseKVCache):
             out = self.planes.prefix(rows, self.slot)
         if held is not None:
             out = evaluated_with(out, held)
-        return self._copy_ahead(out)
+        ahead = self.copy_ahead()
+        return out if ahead is None else evaluated_with(out, ahead)
 
     def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
         if window_size is not None and window_size != self._window:
@@ -155,22 +129,46 @@ class SlidingKVCache(MuseKVCache):
         k, v = self.backend.gather(*self.planes.physical(self.slot), self.layout, segment)
         return mx.stack([k, v], axis=1)
 
-    def _retain(self, logical: int, count: int) -> mx.array:
-        """Copy rows about to be overwritten in the same graph as the store (only
-        when no copy was taken ahead: MLX then copies this ring once). The caller
-        evaluates the copy with attention (``evaluated_with``)."""
-        rows = self._copy_rows(logical, count)
-        self._retained.add(logical, rows, logical)
+    # The one rule of retention: a row a write overwrites is kept before the
+    # write (``keep_overwritten``, ``keep_from_shadow``) unless a copy was taken
+    # ahead; after a write that leaves a full ring whose next victim has no
+    # copy, the next ``retain`` victims are copied ahead (``copy_ahead``). The
+    # single and the batch paths call these three.
+
+    def keep_overwritten(self, lo: int, hi: int) -> Optional[mx.array]:
+        """Before a write that overwrites live positions ``[lo, hi)`` in place:
+        copy them (in the same graph as the store: MLX then copies this ring
+        once) unless they are covered. The caller evaluates the copy with
+        attention (``evaluated_with``); ``None`` when there is nothing to keep."""
+        if not self.retain or hi <= lo or self._retained.covers(lo):
+            return None
+        rows = self._copy_rows(lo, hi - lo)
+        self._retained.add(lo, rows, lo)
         return rows
 
-    def _copy_ahead(self, kv: Pair) -> Pair:
-        """On a full ring whose next victim has no copy yet, copy the next
-        ``retain`` rows to be overwritten now, while this step reads the plane
-        anyway, and make the copy part of what attention evaluates."""
+    def keep_from_shadow(self, plan: Write, k_rows: mx.array, v_rows: mx.array,
+                         first: int) -> Optional[mx.array]:
+        """Before a write read through a staging shadow (token-major rows, row
+        ``first`` holding position ``plan.evicted[0]``): keep the newest
+        ``retain`` of the positions leaving the window, from the shadow."""
+        lo, hi = plan.evicted
+        if not self.retain or hi <= lo:
+            return None
+        keep = min(hi - lo, self.retain)
+        span = slice(first + hi - lo - keep, first + hi - lo)
+        held = mx.stack([k_rows[span], v_rows[span]], 1)
+        self._retained.add(hi - keep, held, plan.after.origin_logical)
+        return held
+
+    def copy_ahead(self) -> Optional[mx.array]:
+        """After a write: on a full ring whose next victim has no copy, copy the
+        next ``retain`` rows to be overwritten now, while this step reads the
+        plane anyway. The caller makes the copy part of what attention
+        evaluates (``evaluated_with``); ``None`` when nothing is due."""
         ring = self.ring
         if not self.retain or ring.len < ring.capacity or self._retained.covers(ring.origin_logical):
-            return kv
-        return evaluated_with(kv, self._take_ahead())
+            return None
+        return self._take_ahead()
 
     def _take_ahead(self) -> mx.array:
         """Retain copies of the next ``retain`` rows a full ring will overwrite."""
@@ -179,7 +177,7 @@ class SlidingKVCache(MuseKVCache):
         self._retained.add(ring.origin_logical, ahead, ring.origin_logical)
         return ahead
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Retained rows describe this cache's own history: after a wholesale
         replacement they are dropped, and a full ring's copy ahead is taken and
         evaluated now (taken in the same graph as the next store, it would make
@@ -267,8 +265,20 @@ class SlidingKVCache(MuseKVCache):
     def _detached(self) -> "SlidingKVCache":
         other = super()._detached()
         other._retained = self._retained.copy()
-        other._whole = other.planes.rows == other.ring.capacity
         return other
+
+    def bound_to(self, planes: Planes, slot: int) -> "SlidingKVCache":
+        """A cache like this one (geometry, ring state, retained rows) in slot
+        ``slot`` of ``planes``; the rows are the caller's to put there."""
+        other = SlidingKVCache(planes, window=self._window, max_context=self.max_context,
+                               layer=self.layer, slot=slot, retain=self.retain)
+        other.ring.assign(self.ring)
+        other._retained = self._retained.copy()
+        return other
+
+    def pending_retained(self) -> List[mx.array]:
+        """The retained copies made since the last read (``RetainedRows.pending``)."""
+        return self._retained.pending()
 
     @property
     def retain_depth(self) -> int:

@@ -191,12 +191,12 @@ class SpeculativeCheckpoint:
 
     # -- what the caches report (MuseKVCache.watch) -----------------------------
 
-    def _trimmed(self, cache: Any, position: int) -> None:
+    def cache_trimmed(self, cache: Any, position: int) -> None:
         if position < self.start and self._broken is None:
             self._broken = (f"layer {cache.layer} was trimmed to position {position}, below the "
                             f"checkpoint's start {self.start}")
 
-    def _replaced(self, cache: Any) -> None:
+    def cache_replaced(self, cache: Any) -> None:
         if self._broken is None:
             self._broken = f"layer {cache.layer} was restored from a snapshot"
 

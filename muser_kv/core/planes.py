@@ -265,15 +265,21 @@ class Planes:
         self.k = kernels.place(self.k, k_rows, runs, self.layout, index)
         self.v = kernels.place(self.v, v_rows, runs, self.layout, index)
 
-    def put_one(self, row: int, k: mx.array, v: mx.array, slot: int = 0) -> None:
-        """One token ``[1, H, 1, D]`` (already of this dtype) at physical ``row``
-        of slot ``slot``: one slice update per plane (the decode hot path)."""
+    def put_token(self, row: int, k: mx.array, v: mx.array, slot: int, rows: int) -> Pair:
+        """The decode write and read in one call: one token ``[1, H, 1, D]``
+        (already of this dtype) at physical ``row`` of slot ``slot`` (one slice
+        update per plane), then rows ``[0, rows)`` of that slot as ``prefix``
+        reads them (a whole one-slot plane with no op). One call, because this
+        runs once per layer per token."""
         if self.slots == 1:
             self.k[:, :, row:row + 1, :] = k
             self.v[:, :, row:row + 1, :] = v
-        else:
-            self.k[slot:slot + 1, :, row:row + 1, :] = k
-            self.v[slot:slot + 1, :, row:row + 1, :] = v
+            if rows == self.rows:
+                return self.k.astype(self.dtype), self.v.astype(self.dtype)
+            return self.k[:, :, :rows, :], self.v[:, :, :rows, :]
+        self.k[slot:slot + 1, :, row:row + 1, :] = k
+        self.v[slot:slot + 1, :, row:row + 1, :] = v
+        return self.k[slot:slot + 1, :, :rows, :], self.v[slot:slot + 1, :, :rows, :]
 
     def put_rows(self, rows: Sequence[int], k: mx.array, v: mx.array,
                  slots: Optional[Sequence[int]] = None) -> None:

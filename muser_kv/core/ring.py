@@ -15,14 +15,15 @@ for ``n`` tokens at a position, everything the rest of the code needs (where
 the rows go, which old rows leave the window, whether the call reads the plane
 in place or through the staging shadow, which rows it returns and so which
 mask); ``Ring.trimmed`` answers the same for a rewind, ``Ring.installed`` for a
-restore, ``Ring.ahead`` for the rows about to be overwritten. Nothing else does
-modular arithmetic on positions.
+restore, ``Ring.runs`` for any live span (the rows about to be overwritten are
+``runs(origin_logical, n)``), ``Ring.step`` for the decode hot path's one token.
+Nothing else does modular arithmetic on positions.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Tuple
 
 
@@ -123,6 +124,10 @@ class Ring:
     origin_logical: int = 0
     origin_physical: int = 0
     layer: int = 0
+    #: the next logical position, ``origin_logical + len``: a stored field that
+    #: every method moving the ring keeps (so reading it is no call: a cache's
+    #: ``offset`` is read once per layer per token)
+    end: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.capacity <= 0:
@@ -134,13 +139,9 @@ class Ring:
                 f"ring origins ({self.origin_logical}, {self.origin_physical}) invalid "
                 f"for capacity {self.capacity}"
             )
+        self.end = self.origin_logical + self.len
 
     # -- queries -------------------------------------------------------------
-
-    @property
-    def end(self) -> int:
-        """The next logical position: ``origin_logical + len``."""
-        return self.origin_logical + self.len
 
     @property
     def wrapped(self) -> bool:
@@ -195,6 +196,7 @@ class Ring:
         """Reserve the physical row for ``position``; advance the origins on a wrap."""
         if position != self.origin_logical + self.len:
             raise CacheDiscontinuity(self.layer, self.end, position)
+        self.end = position + 1
         if self.len < self.capacity:
             write = (self.origin_physical + self.len) % self.capacity
             self.len += 1
@@ -202,6 +204,30 @@ class Ring:
         write = self.origin_physical
         self.origin_logical += 1
         self.origin_physical = (self.origin_physical + 1) % self.capacity
+        return write
+
+    def step(self, prev: "Ring", lead: int, limit: int) -> int:
+        """The decode hot path's one token at ``end``: reserve its physical row
+        (as ``append``) and return it, when ``prev`` (the list neighbour's ring)
+        is exactly ``lead`` positions ahead, ``end`` is below ``limit`` and the
+        token is read in place (``read_for(1)`` is not ``Read.SHADOW``); else
+        return -1 and change nothing (the caller takes the checked path, which
+        raises the error or reads the shadow). One call does what the gate, the
+        read and the append each did, because this runs once per layer per token."""
+        end = self.end
+        if end >= limit or prev.end != end + lead:
+            return -1
+        n = self.len
+        if n == self.capacity:
+            write = self.origin_physical
+            self.origin_logical += 1
+            self.origin_physical = (write + 1) % self.capacity
+        elif self.origin_physical:  # a split ring: read through the shadow
+            return -1
+        else:
+            self.len = n + 1
+            write = n
+        self.end = end + 1
         return write
 
     def append_batch(self, start: int, count: int) -> Tuple[int, int]:
@@ -214,6 +240,7 @@ class Ring:
         self.check(start)
         if count < 0:
             raise ValueError(f"layer {self.layer}: negative batch size {count}")
+        self.end = start + count
         total = self.len + count
         if total <= self.capacity:
             self.len = total
@@ -253,8 +280,8 @@ class Ring:
         object for its cache's life, so its neighbours read it directly."""
         if other.capacity != self.capacity:
             raise ValueError(f"layer {self.layer}: ring capacity {other.capacity} != {self.capacity}")
-        self.len, self.origin_logical, self.origin_physical = (
-            other.len, other.origin_logical, other.origin_physical)
+        self.len, self.origin_logical, self.origin_physical, self.end = (
+            other.len, other.origin_logical, other.origin_physical, other.end)
 
     def trimmable(self, first_retained: Optional[int]) -> int:
         """How many newest tokens can be trimmed exactly, when every position
@@ -289,16 +316,3 @@ class Ring:
         """The ring a sequential build leaves holding ``count`` rows from
         ``start``: the rotation is ``start % capacity`` (design invariant 4)."""
         return cls(capacity, count, start, start % capacity, layer)
-
-    def ahead(self, count: int) -> List[Run]:
-        """Physical runs of the next ``count`` rows a full ring will overwrite
-        (its oldest live rows), ``Run.source`` counting from ``origin_logical``."""
-        return self.runs(self.origin_logical, min(count, self.len))
-
-    def rewind(self, count: int) -> None:
-        """Forget the newest ``count`` rows; exact only while nothing they replaced
-        is needed back (the caller proves that: an unwrapped ring, a growing plane,
-        or rows restored from a checkpoint)."""
-        if not 0 <= count <= self.len:
-            raise ValueError(f"layer {self.layer}: cannot rewind {count} of {self.len} rows")
-        self.len -= count

@@ -119,7 +119,7 @@ def cache_geometry(cache: Sequence[Any]) -> MuseGeometry:
         group.check_whole(cache, "a session of a KV cache list")
     model_layers = group.model_layers if group is not None else 0
     geometry = MuseGeometry(
-        num_layers=len(planes), window=first._window, max_context=first.max_context,
+        num_layers=len(planes), window=first.window_size, max_context=first.max_context,
         num_heads=kv_num_heads(heads, 0 if g_heads == heads else g_heads), kv_heads=heads,
         head_dim=dim, layer_kinds=tuple(p.kind for p in planes),
         global_kv_heads=0 if g_heads == heads else g_heads,

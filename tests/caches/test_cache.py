@@ -315,3 +315,33 @@ def test_decode_after_from_state_holds_no_old_ring():
         mx.synchronize()
         worst = max(worst, mx.get_active_memory() - before)
     assert worst < c.nbytes // 4, (worst, c.nbytes)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_token_into_a_split_ring_reads_its_rows_in_logical_order(layout):
+    """A ring whose live rows are split around its end and not full (a state
+    rebuilt by from_state can be one) reads one token through the staging
+    shadow, never in place: the token's query sees the old rows in logical
+    order, then itself."""
+    cache = lone(window=8, layout=layout)
+    rows = [kv(1, mx.float16, seed) for seed in range(3)]
+    for k, v in rows:
+        cache.update_and_fetch(k, v)
+    # the same three rows, held at physical rows 6, 7, 0 (rotation 6)
+    k, v, meta, retained = cache.state
+    meta = list(meta)
+    meta[10] = "6"  # origin_physical
+    axis = 0 if layout == "token_major" else 1
+    perm = list(range(k.shape[axis]))  # physical row j takes old row perm[j]
+    perm[0], perm[1], perm[2], perm[6], perm[7] = 2, 6, 7, 0, 1  # old 6, 7: zeros
+    index = mx.array(perm)
+    moved_k, moved_v = mx.take(k, index, axis=axis), mx.take(v, index, axis=axis)
+    split = MuseKVCache.from_state((moved_k, moved_v, tuple(meta), retained))
+    assert (split.ring.len, split.ring.origin_physical) == (3, 6)
+    k4, v4 = kv(1, mx.float16, 9)
+    keys, values = split.update_and_fetch(k4, v4)
+    want_k = mx.concatenate([r[0] for r in rows] + [k4], axis=2)
+    want_v = mx.concatenate([r[1] for r in rows] + [v4], axis=2)
+    assert keys.shape == want_k.shape
+    np.testing.assert_array_equal(bits(keys), bits(want_k))
+    np.testing.assert_array_equal(bits(values), bits(want_v))

@@ -175,7 +175,31 @@ def test_trim_plan_puts_back_what_was_overwritten():
 def test_installed_and_ahead():
     r = Ring.installed(8, 13, 8)
     assert state(r) == (8, 13, 5)
-    assert r.ahead(3) == [Run(5, 3, 0)] and r.ahead(4) == [Run(5, 3, 0), Run(0, 1, 3)]
+    # the next rows a full ring overwrites: its oldest live rows
+    assert r.runs(r.origin_logical, 3) == [Run(5, 3, 0)]
+    assert r.runs(r.origin_logical, 4) == [Run(5, 3, 0), Run(0, 1, 3)]
+
+
+def test_step_is_append_when_in_step_and_nothing_otherwise():
+    """``step`` reserves the same row as ``append`` for one token, and changes
+    nothing (returns -1) when the neighbour is not ``lead`` ahead or the end is
+    at the limit."""
+    for capacity, filled in ((8, 3), (8, 8), (8, 13)):
+        a, b = Ring(capacity), Ring(capacity)
+        a.append_batch(0, filled)
+        b.assign(a)
+        prev = Ring(capacity)
+        prev.append_batch(0, filled + 1)  # the layer before, one token ahead
+        assert a.step(prev, 1, 1000) == b.append(b.end) and a == b
+        before = a.copy()
+        assert a.step(prev, 1, 1000) == -1 and a == before  # prev is level now, not 1 ahead
+        assert a.step(a, 0, a.end) == -1 and a == before  # at the limit
+        assert a.step(a, 0, a.end + 1) == b.append(b.end) and a == b
+        assert a.end == a.origin_logical + a.len == b.end
+    split = Ring(8, 3, 0, 6)  # live rows split around the end: read through the shadow
+    before = split.copy()
+    assert split.read_for(1) is Read.SHADOW
+    assert split.step(split, 0, 1000) == -1 and split == before and split.end == before.end
 
 
 @settings(max_examples=300, deadline=None)

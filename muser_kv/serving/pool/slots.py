@@ -357,10 +357,7 @@ class SlotPool:
         held = {id(s.cache) for s in self._sessions}
         free = next(c for c in self._physical if id(c) not in held)
         for c in free:
-            c.planes.clear_slot(c.slot)
-            c.ring.assign(type(c.ring)(c.capacity, layer=c.layer))
-            c._settle()
-            c.replaced()
+            c.reset()
         mx.eval([c.kv_state for c in free])
         return free
 
