@@ -27,6 +27,9 @@
 #   bash benchmarks/device.sh restart    # the first request after a restart: 32k (twice), 130k
 #   bash benchmarks/device.sh serve32    # muser-kv serve and mlx_lm.server through HTTP: a 32k chat,
 #                                        # traffic, regenerate / edit / branch, a restart (serve_http.py)
+#   bash benchmarks/device.sh handoff2   # NEEDS TWO GPUS (nvidia-h200-x2): a session handed between
+#                                        # two ranks of an NCCL group (mlx.launch --backend nccl), on
+#                                        # collectives (NCCL has no send/recv), against raw all_sum
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -137,6 +140,12 @@ families)
 serve32)
   b serve32 560 benchmarks/serve_http.py --history 32768 --geometry glimmer-real --dtype bfloat16 \
     --traffic 10 --logs "$out" --json "$out/serve32.json"
+  ;;
+handoff2)
+  # two GPUs, one per rank: on a one-GPU machine NCCL's init fails and nothing runs
+  nvidia-smi -L | tee "$out/gpus.txt"
+  b handoff2 560 benchmarks/handoff.py --backend nccl --depths 2048,32768 --layers 52 \
+    --repeats 3 --settle 0.2 --json "$out/handoff2.json"
   ;;
 determinism)
   b determinism 300 benchmarks/determinism.py --model --json "$out/determinism.json"

@@ -30,7 +30,13 @@ handoff and the raw transfer take turns, the order flipped every repeat:
 The re-prefill's model is tiny: a real Muse Glimmer spends far more per
 prefilled token, so the re-prefill column is a lower bound there.
 
+``--backend nccl`` (two CUDA GPUs): the ranks are an NCCL group, which has no
+send/recv; the handoff runs with ``transport="collective"`` and the raw
+transfer, the common start and the timings go as the same collectives (each
+message one ``all_sum`` of its bytes, the receiver's zeros added).
+
     python3 benchmarks/handoff.py --depths 2048,8192,32768 --layers 52    # H200 (not run there)
+    python3 benchmarks/handoff.py --backend nccl --depths 2048,32768      # two GPUs, NCCL
     PYTHONPATH=. .venv/bin/python benchmarks/handoff.py                   # CPU: depths 512, 2048
     PYTHONPATH=. .venv/bin/python benchmarks/handoff.py --depths 256,512 --repeats 2 --settle 0.2
 """
@@ -62,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
     p.add_argument("--prefill-repeats", type=int, default=1,
                    help="timed re-prefills per depth (default 1: on a CPU they take a while)")
+    p.add_argument("--backend", choices=("ring", "nccl"), default="ring",
+                   help="the MLX backend of the two ranks (default ring; nccl: two CUDA GPUs, "
+                        "the handoff on collectives)")
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds rank 0 sleeps after each send before it waits again (default 1)")
     H.add_flags(p, ("layers", "hidden", "vocab", "heads", "window"),
@@ -77,14 +86,19 @@ def parse_args(argv=None):
 # -- the two processes ------------------------------------------------------------------
 
 
-def launch(argv: Sequence[str]) -> int:
-    """Run this script as ranks 0 and 1 with mlx.launch (two consecutive free ports)."""
+def launch(argv: Sequence[str], backend: str) -> int:
+    """Run this script as ranks 0 and 1 with mlx.launch (ring: two consecutive free
+    ports; NCCL: one, and a GPU per rank)."""
     launcher = shutil.which("mlx.launch", path=os.path.dirname(sys.executable))
-    if launcher is None:
-        raise SystemExit("handoff.py: mlx.launch not found beside this Python; run it as "
-                         "mlx.launch -n 2 --backend ring --python PY benchmarks/handoff.py")
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--python", sys.executable,
-           "-p", str(H.launch_port()), os.path.abspath(__file__), *argv]
+    # where MLX's wheel was unpacked rather than installed there is no console
+    # script: run what it runs
+    run = [launcher] if launcher is not None else [
+        sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; "
+                              "sys.argv[0] = 'mlx.launch'; sys.exit(main())"]
+    port = ["-p", str(H.launch_port())] if backend == "ring" else [
+        "--nccl-port", str(H.launch_port())]
+    cmd = [*run, "-n", "2", "--backend", backend, "--python", sys.executable, *port,
+           os.path.abspath(__file__), *argv]
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}  # this checkout's muser_kv, in both ranks
     return subprocess.run(cmd, stdin=subprocess.DEVNULL, env=env).returncode
@@ -105,16 +119,41 @@ def first_token(model, cache, token: int) -> np.ndarray:
     return np.array(logits[0, -1].astype(mx.float32))
 
 
-def barrier(group, rank: int) -> None:
+def send_all(group, xs: Sequence[mx.array], dst: int, backend: str) -> None:
+    """``xs`` to rank ``dst``: one send each, or (NCCL: no send/recv) one ``all_sum``
+    of each one's bytes, to which the receiver adds zeros."""
+    if backend == "ring":
+        mx.eval([mx.distributed.send(x, dst, group=group) for x in xs])
+    else:
+        mx.eval([mx.distributed.all_sum(x.reshape(-1).view(mx.uint8), group=group) for x in xs])
+
+
+def recv_all(group, specs: Sequence[Any], src: int, backend: str) -> List[mx.array]:
+    """What ``send_all`` sends, by (shape, dtype), evaluated."""
+    if backend == "ring":
+        ys = [mx.distributed.recv(shape, dtype, src, group=group) for shape, dtype in specs]
+    else:
+        ys = [mx.distributed.all_sum(mx.zeros((int(np.prod(shape)) * dtype.size,), mx.uint8),
+                                     group=group).view(dtype).reshape(shape)
+              for shape, dtype in specs]
+    mx.eval(ys)
+    return ys
+
+
+def barrier(group, rank: int, backend: str) -> None:
     """Both ready: rank 0 says it is, rank 1 answers; rank 1's clock starts when its
     answer is sent, rank 0's when it has it."""
     byte = mx.zeros((1,), mx.uint8)
     if rank == 0:
-        mx.eval(mx.distributed.send(byte, 1, group=group))
-        mx.eval(mx.distributed.recv((1,), mx.uint8, 1, group=group))
+        send_all(group, [byte], 1, backend)
+        recv_all(group, [((1,), mx.uint8)], 1, backend)
     else:
-        mx.eval(mx.distributed.recv((1,), mx.uint8, 0, group=group))
-        mx.eval(mx.distributed.send(byte, 0, group=group))
+        recv_all(group, [((1,), mx.uint8)], 0, backend)
+        send_all(group, [byte], 0, backend)
+
+
+def transport(args) -> str:
+    return "p2p" if args.backend == "ring" else "collective"
 
 
 def tensors(cache) -> List[mx.array]:
@@ -131,15 +170,15 @@ def sender(group, model, args) -> None:
         for r in range(args.repeats + 1):
             spent = 0.0
             for kind in H.order(r, ("handoff", "raw")):  # the order flipped every repeat
-                barrier(group, 0)
+                barrier(group, 0, args.backend)
                 if kind == "handoff":
                     t = H.now()
-                    handoff.send_session(cache, 1, group)
+                    handoff.send_session(cache, 1, group, transport=transport(args))
                     spent = H.now() - t
                 else:
-                    mx.eval([mx.distributed.send(x, 1, group=group) for x in raw])
+                    send_all(group, raw, 1, args.backend)
                 time.sleep(args.settle)
-            mx.eval(mx.distributed.send(mx.array([spent], mx.float32), 1, group=group))
+            send_all(group, [mx.array([spent], mx.float32)], 1, args.backend)
         del cache, raw
         H.settle()
 
@@ -155,10 +194,10 @@ def receiver(group, model, args, workdir: str) -> List[Dict[str, Any]]:
         for r in range(args.repeats + 1):  # the first round is untimed, the handoff first
             for kind in H.order(r, ("handoff", "raw")):
                 H.settle()
-                barrier(group, 1)
+                barrier(group, 1, args.backend)
                 t = H.now()
                 if kind == "handoff":
-                    got = handoff.recv_session(model, 0, group)
+                    got = handoff.recv_session(model, 0, group, transport=transport(args))
                     installed = H.now() - t
                     if r == 0:  # the session as it came, for the raw shapes and the file
                         shapes = [(x.shape, x.dtype) for x in tensors(got.cache)]
@@ -168,10 +207,9 @@ def receiver(group, model, args, workdir: str) -> List[Dict[str, Any]]:
                     cell["nbytes"] = got.nbytes
                     del got
                 else:
-                    mx.eval([mx.distributed.recv(shape, dtype, 0, group=group)
-                             for shape, dtype in shapes])
+                    recv_all(group, shapes, 0, args.backend)
                     raw_s = H.now() - t
-            spent = mx.distributed.recv((1,), mx.float32, 0, group=group).item()
+            spent = recv_all(group, [((1,), mx.float32)], 0, args.backend)[0].item()
             if r:
                 for key, value in (("handoff_s", installed), ("ttft_handoff_s", ttft),
                                    ("raw_s", raw_s), ("sender_s", spent)):
@@ -239,8 +277,10 @@ def local(model, cells: List[Dict[str, Any]], args) -> None:
 def report(cells: List[Dict[str, Any]], args) -> None:
     H.print_header("Handoff between processes: muser_kv.handoff against raw send/recv, and the "
                    "receiver's first token against load_session and a re-prefill", args,
-                   "two ranks of an MLX ring group on one host (loopback TCP); "
-                   f"median of {args.repeats} repeats after one untimed")
+                   ("two ranks of an MLX ring group on one host (loopback TCP); "
+                    if args.backend == "ring" else
+                    "two ranks of an MLX NCCL group, one GPU each, the handoff on collectives; ")
+                   + f"median of {args.repeats} repeats after one untimed")
     rows = []
     for c in cells:
         hand, raw = H.median(c["handoff_s"]), H.median(c["raw_s"])
@@ -250,7 +290,7 @@ def report(cells: List[Dict[str, Any]], args) -> None:
     H.table(["depth", "payload MiB", "raw ms", "handoff ms", "rank 0 in send_session ms",
              "raw GB/s", "handoff GB/s", "raw / handoff"], rows,
             title="Throughput (handoff: rank 0's send_session start -> rank 1's cache installed; "
-                  "raw: the same tensors, send/recv only)")
+                  "raw: the same tensors, send/recv only, or NCCL's all_sum only)")
     rows = []
     for c in cells:
         hand, f, pre = (H.median(c[k]) for k in ("ttft_handoff_s", "ttft_file_s", "ttft_prefill_s"))
@@ -278,8 +318,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "MLX_RANK" not in os.environ:
-        return launch(argv)
-    group = mx.distributed.init(backend="ring", strict=True)
+        return launch(argv, args.backend)
+    group = mx.distributed.init(backend=args.backend, strict=True)
     if group.size() != 2:
         raise SystemExit(f"handoff.py needs 2 ranks, got {group.size()}")
     model = H.build_model(args, intermediate_size=2 * args.hidden,

@@ -1,4 +1,6 @@
-"""A rank of tests/sessions/test_handoff.py's two-process runs: ``handoff_child.py SCENARIO FOLDER``.
+"""A rank of tests/sessions/test_handoff.py's two-process runs:
+``handoff_child.py SCENARIO FOLDER [TRANSPORT]`` (the handoff's ``transport``,
+default ``"auto"``: ``"p2p"`` on this ring group).
 
 Rank 0 prefills and sends, rank 1 receives; each writes what it saw to
 ``FOLDER/rank{r}.json`` (and logits to ``.npy`` files) for the test to judge.
@@ -34,8 +36,21 @@ FIRST, SECOND = 43, 58
 CHUNK = 7
 CONTINUE = 8
 STALL_TIMEOUT = 2.0
+#: The stalled sender's bound, once it goes on after the receiver left (the ring
+#: backend's collectives can miss a peer gone mid-collective: then the bound ends it).
+STALLED_SENDER_TIMEOUT = 10.0
 #: The tensor whose turn the kill and the stall come at (layers 0-2 have gone by then).
 MIDWAY = "layers.3.keys"
+#: Every handoff call's ``transport`` (main sets it from the command line).
+TRANSPORT = "auto"
+
+
+def send(*args, **kw):
+    return handoff.send_session(*args, transport=TRANSPORT, **kw)
+
+
+def recv(*args, **kw):
+    return handoff.recv_session(*args, transport=TRANSPORT, **kw)
 
 
 def prefill(model, tokens, cache=None):
@@ -93,21 +108,21 @@ def exact_sender(group, model, folder):
     out = {}
     cache = prefill(model, PROMPT[:FIRST].tolist())
     nxt = PROMPT[FIRST:FIRST + CONTINUE].tolist()
-    out["good"] = outcome(lambda: handoff.send_session(cache, 1, group,
+    out["good"] = outcome(lambda: send(cache, 1, group,
                                                        metadata={"next": nxt}).position)
     flip("layers.2.keys")
-    out["tensor_flipped"] = outcome(lambda: handoff.send_session(cache, 1, group).position)
+    out["tensor_flipped"] = outcome(lambda: send(cache, 1, group).position)
     flip("header")
-    out["header_flipped"] = outcome(lambda: handoff.send_session(cache, 1, group).position)
-    out["other_geometry"] = outcome(lambda: handoff.send_session(cache, 1, group).position)
-    out["other_model"] = outcome(lambda: handoff.send_session(cache, 1, group).position)
+    out["header_flipped"] = outcome(lambda: send(cache, 1, group).position)
+    out["other_geometry"] = outcome(lambda: send(cache, 1, group).position)
+    out["other_model"] = outcome(lambda: send(cache, 1, group).position)
     second = prefill(model, PROMPT[:SECOND].tolist())
     nxt = PROMPT[SECOND:SECOND + CONTINUE].tolist()
-    out["second"] = outcome(lambda: handoff.send_session(second, 1, group,
+    out["second"] = outcome(lambda: send(second, 1, group,
                                                          metadata={"next": nxt}).position)
     flip("preamble")
-    out["preamble_flipped"] = outcome(lambda: handoff.send_session(cache, 1, group).position)
-    out["after_break"] = outcome(lambda: handoff.send_session(cache, 1, group).position)
+    out["preamble_flipped"] = outcome(lambda: send(cache, 1, group).position)
+    out["after_break"] = outcome(lambda: send(cache, 1, group).position)
     return out
 
 
@@ -131,7 +146,7 @@ def exact_receiver(group, model, folder):
     gated(refusals)
 
     def take(tag, receiving=model, **kw):
-        r = handoff.recv_session(receiving, 0, group, **kw)
+        r = recv(receiving, 0, group, **kw)
         planes, rings = bits(r.cache)  # the list as received, before it decodes
         np.savez(folder / f"{tag}-planes.npz", *planes)
         (folder / f"{tag}-rings.json").write_text(json.dumps(rings))
@@ -144,7 +159,7 @@ def exact_receiver(group, model, folder):
 
     def refused(tag, receiving=model, cache=into, state=before):
         refusals.clear()
-        out[tag] = outcome(lambda: handoff.recv_session(receiving, 0, group, into=cache).position)
+        out[tag] = outcome(lambda: recv(receiving, 0, group, into=cache).position)
         out[tag]["unchanged"] = unchanged(state, cache)
         out[tag]["gate"] = list(refusals)
 
@@ -156,8 +171,8 @@ def exact_receiver(group, model, folder):
     theirs = prefill(other, PROMPT[:25].tolist())
     refused("other_model", receiving=other, cache=theirs, state=bits(theirs))
     out["second"] = outcome(lambda: take("second", into=into))
-    out["preamble_flipped"] = outcome(lambda: handoff.recv_session(model, 0, group).position)
-    out["after_break"] = outcome(lambda: handoff.recv_session(model, 0, group).position)
+    out["preamble_flipped"] = outcome(lambda: recv(model, 0, group).position)
+    out["after_break"] = outcome(lambda: recv(model, 0, group).position)
     return out
 
 
@@ -177,7 +192,7 @@ def kill_sender(group, model, folder):
         time.sleep(0.5)  # layers 0-2 go out meanwhile
         os.kill(os.getpid(), signal.SIGKILL)
     midway(die)
-    handoff.send_session(cache, 1, group)
+    send(cache, 1, group)
     return {"sent": "unexpectedly"}
 
 
@@ -190,17 +205,18 @@ def stall_sender(group, model, folder):
             time.sleep(0.1)
         time.sleep(0.5)
     midway(stall)
-    return {"send": outcome(lambda: handoff.send_session(cache, 1, group).position)}
+    return {"send": outcome(lambda: send(cache, 1, group,
+                                         timeout=STALLED_SENDER_TIMEOUT).position)}
 
 
 def bounded_receiver(timeout):
     def receive(group, model, folder):
         into = prefill(model, PROMPT[3:30].tolist())
         before = bits(into)
-        out = {"recv": outcome(lambda: handoff.recv_session(model, 0, group, into=into,
+        out = {"recv": outcome(lambda: recv(model, 0, group, into=into,
                                                             timeout=timeout).position)}
         out["recv"]["unchanged"] = unchanged(before, into)
-        out["again"] = outcome(lambda: handoff.recv_session(model, 0, group, into=into).position)
+        out["again"] = outcome(lambda: recv(model, 0, group, into=into).position)
         return out
     return receive
 
@@ -214,7 +230,7 @@ def zoo_sender(group, model, folder):
         m = tiny(name, mx.bfloat16)
         cache = muser_kv.make_prompt_cache(m, ZOO_CONTEXT)
         m(mx.array([ZOO_PROMPT]), cache=cache)
-        out[name] = outcome(lambda cache=cache: handoff.send_session(cache, 1, group).position)
+        out[name] = outcome(lambda cache=cache: send(cache, 1, group).position)
     return out
 
 
@@ -227,7 +243,7 @@ def zoo_receiver(group, model, folder):
         m = tiny(name, mx.bfloat16)
 
         def take(m=m, name=name):
-            r = handoff.recv_session(m, 0, group)
+            r = recv(m, 0, group)
             np.save(folder / f"zoo-{name}.npy", decode(m, r.cache, ZOO_NEXT))
             return r.position
 
@@ -259,7 +275,9 @@ SCENARIOS = {
 }
 
 
-def main(scenario, folder):
+def main(scenario, folder, transport="auto"):
+    global TRANSPORT
+    TRANSPORT = transport
     folder = Path(folder)
     try:
         group = mx.distributed.init(backend="ring", strict=True)

@@ -5,7 +5,10 @@ here, decode there.
 rank ``dst``; ``recv_session(model, src, group)`` installs it, bit for bit, into
 a new cache list for ``model`` (or into ``into=``, an existing one). Transfers
 are ``mx.distributed.send`` / ``recv`` on ``group`` (the ring backend over TCP
-here; MPI, NCCL and JACCL groups take the same calls).
+here; MPI and JACCL groups take the same calls), or, with
+``transport="collective"`` (what ``"auto"`` picks in a process launched for
+MLX's NCCL backend, which has no send/recv), collectives on a group of two
+ranks that carry the same messages (``muser_kv.sessions.wire``).
 
 Invariants:
 
@@ -62,8 +65,9 @@ Limits (MLX 0.32's ring backend, CPython 3.11):
 * A posted receive busy-polls its socket (MLX's socket thread retries on
   ``EAGAIN`` without sleeping): a receiver waiting for a session keeps about
   one core busy meanwhile.
-* Transfers run on a CPU stream: ring, MPI and JACCL groups transfer from the
-  CPU; an NCCL group would need the courier's stream on the GPU (not tried).
+* ``"p2p"`` transfers run on a CPU stream (ring, MPI and JACCL groups transfer
+  from the CPU); ``"collective"`` ones on the stream the backend picks (a GPU
+  stream for NCCL: not run here, only the ring backend's collectives are).
 * The header, its per-tensor digests included, is built before the first
   byte goes out: the sender hashes the whole session first, as a save does.
 
@@ -118,7 +122,7 @@ __all__ = ["DEFAULT_TIMEOUT", "HandoffError", "HandoffRefused", "HandoffTimeout"
 def send_session(cache: Union[Sequence[Any], SessionSnapshot], dst: int, group: Any, *,
                  metadata: Optional[Mapping[str, Any]] = None, model: Any = None,
                  timeout: float = DEFAULT_TIMEOUT,
-                 wait: Optional[float] = None) -> SentSession:
+                 wait: Optional[float] = None, transport: str = "auto") -> SentSession:
     """Hand a session (a live cache list, or a snapshot) to rank ``dst`` of ``group``,
     which takes it with ``recv_session``; returns once the receiver has installed it.
 
@@ -130,10 +134,19 @@ def send_session(cache: Union[Sequence[Any], SessionSnapshot], dst: int, group: 
     or the connection is lost) and ``timeout`` seconds for each later message.
     Raises ``HandoffRefused`` when the receiver refuses it (its reason
     included; the link stays usable), ``PeerLost``, ``HandoffTimeout`` or
-    ``LinkBroken``."""
+    ``LinkBroken``.
+
+    ``transport`` (the receiver's must be the same): ``"p2p"``, one
+    ``mx.distributed.send`` / ``recv`` per message; ``"collective"``, the same
+    messages as ``all_gather`` / ``all_sum`` on a group of exactly 2 ranks (for
+    MLX's NCCL backend, which has no send/recv); ``"auto"``, ``"collective"``
+    when CUDA is available and ``NCCL_HOST_IP``, ``NCCL_PORT`` and
+    ``MLX_WORLD_SIZE`` are set (a process ``mlx.launch --backend nccl``
+    started), else ``"p2p"``: an MLX group does not tell its backend. One
+    (group, peer) pair keeps the transport of its first call."""
     timeout = wire.seconds(timeout, "timeout", allow_none=False)
     wait = wire.seconds(wait, "wait", allow_none=True)
-    link = wire.link(group, dst, "send_session")
+    link = wire.link(group, dst, "send_session", transport)
     user = save.user_metadata(metadata)
     if isinstance(cache, SessionSnapshot):
         cut = cache if model is None else SessionSnapshot(
@@ -200,8 +213,8 @@ class _Where:
 
 def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[Any]] = None,
                  plane_dtype: DtypeLike = None, allow_other_model: bool = False,
-                 timeout: float = DEFAULT_TIMEOUT,
-                 wait: Optional[float] = None) -> ReceivedSession:
+                 timeout: float = DEFAULT_TIMEOUT, wait: Optional[float] = None,
+                 transport: str = "auto") -> ReceivedSession:
     """Take the session rank ``src`` sends with ``send_session`` and install it, bit
     for bit (rings at their live rotation), into a new cache list for ``model``
     (``max_context`` and planes as ``load_session`` makes them: the session's
@@ -216,10 +229,11 @@ def recv_session(model: Any, src: int, group: Any, *, into: Optional[Sequence[An
     the next session. Waits at most ``wait`` seconds for the session to start
     (None: until it does or the connection is lost) and ``timeout`` seconds for
     each later message; ``PeerLost``, ``HandoffTimeout``, ``StreamOutOfStep`` and
-    ``LinkBroken`` leave ``into`` as it was too, and the link broken."""
+    ``LinkBroken`` leave ``into`` as it was too, and the link broken.
+    ``transport``: as ``send_session``'s, and the sender's must be the same."""
     timeout = wire.seconds(timeout, "timeout", allow_none=False)
     wait = wire.seconds(wait, "wait", allow_none=True)
-    link = wire.link(group, src, "recv_session")
+    link = wire.link(group, src, "recv_session", transport)
     if into is not None and plane_dtype is not None:
         raise ValueError("recv_session: plane_dtype applies to a new cache; into= has its own planes")
     if getattr(model, "args", None) is None:

@@ -9,10 +9,26 @@ the header (compact ASCII JSON of the header fields), R->S verdict (``VERDICT``
 ``.values``, ``i`` ascending, as ``[rows, kv_heads, head_dim]`` of the
 encoding's dtype), R->S verdict. The CRCs only frame the stream; the session's
 integrity is the header's own checksum and digests.
+
+Transports, per link: ``"p2p"`` carries each message as one
+``mx.distributed.send`` / ``recv``. ``"collective"`` carries it on a group of
+exactly two ranks, for backends with collectives but no send/recv (MLX's
+NCCL), each message as two ``all_sum`` of uint8 bytes (integer addition of
+zeros: exact): first both ranks' ``DESCRIPTOR`` (role, payload bytes), each
+rank's in its own slot, zeros in the other's; then, only when one rank sends
+and the other receives the same number of bytes, the payload (the sender's
+bytes plus the receiver's zeros). A collective whose ranks disagree on its
+size is undefined in the backends (NCCL may hang or read past a buffer), so a
+disagreement is settled by the fixed-size descriptor alone: both ranks raise
+``StreamOutOfStep`` and have issued the same collectives. A live peer in step
+never contributes an empty descriptor, and the ring backend's collectives can
+complete without error when the peer is gone, its part left zeros: an empty
+descriptor is ``PeerLost``.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import struct
 import threading
@@ -43,6 +59,12 @@ ACCEPTED, REFUSED, OUT_OF_STEP = 0, 1, 2
 CODES = {ACCEPTED: "accepted", REFUSED: "refused", OUT_OF_STEP: "out of step"}
 #: The longest reason a verdict carries (longer ones are cut).
 MAX_REASON = 4096
+#: collective transport, per message: role, reserved, payload bytes (summed in rank slots)
+DESCRIPTOR = struct.Struct("<B7xQ")
+SENDS, RECEIVES = 1, 2
+TRANSPORTS = ("auto", "p2p", "collective")
+#: What MLX's NCCL backend reads at init, and ``mlx.launch --backend nccl`` sets.
+NCCL_ENV = ("NCCL_HOST_IP", "NCCL_PORT", "MLX_WORLD_SIZE")
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -120,11 +142,14 @@ class ReceivedSession:
 
 
 class _Courier:
-    """A daemon thread with its own CPU stream that runs one link's transfers in
-    submission order and posts each result (an evaluated array, or the
-    exception MLX raised) to the queue the submitter waits on."""
+    """A daemon thread that runs one link's transfers in submission order and
+    posts each result (an evaluated array, or the exception MLX raised) to the
+    queue the submitter waits on. ``"p2p"`` transfers run on the thread's own
+    CPU stream; ``"collective"`` ones on the stream the group's backend picks
+    for this thread (a GPU stream for NCCL, a CPU stream for ring and MPI)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, transport: str):
+        self.transport = transport
         self._jobs: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -134,7 +159,9 @@ class _Courier:
         while True:
             op, args, group, done = self._jobs.get()
             try:
-                if op == "send":
+                if self.transport == "collective":
+                    done.put(("ok", _exchange(op, args, group)))
+                elif op == "send":
                     (x, dst) = args
                     mx.eval(mx.distributed.send(x, dst, group=group, stream=stream))
                     done.put(("ok", None))
@@ -151,13 +178,49 @@ class _Courier:
         self._jobs.put((op, args, group, done))
 
 
-class Link:
-    """One (group, peer) pair: its courier, its lock, and whether it is broken."""
+def _exchange(op: str, args: Tuple[Any, ...], group: Any) -> Optional[mx.array]:
+    """One message over a 2-rank group's collectives: the descriptors, then (when
+    they agree) the payload's bytes summed with the receiver's zeros."""
+    received: Optional[Tuple[Tuple[int, ...], Any]] = None  # its shape and dtype
+    if op == "send":
+        (x, peer) = args
+        role, payload = SENDS, x.reshape(-1).view(mx.uint8)
+    else:
+        (shape, dtype, peer) = args
+        received = (shape, dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.size
+        role, payload = RECEIVES, mx.zeros((size,), mx.uint8)
+    nbytes = payload.size
+    slots = bytearray(2 * DESCRIPTOR.size)
+    DESCRIPTOR.pack_into(slots, DESCRIPTOR.size * (1 - peer), role, nbytes)
+    both = array_bytes(mx.distributed.all_sum(bytes_array(bytes(slots)), group=group))
+    theirs = both[DESCRIPTOR.size * peer:DESCRIPTOR.size * (peer + 1)]
+    their_role, their_nbytes = DESCRIPTOR.unpack(theirs)
+    if not any(theirs):
+        raise PeerLost("its part of the message's descriptor came as zeros: it took no part")
+    if their_role != SENDS + RECEIVES - role or their_nbytes != nbytes:
+        doing = {SENDS: "sends", RECEIVES: "receives"}
+        raise StreamOutOfStep(
+            f"rank {peer} {doing.get(their_role, f'(role {their_role})')} a message of "
+            f"{their_nbytes} bytes where this rank {doing[role]} one of {nbytes}: the ranks "
+            "are out of step")
+    y = mx.distributed.all_sum(payload, group=group)
+    if received is None:
+        mx.eval(y)
+        return None
+    y = y.view(received[1]).reshape(received[0])
+    mx.eval(y)
+    return y
 
-    def __init__(self, group: Any, peer: int):
+
+class Link:
+    """One (group, peer) pair: its transport, courier, lock, and whether it is broken."""
+
+    def __init__(self, group: Any, peer: int, transport: str):
         self.group = group  # held: the registry's key is id(group)
         self.peer = peer
-        self.courier = _Courier(f"muser-kv handoff rank {group.rank()}<->{peer}")
+        self.transport = transport
+        self.courier = _Courier(f"muser-kv handoff rank {group.rank()}<->{peer}", transport)
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
         self._done: "queue.SimpleQueue[Tuple[str, Any]]" = queue.SimpleQueue()
@@ -190,12 +253,18 @@ class Link:
                                  f"waiting for {what}; the link is broken") from None
         self.pending -= 1
         if status == "error":
-            if isinstance(value, RuntimeError) and "connection to a peer was lost" in str(value):
+            if isinstance(value, PeerLost) or (isinstance(value, RuntimeError) and
+                                               "connection to a peer was lost" in str(value)):
                 self.broken = f"connection lost during {what}"
                 raise PeerLost(f"rank {self.peer} went away during {what} ({value})") from None
             self.broken = f"{type(value).__name__} during {what}"
+            if isinstance(value, StreamOutOfStep):
+                raise StreamOutOfStep(f"{value} (during {what})") from None
+            hint = ""
+            if self.transport == "p2p" and ("NCCL" in str(value) or "CUDA" in str(value)):
+                hint = " (a backend without send/recv, such as NCCL: pass transport='collective')"
             raise HandoffError(f"transfer of {what} with rank {self.peer} failed: "
-                               f"{type(value).__name__}: {value}") from value
+                               f"{type(value).__name__}: {value}{hint}") from value
         return value
 
     def arrived(self) -> int:
@@ -214,7 +283,7 @@ _LINKS: Dict[Tuple[int, int], Link] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def link(group: Any, peer: Any, role: str) -> Link:
+def link(group: Any, peer: Any, role: str, transport: Any = "auto") -> Link:
     """The process's one link with rank ``peer`` of ``group`` (made on first
     use), after checking both; ``role`` names the caller in a refusal."""
     if group is None or not hasattr(group, "rank"):
@@ -225,12 +294,36 @@ def link(group: Any, peer: Any, role: str) -> Link:
     if not 0 <= peer < size or peer == rank:
         raise ValueError(f"{role}: peer rank expected another rank of the group "
                          f"(0..{size - 1}, not {rank}), got {peer}")
+    carrier = _transport(transport, role)
+    if carrier == "collective" and size != 2:
+        raise ValueError(f"{role}: the collective transport expected a group of 2 ranks (every "
+                         f"rank of a group takes part in each collective), got {size}; make "
+                         "one of the two ranks with group.split")
     with _LINKS_LOCK:
         found = _LINKS.get((id(group), peer))
         if found is None or found.group is not group:
-            found = Link(group, peer)
+            found = Link(group, peer, carrier)
             _LINKS[(id(group), peer)] = found
+    if found.transport != carrier:
+        raise ValueError(f"{role}: the handoff link with rank {peer} carries the "
+                         f"{found.transport!r} transport, got {carrier!r} (one transport per "
+                         "group and peer)")
     return found
+
+
+def _transport(transport: Any, role: str) -> str:
+    """``transport`` resolved: ``"auto"`` is ``"collective"`` where MLX's NCCL
+    backend is what this process was launched for (CUDA available and the
+    variables NCCL's init reads all set: ``mlx.launch --backend nccl`` sets
+    them, and ``mx.distributed.init()`` then makes an NCCL group), else
+    ``"p2p"``. An ``mx.distributed.Group`` does not tell its backend."""
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise ValueError(f"{role}: transport expected one of {list(TRANSPORTS)}, "
+                         f"got {transport!r}")
+    if transport != "auto":
+        return transport
+    nccl = mx.cuda.is_available() and all(os.environ.get(v) for v in NCCL_ENV)
+    return "collective" if nccl else "p2p"
 
 
 @overload

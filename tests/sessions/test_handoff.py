@@ -5,6 +5,9 @@ write what they saw; the tests here judge it. A run is bounded by
 ``RUN_TIMEOUT`` and its processes are stopped in a ``finally``, whatever
 happened. The bitwise tests also check that the positions used tell a
 rotation-preserving install from one packed at physical row 0, so they can fail.
+Every run goes once per transport: ``"auto"`` (``"p2p"`` on a ring group: send
+and recv) and ``"collective"`` forced (the ring backend's all_gather / all_sum,
+as MLX's NCCL backend would carry it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from handoff_child import (
     PROMPT,
     SECOND,
     STALL_TIMEOUT,
+    STALLED_SENDER_TIMEOUT,
     decode,
     prefill,
 )
@@ -45,14 +49,15 @@ from _harness import launch_port  # noqa: E402  (mlx.launch wants two consecutiv
 HERE = Path(__file__).resolve().parents[1]
 CHILD = HERE / "handoff_child.py"
 RUN_TIMEOUT = 150
+TRANSPORTS = ["auto", "collective"]
 
 pytestmark = pytest.mark.skipif(not mx.distributed.is_available("ring"),
                                 reason="MLX's ring backend is not available")
 
 
-def run(scenario: str, folder: Path):
+def run(scenario: str, folder: Path, transport: str = "auto"):
     """Both ranks' reports of one run (None for a rank that wrote none), and the logs."""
-    with RingPair(CHILD, [scenario, str(folder)], folder) as pair:
+    with RingPair(CHILD, [scenario, str(folder), transport], folder) as pair:
         codes = pair.wait(RUN_TIMEOUT)
         logs = pair.logs()
     assert None not in codes, f"{scenario}: still running after {RUN_TIMEOUT} s\n{logs}"
@@ -68,10 +73,10 @@ def model():
     return tiny_model(mx.float16, **KW)
 
 
-@pytest.fixture(scope="module")
-def exact(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("handoff-exact")
-    codes, (sender, receiver), logs = run("exact", folder)
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def exact(tmp_path_factory, request):
+    folder = tmp_path_factory.mktemp(f"handoff-exact-{request.param}")
+    codes, (sender, receiver), logs = run("exact", folder, request.param)
     assert codes == [0, 0], logs
     return folder, sender, receiver, logs
 
@@ -193,19 +198,27 @@ def test_a_receive_a_load_a_rebuild_and_an_install_of_one_state_are_one_list(exa
             assert got.shape == want.shape and np.array_equal(got, want), (kind, i // 2)
 
 
-def test_bytes_out_of_step_break_the_link_on_both_sides(exact):
+def test_bytes_out_of_step_break_the_link_on_both_sides(exact, request):
     """A preamble that fails its framing cannot be skipped (its length is not
-    known): both ranks say so, and every later call refuses at once."""
+    known): both ranks say so, and every later call refuses at once. On
+    collectives the sender learns it from the next message's descriptor (the
+    receiver answers where the sender sends the header), which no collective
+    of mismatched size follows."""
     sent, got, logs = refusal(exact, "preamble_flipped")
     assert got["error"] == "StreamOutOfStep" and "fails its CRC32" in got["message"], logs
     assert sent["error"] == "StreamOutOfStep" and "out of step" in sent["message"]
+    if request.node.callspec.params["exact"] == "collective":
+        assert sent["message"].startswith("rank 1 sends a message of ")
+        assert "where this rank sends one of" in sent["message"]
     for report in exact[1:3]:
         assert report["after_break"]["error"] == "LinkBroken"
         assert report["after_break"]["seconds"] < 1.0
 
 
-def test_a_sender_killed_mid_transfer_is_a_clear_error_and_the_receiver_unchanged(tmp_path):
-    codes, (_, receiver), logs = run("kill", tmp_path)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sender_killed_mid_transfer_is_a_clear_error_and_the_receiver_unchanged(tmp_path,
+                                                                                  transport):
+    codes, (_, receiver), logs = run("kill", tmp_path, transport)
     assert codes[0] == -9 and codes[1] == 0, logs
     got = receiver["recv"]
     assert got["error"] == "PeerLost" and "ConnectionError" in got["classes"], logs
@@ -215,10 +228,12 @@ def test_a_sender_killed_mid_transfer_is_a_clear_error_and_the_receiver_unchange
     assert receiver["again"]["error"] == "LinkBroken"
 
 
-def test_a_sender_silent_mid_transfer_times_out_and_the_receiver_unchanged(tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sender_silent_mid_transfer_times_out_and_the_receiver_unchanged(tmp_path, transport):
     """Rank 0 stops half-way, alive: rank 1 gives up after STALL_TIMEOUT seconds
-    of silence; rank 0, going on once rank 1 has left, hears that it is gone."""
-    codes, (sender, receiver), logs = run("stall", tmp_path)
+    of silence; rank 0, going on once rank 1 has left, hears that it is gone
+    (on collectives, the ring backend may not report it: then the bound does)."""
+    codes, (sender, receiver), logs = run("stall", tmp_path, transport)
     assert codes == [0, 0], logs
     got = receiver["recv"]
     assert got["error"] == "HandoffTimeout" and "TimeoutError" in got["classes"], logs
@@ -227,7 +242,10 @@ def test_a_sender_silent_mid_transfer_times_out_and_the_receiver_unchanged(tmp_p
     assert STALL_TIMEOUT <= got["seconds"] < STALL_TIMEOUT + 10
     assert got["unchanged"] is True
     assert receiver["again"]["error"] == "LinkBroken"
-    assert sender["send"]["error"] == "PeerLost", sender
+    if transport == "collective" and sender["send"]["error"] == "HandoffTimeout":
+        assert f"for {STALLED_SENDER_TIMEOUT:g} s" in sender["send"]["message"], sender
+    else:
+        assert sender["send"]["error"] == "PeerLost", sender
 
 
 def test_peer_ranks_outside_the_group_are_refused(model):
@@ -239,6 +257,46 @@ def test_peer_ranks_outside_the_group_are_refused(model):
         handoff.recv_session(model, 1, group)
     with pytest.raises(TypeError, match="peer rank must be an int"):
         handoff.recv_session(model, True, group)
+
+
+class ThreeRanks:
+    """What a handoff asks of a group before any transfer, of a group of three."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 3
+
+
+def test_the_collective_transport_refuses_a_group_of_more_than_two(model):
+    cache = muser_kv.make_prompt_cache(model)
+    with pytest.raises(ValueError, match=r"collective transport expected a group of 2 ranks "
+                                         r".*got 3; make one of the two ranks with group.split"):
+        handoff.send_session(cache, 1, ThreeRanks(), transport="collective")
+    with pytest.raises(ValueError, match=r"collective transport expected a group of 2 ranks"):
+        handoff.recv_session(model, 2, ThreeRanks(), transport="collective")
+
+
+def test_an_unknown_transport_is_refused(model):
+    cache = muser_kv.make_prompt_cache(model)
+    group = ThreeRanks()
+    for transport in ("nccl", None, 2):
+        with pytest.raises(ValueError, match=r"transport expected one of \['auto', 'p2p', "
+                                             rf"'collective'\], got {transport!r}"):
+            handoff.send_session(cache, 1, group, transport=transport)
+
+
+def test_auto_is_the_collective_transport_in_a_process_launched_for_nccl(model, monkeypatch):
+    """``mlx.launch --backend nccl``'s variables with CUDA: ``auto`` carries the
+    handoff on collectives (here: refused on three ranks, as collectives are)."""
+    cache = muser_kv.make_prompt_cache(model)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    for name, value in (("NCCL_HOST_IP", "127.0.0.1"), ("NCCL_PORT", "12345"),
+                        ("MLX_WORLD_SIZE", "3")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"collective transport expected a group of 2 ranks"):
+        handoff.send_session(cache, 1, ThreeRanks())
 
 
 @pytest.mark.skipif(bool(os.environ.get(EMULATOR_ENV)),
