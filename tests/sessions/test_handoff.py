@@ -1,4 +1,4 @@
-"""Sessions handed between two local processes over MLX's ring backend (issue 15).
+"""Sessions handed between two local processes over MLX's ring backend.
 
 Each run starts two processes (tests/handoff_child.py; loopback only) that
 write what they saw; the tests here judge it. A run is bounded by
