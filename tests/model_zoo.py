@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -206,11 +206,15 @@ def quantizes(quantize: Union[bool, str]) -> Callable[[str, Any], bool]:
     return lambda path, m: hasattr(m, "to_quantized") and only in path
 
 
-def tiny(name: str, dtype: Any = mx.float16, seed: int = 0) -> Any:
-    """The tiny ``name`` model (``ZOO`` or ``REFUSED``) in ``dtype``, weights seeded."""
+def tiny(name: str, dtype: Any = mx.float16, seed: int = 0, context: Optional[int] = None) -> Any:
+    """The tiny ``name`` model (``ZOO`` or ``REFUSED``) in ``dtype``, weights seeded;
+    ``context`` replaces ``MAX_CONTEXT`` where the args carry a context length."""
     species = ZOO[name] if name in ZOO else REFUSED[name][0]
     module = importlib.import_module(f"mlx_lm.models.{species.module}")
-    args = module.ModelArgs(model_type=species.module, **species.args)
+    fields = dict(species.args)
+    if context is not None and "max_position_embeddings" in fields:
+        fields["max_position_embeddings"] = context
+    args = module.ModelArgs(model_type=species.module, **fields)
     mx.random.seed(seed)
     model = module.Model(args)
     model.set_dtype(dtype)

@@ -17,14 +17,12 @@ Positions are chosen where the allocations used to differ: 600 live rows
 from __future__ import annotations
 
 import copy
-import importlib
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx import nn
 from mlx_lm.models.cache import trim_prompt_cache
-from model_zoo import ZOO, quantizes
+from model_zoo import ZOO, tiny
 
 import muser_kv
 from muser_kv.caches.batch import BatchKVCache
@@ -39,18 +37,7 @@ CASES = [(name, dt) for name in sorted(ZOO) for dt in ZOO[name].dtypes]
 
 def long_model(name: str, dtype):
     """The conformance suite's tiny ``name`` model with room for ``CONTEXT`` positions."""
-    species = ZOO[name]
-    module = importlib.import_module(f"mlx_lm.models.{species.module}")
-    fields = dict(species.args)
-    if "max_position_embeddings" in fields:
-        fields["max_position_embeddings"] = CONTEXT
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs(model_type=species.module, **fields))
-    model.set_dtype(dtype)
-    if species.quantize:
-        nn.quantize(model, group_size=32, bits=8, class_predicate=quantizes(species.quantize))
-    mx.eval(model.parameters())
-    return model
+    return tiny(name, dtype, context=CONTEXT)
 
 
 def bits(x: mx.array) -> np.ndarray:

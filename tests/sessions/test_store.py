@@ -18,8 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import tiny_model
-from mlx import nn
-from model_zoo import ZOO
+from model_zoo import tiny
 
 import muser_kv
 from muser_kv import KVStore
@@ -62,18 +61,7 @@ def next_logits(model, cache, token=7):
 
 
 def zoo_model(name: str, dtype):
-    species = ZOO[name]
-    module = importlib.import_module(f"mlx_lm.models.{species.module}")
-    fields = dict(species.args)
-    if "max_position_embeddings" in fields:
-        fields["max_position_embeddings"] = CONTEXT
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs(model_type=species.module, **fields))
-    model.set_dtype(dtype)
-    if species.quantize:
-        nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
-    mx.eval(model.parameters())
-    return model
+    return tiny(name, dtype, context=CONTEXT)
 
 
 PLANS = {
