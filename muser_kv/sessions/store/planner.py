@@ -92,16 +92,17 @@ class PutPlan:
     index_key: str
 
 
-def plan_put(scope: Scope, tokens: Sequence[int], held: int) -> PutPlan:
-    """The objects of a put of ``tokens`` from a list whose rings hold ``[held, n)``."""
+def plan_put(scope: Scope, tokens: Sequence[int], window_start: int) -> PutPlan:
+    """The objects of a put of ``tokens`` from a list whose rings hold
+    ``[window_start, n)``."""
     n = len(tokens)
     c = n // CHUNK
     names = chunks.chain(scope, tokens, c)
     glob = [(chunks.object_key("G", names[j + 1]), CHUNK * j, CHUNK * (j + 1)) for j in range(c)]
-    first = -(-held // CHUNK) * CHUNK  # the first boundary at or after the window's start
+    first = -(-window_start // CHUNK) * CHUNK  # the first boundary at or after it
     whole = range(first // CHUNK, c) if first <= CHUNK * c else range(0)
     slid = [(chunks.object_key("S", names[j + 1]), CHUNK * j, CHUNK * (j + 1)) for j in whole]
-    runs = [(held, first), (CHUNK * c, n)] if whole else [(held, n)]
+    runs = [(window_start, first), (CHUNK * c, n)] if whole else [(window_start, n)]
     tail = tuple(tokens[CHUNK * c:])
     return PutPlan(n, glob, slid, chunks.object_key("P", names[c], tail), tail, (CHUNK * c, n),
                    [(lo, hi) for lo, hi in runs if hi > lo], chunks.object_key("I", names[c]))

@@ -173,10 +173,10 @@ class KVStore:
         scope, _ = self._scopes.of(entries, model)
         if n == 0:
             return PutReport(0, 0, 0, 0, time.perf_counter() - t0)
-        # every ring holds [held, n): the window's rows (the latest origin, should they differ)
-        held = max((e.ring.origin_logical for e in entries if e.kind is LayerKind.SLIDING),
-                   default=n)
-        plan = planner.plan_put(scope, tokens, held)
+        # every ring holds [window_start, n) (the latest origin, should they differ)
+        window_start = max((e.ring.origin_logical for e in entries
+                            if e.kind is LayerKind.SLIDING), default=n)
+        plan = planner.plan_put(scope, tokens, window_start)
         glob = [span for span in plan.glob if not self._tiers.has(span[0])]
         slid = [span for span in plan.slid if not self._tiers.has(span[0])]
         has_point = self._tiers.has(plan.point_key)
