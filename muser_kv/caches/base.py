@@ -35,12 +35,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Un
 
 import mlx.core as mx
 
-from muser_kv.caches import cachelist
+from muser_kv.caches import cachelist, saved_state
 from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core import kernels
 from muser_kv.core.counts import count
-from muser_kv.core.geometry import ROW_GRANULE, LayerKind, canonical_rows
-from muser_kv.core.kernels import INPUT_DTYPES, PLANE_DTYPE, PLANE_DTYPES
+from muser_kv.core.geometry import LayerKind, canonical_rows
+from muser_kv.core.kernels import INPUT_DTYPES
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Trim, Write
 
@@ -335,64 +335,17 @@ class MuseKVCache(ABC):
 
     @classmethod
     def from_state(cls, state: Any, meta_state: Optional[Sequence[str]] = None) -> "MuseKVCache":
-        """Rebuild a cache from its ``state`` (mlx-lm's one-argument form: the
-        four parts ``state`` gives, as tuples or, read back from a prompt-cache
-        file, lists), or from ``(keys, values)`` and ``meta_state``. Everything
-        is checked before a cache exists: the planes are meaningless without
-        their ring, and a retained row at the wrong position would make a later
-        trim silently wrong. A cache rebuilt alone is bound into the list the
-        model hands it at its first forward (``cachelist.adopt``)."""
-        parts = list(state) if isinstance(state, (list, tuple)) else None
-        if meta_state is None:
-            if parts is None or len(parts) != 4:
-                raise ValueError(
-                    "MuseKVCache.from_state needs the 4-part state (keys, values, meta_state, "
-                    "retained) that .state gives, or (keys, values) and the 12-field meta_state; "
-                    f"got {type(state).__name__} of {len(parts) if parts else 0} parts")
-            meta_state, retained = parts[2], parts[3]
-        elif parts is None or len(parts) not in (2, 4):
-            raise ValueError("MuseKVCache.from_state: state must be (keys, values[, meta_state, "
-                             f"retained]), got {type(state).__name__}")
-        else:
-            retained = parts[3] if len(parts) == 4 else None
-        meta = list(meta_state) if isinstance(meta_state, (list, tuple)) else None
-        if meta is None or len(meta) != 12 or not all(isinstance(x, str) for x in meta):
-            raise ValueError(
-                f"MuseKVCache.from_state needs the 12-field meta_state, got {meta_state!r}")
-        try:
-            kind, layout = LayerKind(meta[0]), meta[1]
-            layer, heads, dim, window, max_context, capacity, length, ol, op, retain = map(
-                int, meta[2:])
-        except ValueError as e:
-            raise ValueError(f"MuseKVCache.from_state: bad meta_state {meta!r} ({e})") from None
-        keys, values = parts[0], parts[1]
-        expected = min(max_context, window) if kind is LayerKind.SLIDING else max_context
-        if capacity != expected:
-            raise ValueError(f"layer {layer}: meta capacity {capacity} != plane {expected}")
-        ring = Ring(capacity, length, ol, op, layer)
-        dtype = keys.dtype if keys.dtype in PLANE_DTYPES else PLANE_DTYPE
-        planes = Planes(kv_heads=heads, head_dim=dim, capacity=capacity, layout=layout,
-                        dtype=dtype, allocate=False)
-        # a global plane saved while it was growing holds fewer rows than the
-        # preallocated size: it is restored growing, at that allocation
-        rows = keys.shape[1] if layout == kernels.HEAD_MAJOR and keys.ndim == 3 else planes.rows
-        if (kind is LayerKind.GLOBAL and ring.extent <= rows < planes.rows
-                and rows % ROW_GRANULE == 0):
-            planes = Planes(kv_heads=heads, head_dim=dim, capacity=capacity, layout=layout,
-                            dtype=dtype, allocate=False, growing=True, rows=rows)
-        physical = planes.memory_shape[1:]
-        for name, x in (("keys", keys), ("values", values)):
-            if (x.dtype not in PLANE_DTYPES or x.dtype != keys.dtype
-                    or tuple(x.shape) != physical):
-                raise ValueError(
-                    f"layer {layer}: state {name} must be float16 or bfloat16 {physical} "
-                    f"(keys and values alike), got {x.dtype} {tuple(x.shape)}")
-        regime = REGIMES[kind]
-        held = regime._check_state_retained(retained, ring, keys.dtype, heads * dim, retain)
-        planes.set(keys.reshape(planes.memory_shape), values.reshape(planes.memory_shape))
-        cache = regime.build(planes, window=window, max_context=max_context, layer=layer,
-                             retain=retain)
-        cache.ring.assign(ring)
+        """Rebuild a cache from its ``state`` (mlx-lm's one-argument form) or from
+        ``(keys, values)`` and ``meta_state``, all checked first (``saved_state``);
+        bound into the list its model hands it at the first forward (``adopt``)."""
+        saved = saved_state.read_state(state, meta_state)
+        regime = REGIMES[saved.kind]
+        held = regime._check_state_retained(saved.retained, saved.ring, saved.dtype,
+                                            saved.kv_dim, saved.retain)
+        planes = saved_state.planes_of(saved)
+        cache = regime.build(planes, window=saved.window, max_context=saved.max_context,
+                             layer=saved.layer, retain=saved.retain)
+        cache.ring.assign(saved.ring)
         if held is not None:
             cache._adopt_retained(*held)
         else:
