@@ -142,7 +142,7 @@ def test_a_dropped_stream_stops_its_generation_and_the_next_request_runs(server,
     assert "Traceback" not in log and "BrokenPipe" not in log, log
     generated, most = map(int, WENT_AWAY.search(lines[0]).groups())
     assert most == CONTEXT - len(PROMPT)  # max_tokens, cut to the context
-    assert 1 <= generated < most // 4, lines[0]
+    assert 0 < generated < most // 4, lines[0]
     assert server.get("/health") == 200
 
 
