@@ -13,6 +13,11 @@ as well as muser-kv's?
    times from a new cache of each system: a
    ``--prompt``-token prefill in 2,048-token chunks, then ``--steps`` greedy
    decode steps; each run's logits compared bitwise with the first run's.
+3. **Allocator**: SDPA at decode over rows ``[0, L)`` of planes allocating ``R``
+   rows, the planes in a buffer of exactly their size, in a freed buffer one
+   page larger that MLX's allocator recycled, and allocating ``R + 8`` rows (so
+   never a cuDNN read): which agree. On MLX CUDA the recycled buffer is read by
+   the vector kernel, not cuDNN (``docs/performance.md``: why the repeated answers differ).
 
     bash benchmarks/device.sh determinism                     # H200: SDPA, then the real model
     python3 benchmarks/determinism.py                          # SDPA only
@@ -66,6 +71,46 @@ def sdpa_rows(args) -> List[List[Any]]:
     return rows
 
 
+PAGE = 16384  # MLX CUDA's allocation page: a cached buffer up to two pages larger is reused
+
+
+def recycle(nbytes: int, count: int) -> None:
+    """Leave ``count`` freed buffers of ``nbytes`` plus one page in MLX's buffer cache:
+    the next allocations of ``nbytes`` take them."""
+    decoys = [mx.zeros((nbytes + PAGE,), mx.uint8) for _ in range(count)]
+    mx.eval(decoys)
+    del decoys
+
+
+def allocator_rows(args) -> List[List[Any]]:
+    """SDPA at decode over rows ``[0, L)`` of planes allocating ``R`` rows (256 x a power
+    of two), the planes in a buffer of their own size, in a recycled buffer one page
+    larger, and allocating ``R + 8`` rows: which results agree."""
+    heads, d, rows = args.heads, args.sdpa_head_dim, []
+    for name in args.dtypes:
+        dtype = H.DTYPES[name]
+        for kv in args.sdpa_kv_heads:
+            for length in args.lengths:
+                alloc = 256 * (1 << max(0, (length - 1) // 256).bit_length())
+                q = mx.random.normal((1, heads, 1, d)).astype(dtype)
+                src = mx.random.normal((1, kv, alloc + 8, d)).astype(dtype)
+                mx.eval(q, src)
+                mx.clear_cache()
+                exact = [mx.contiguous(src[:, :, :alloc, :]) for _ in range(2)]
+                mx.eval(exact)
+                recycle(exact[0].nbytes, 2)
+                big = [mx.contiguous(src[:, :, :alloc, :]) for _ in range(2)]
+                mx.eval(big)
+                out = {}
+                for label, (k, v) in (("own", exact), ("recycled", big), ("R+8", (src, src))):
+                    out[label] = H.bits(mx.fast.scaled_dot_product_attention(
+                        q, k[:, :, :length, :], v[:, :, :length, :], scale=0.088))
+                pairs = (("own", "recycled"), ("recycled", "R+8"), ("own", "R+8"))
+                rows.append([name, kv, length, alloc] + [
+                    "yes" if (out[a] == out[b]).all() else "no" for a, b in pairs])
+    return rows
+
+
 def one_run(model, prompt: mx.array, args, system: str, _run: int) -> List[np.ndarray]:
     """From a new cache: the prefill in 2,048-token chunks, then greedy steps; the logits' bits."""
     cache = H.prompt_cache(system, model)
@@ -102,6 +147,10 @@ def main(argv=None) -> Dict[str, Any]:
     out: Dict[str, Any] = {"sdpa": sdpa_rows(args)}
     H.table(["dtype", "q heads", "kv heads", "L", "bitwise = call 1"], out["sdpa"],
             title=f"1. SDPA at decode, {args.calls} calls on the same inputs: how many equal the first")
+    out["allocator"] = allocator_rows(args)
+    H.table(["dtype", "kv heads", "L", "R", "own = recycled", "recycled = R+8", "own = R+8"],
+            out["allocator"], title="3. SDPA at decode over planes of R rows in a buffer of their "
+            "own size, in a recycled one a page larger, and over planes of R + 8 rows: bitwise equal?")
     if args.model:
         out["model"] = model_rows(args)
         H.table(["dtype", "cache", "step", "bitwise = run 1"], out["model"],
