@@ -579,7 +579,7 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]]) -> None
             if r["request"] == "turn 1":
                 continue
             ttft = f"{r['ttft_s']:.3f}" if r["ttft_s"] is not None else "-"
-            steps = "; ".join(f"+{at:.3f} {msg[:90]}" for at, msg in r["log"][:8]) or "no lines"
+            steps = "; ".join(f"+{at:.3f} {msg[:200]}" for at, msg in r["log"][:10]) or "no lines"
             print(f"- {r['request']} (first content +{ttft}): {steps}")
         print()
         same = identity(results["muser"])

@@ -43,6 +43,14 @@ def test_the_http_benchmark_runs_small_and_reports_identical_answers(tmp_path):
     # the restarted server rebuilt the chat from the directory the first one wrote
     restart = muser["requests"][6]
     assert restart["store_rebuilt"] == restart["prompt_tokens"] - 1
+    # the server's own profile of the wait before the prefill, in each request's log window:
+    # the entries' lookup, then the store's, with what it read from the directory
+    path = [m for _, m in restart["log"] if m.startswith("muser-kv request path:")]
+    assert len(path) == 1 and f"rebuilt {restart['store_rebuilt']};" in path[0], restart["log"]
+    read = int(path[0].split("; ")[1].split(" B read")[0])
+    assert read > 0, path  # a restart's memory tier is empty: every chunk came from the directory
+    edit = muser["requests"][4]
+    assert any(m.startswith("muser-kv request path: entries") for _, m in edit["log"]), edit["log"]
     same = muser["identity"]
     assert same["repeats_identical"] is True
     assert same["equal_fresh"] is True

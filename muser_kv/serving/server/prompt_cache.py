@@ -56,6 +56,7 @@ the store only: it is never an entry, and costs no memory beyond the store's.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -231,6 +232,10 @@ class ExactPromptCache(LRUPromptCache):
         self.store, self._model_for = store, model_for
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
+        """mlx-lm's lookup of the entries, then the store where they fall short.
+        Where a store is attached, one log line gives the time of each part (what
+        a client's wait before the prefill is made of)."""
+        started = time.perf_counter()
         try:
             cache, rest = super().fetch_nearest_cache(model, tokens)
         except ValueError:
@@ -242,17 +247,29 @@ class ExactPromptCache(LRUPromptCache):
                           "prefilling this prompt afresh")
             cache, rest = None, tokens
         reuse = len(tokens) - len(rest)
-        if self.store is None or reuse >= len(tokens) - 1:
+        entries_s = time.perf_counter() - started
+        store = self.store
+        if store is None or reuse >= len(tokens) - 1:
+            if store is not None:
+                log.info("muser-kv request path: entries %.3f s (reuse %d of %d tokens)",
+                         entries_s, reuse, len(tokens))
             return cache, rest
         owner = self._model_for(model)
         if owner is None:
             return cache, rest
+        read_before = store.read_totals()
+        started = time.perf_counter()
         try:
-            n, rebuilt = self.store.longest_prefix(tokens, owner, beyond=reuse)
+            n, rebuilt = store.longest_prefix(tokens, owner, beyond=reuse)
         except Exception:
             log.exception("muser-kv prompt cache: the KV store failed a lookup; reusing %d "
                           "tokens from memory", reuse)
             return cache, rest
+        read_bytes, read_s = (a - b for a, b in zip(store.read_totals(), read_before))
+        log.info("muser-kv request path: entries %.3f s (reuse %d of %d tokens), KV store "
+                 "%.3f s (%s; %d B read from the byte tier in %.3f s)", entries_s, reuse,
+                 len(tokens), time.perf_counter() - started,
+                 f"rebuilt {n}" if n > reuse else "nothing deeper", read_bytes, read_s)
         if n > reuse:
             log.info("muser-kv prompt cache: rebuilt %d tokens from the KV store (the entries "
                      "reuse %d)", n, reuse)
@@ -277,12 +294,19 @@ class ExactPromptCache(LRUPromptCache):
                             "under a key of %d", held, len(tokens))
                 return
             tokens = tokens[:held]
+        started = time.perf_counter()
         for c in prompt_cache:  # an entry holds its rows, not a growth's headroom
             if isinstance(c, MuseKVCache):
                 c.fit()
+        fitted = time.perf_counter()
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        inserted = time.perf_counter()
         if held is not None:
             self._put(model, tokens, prompt_cache)
+        if self.store is not None:
+            log.info("muser-kv prompt cache: kept %d tokens (fit %.3f s, insert %.3f s, KV store "
+                     "put %.3f s)", len(tokens), fitted - started, inserted - fitted,
+                     time.perf_counter() - inserted)
 
     def _put(self, model: Any, tokens: List[int], prompt_cache: List[Any]) -> None:
         """Put a muser-kv list holding ``tokens`` into the store, where there is
