@@ -18,8 +18,14 @@ as well as muser-kv's?
    page larger that MLX's allocator recycled, and allocating ``R + 8`` rows (so
    never a cuDNN read): which agree. On MLX CUDA the recycled buffer is read by
    the vector kernel, not cuDNN (``docs/performance.md``: why the repeated answers differ).
+4. **Writes** (``--writes``): after a ``--prompt``-token fill, ``--steps`` decode
+   steps of synthetic K/V through every layer's ``update_and_fetch`` and SDPA;
+   per step the peak memory of its writes above what was held, against one plane: a write
+   that cannot reuse its buffer copies the plane into a buffer the allocator
+   picks (section 3).
 
     bash benchmarks/device.sh determinism                     # H200: SDPA, then the real model
+    bash benchmarks/device.sh buffers                         # H200: sections 1, 3 and 4
     python3 benchmarks/determinism.py                          # SDPA only
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py --model --layers 4 --hidden 256 \\
         --intermediate 512 --vocab 1024 --heads 4 --kv-heads 2,1 --window 64 --lengths 256,4097 \\
@@ -35,6 +41,8 @@ import _harness as H
 import mlx.core as mx
 import numpy as np
 
+import muser_kv
+
 
 def parse_args(argv=None):
     p = H.parser(__doc__)
@@ -46,6 +54,8 @@ def parse_args(argv=None):
                    help="SDPA head dim (default 128)")
     p.add_argument("--calls", type=int, default=6, help="SDPA calls per cell (default 6)")
     p.add_argument("--model", action="store_true", help="also run the model check")
+    p.add_argument("--writes", action="store_true",
+                   help="also check that decode writes reuse the planes' buffers (section 4)")
     p.add_argument("--prompt", type=int, default=4096, help="model prompt tokens (default 4096)")
     p.add_argument("--steps", type=int, default=4, help="greedy decode steps per run (default 4)")
     H.add_flags(p, ("layers", "hidden", "intermediate", "vocab", "heads", "window", "max_position"),
@@ -111,6 +121,54 @@ def allocator_rows(args) -> List[List[Any]]:
     return rows
 
 
+def write_rows(args) -> List[List[Any]]:
+    """Per decode step, the peak memory of its writes above what was held before
+    them, against one plane's bytes: a step at or above a plane copied one (its
+    write could not reuse the buffer, so the copy's buffer came from the
+    allocator: section 3). Each step's attention reads the rows after its writes
+    are measured, so the next step's writes meet what a read leaves behind.
+    Muse Glimmer's K/V geometry with tiny other dimensions; ``--prompt`` tokens of
+    synthetic K/V written through every layer's ``update_and_fetch``, then
+    ``--steps`` one-token steps, each layer's output read by SDPA, mlx-lm's way."""
+    rows = []
+    for name in args.dtypes:
+        model = H.build_model(args, name, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=8, vocab_size=256)
+        a = model.args
+        dtype = H.DTYPES[name]
+        for system in H.SYSTEMS:
+            for preallocate in ((False, True) if system == "muser-kv" else (False,)):
+                cache = (muser_kv.make_prompt_cache(model, preallocate=preallocate)
+                         if system == "muser-kv" else model.make_cache())
+                kv = mx.random.normal((1, a.num_key_value_heads, args.prompt, a.head_dim)).astype(dtype)
+                q = mx.random.normal((1, a.num_attention_heads, 1, a.head_dim)).astype(dtype)
+                mx.eval(kv, q)
+                for c in cache:
+                    c.update_and_fetch(kv, kv)
+                mx.eval([c.state for c in cache])
+                extra = []
+                for step in range(args.steps):
+                    one = kv[:, :, step:step + 1]
+                    mx.synchronize()
+                    base = mx.get_active_memory()
+                    mx.reset_peak_memory()
+                    read = [c.update_and_fetch(one, one) for c in cache]
+                    mx.eval(read)  # the writes alone: what they allocated
+                    mx.synchronize()
+                    extra.append(max(0, mx.get_peak_memory() - base))
+                    outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088)
+                            for k, v in read]  # then read, as attention does
+                    mx.eval(outs)
+                    del outs, read
+                plane = max(c.state[0].nbytes for c in cache)
+                label = system + (" preallocated" if preallocate else "")
+                rows.append([name, label, plane, max(extra),
+                             sum(e >= plane for e in extra), args.steps])
+        del model
+        mx.clear_cache()
+    return rows
+
+
 def one_run(model, prompt: mx.array, args, system: str, _run: int) -> List[np.ndarray]:
     """From a new cache: the prefill in 2,048-token chunks, then greedy steps; the logits' bits."""
     cache = H.prompt_cache(system, model)
@@ -151,6 +209,12 @@ def main(argv=None) -> Dict[str, Any]:
     H.table(["dtype", "kv heads", "L", "R", "own = recycled", "recycled = R+8", "own = R+8"],
             out["allocator"], title="3. SDPA at decode over planes of R rows in a buffer of their "
             "own size, in a recycled one a page larger, and over planes of R + 8 rows: bitwise equal?")
+    if args.writes:
+        out["writes"] = write_rows(args)
+        H.table(["dtype", "cache", "largest plane B", "most extra B in a step", "steps that copied",
+                 "steps"], out["writes"],
+                title=f"4. Decode writes after a {args.prompt:,}-token fill: does each step reuse "
+                      "the planes' buffers? (peak memory of a step's writes above what was held)")
     if args.model:
         out["model"] = model_rows(args)
         H.table(["dtype", "cache", "step", "bitwise = run 1"], out["model"],

@@ -27,6 +27,9 @@
 #   bash benchmarks/device.sh restart    # the first request after a restart: 32k (twice), 130k
 #   bash benchmarks/device.sh serve32    # muser-kv serve and mlx_lm.server through HTTP: a 32k chat,
 #                                        # traffic, regenerate / edit / branch, a restart (serve_http.py)
+#   bash benchmarks/device.sh buffers    # what decode attention depends on beside the rows: SDPA
+#                                        # over own / recycled buffers, whether decode writes reuse
+#                                        # the planes' buffers, tests/caches/test_owned_buffers.py
 #   bash benchmarks/device.sh handoff2   # NEEDS TWO GPUS (nvidia-h200-x2): a session handed between
 #                                        # two ranks of an NCCL group (mlx.launch --backend nccl), on
 #                                        # collectives (NCCL has no send/recv), against raw all_sum
@@ -149,6 +152,12 @@ handoff2)
   ;;
 determinism)
   b determinism 300 benchmarks/determinism.py --model --json "$out/determinism.json"
+  ;;
+buffers)
+  b buffers 300 benchmarks/determinism.py --lengths 4097,32768,131072 --calls 2 --writes \
+    --prompt 4600 --steps 8 --json "$out/buffers.json"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rxX tests/caches/test_owned_buffers.py \
+    2>&1 | tee "$out/owned_buffers.log" | tail -15
   ;;
 store)
   b store 240 benchmarks/store_ceiling.py --repeats 5 --race-steps 0 --json "$out/store.json"
