@@ -100,6 +100,22 @@ def _mask_helper() -> Any:
     return helper
 
 
+def _model_frame(depth: int) -> Any:
+    """The frame of the model asking for a mask, when the frame ``depth`` up from
+    the caller of this function is mlx-lm's ``create_attention_mask`` (how
+    mlx-lm's models ask): the one above it, whose ``self`` and ``cache`` are the
+    model and the sequence it was handed. ``None`` for any other caller (a
+    custom driver, left to the in-step rule)."""
+    try:
+        caller = sys._getframe(depth + 1)
+        helper = _MASK_HELPER[0] or _mask_helper()
+        if helper is None or caller.f_code is not helper:
+            return None
+        return sys._getframe(depth + 2)
+    except ValueError:  # the stack is shallower than that
+        return None
+
+
 def _kinds(caches: Sequence[Any]) -> List[str]:
     return [str(getattr(getattr(c, "kind", None), "value", "?")) for c in caches]
 
@@ -231,13 +247,8 @@ class CacheList:
         refused as a fresh one's is). Any other caller (a custom driver) costs
         one frame lookup and is left to the in-step rule. About 2 us per
         forward on a CPU, 0.2 us without a model."""
-        try:
-            caller = sys._getframe(depth)
-            helper = _MASK_HELPER[0] or _mask_helper()
-            if helper is None or caller.f_code is not helper:
-                return
-            frame = sys._getframe(depth + 1)
-        except ValueError:  # the stack is shallower than that
+        frame = _model_frame(depth)
+        if frame is None:
             return
         local = frame.f_locals
         owner, handed = local.get("self"), local.get("cache")
@@ -263,13 +274,8 @@ class CacheList:
         as ``check_caller`` finds the model (``depth`` frames up is
         ``make_mask``'s caller); any other caller (a custom driver) is left to
         the in-step rule. Costs nothing in a forward over the whole list."""
-        try:
-            caller = sys._getframe(depth)
-            helper = _MASK_HELPER[0] or _mask_helper()
-            if helper is None or caller.f_code is not helper:
-                return
-            frame = sys._getframe(depth + 1)
-        except ValueError:  # the stack is shallower than that
+        frame = _model_frame(depth)
+        if frame is None:
             return
         handed = frame.f_locals.get("cache")
         if isinstance(handed, (list, tuple)) and not self.is_whole(handed):
@@ -326,14 +332,10 @@ def adopt(cache: Any, depth: int) -> Optional[CacheList]:
     ``create_attention_mask``); it is bound only when it holds ``cache`` and
     every member is a muser-kv cache of no list. Returns the list, or ``None``
     (a custom driver: the cache stays a list of one)."""
-    try:
-        caller = sys._getframe(depth)
-        helper = _MASK_HELPER[0] or _mask_helper()
-        if helper is None or caller.f_code is not helper:
-            return None
-        handed = sys._getframe(depth + 1).f_locals.get("cache")
-    except ValueError:
+    frame = _model_frame(depth)
+    if frame is None:
         return None
+    handed = frame.f_locals.get("cache")
     if not isinstance(handed, (list, tuple)) or not any(c is cache for c in handed):
         return None
     # a model whose later layers keep no cache pads the list with None for them
