@@ -42,6 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 import muser_kv
+from muser_kv.core.geometry import canonical_rows
 
 
 def parse_args(argv=None):
@@ -101,7 +102,7 @@ def allocator_rows(args) -> List[List[Any]]:
         dtype = H.DTYPES[name]
         for kv in args.sdpa_kv_heads:
             for length in args.lengths:
-                alloc = 256 * (1 << max(0, (length - 1) // 256).bit_length())
+                alloc = canonical_rows(length, 2 * length)
                 q = mx.random.normal((1, heads, 1, d)).astype(dtype)
                 src = mx.random.normal((1, kv, alloc + 8, d)).astype(dtype)
                 mx.eval(q, src)

@@ -147,7 +147,7 @@ class KVStore:
         with self._lock:
             s = StoreStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"},
                            tiers=self._tiers.tier_stats())
-        s.read_bytes, s.read_s = self._tiers.read_bytes, self._tiers.read_s
+        s.read_bytes, s.read_s = self.read_totals()
         s.pending_writes = self._tiers.pending_writes
         return s
 
