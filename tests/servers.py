@@ -11,8 +11,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 90
@@ -112,6 +115,24 @@ class Server:
     def stop(self) -> None:
         end(self.proc)
         self._log.close()
+
+
+def ids(n: int, seed: int) -> List[int]:
+    """``n`` token ids of the tiny models' vocabulary, none of the special ones."""
+    return [int(t) for t in np.random.default_rng(seed).integers(2, 250, n)]
+
+
+@contextmanager
+def serving(servers: Mapping[str, "Server"]) -> Iterator[Mapping[str, "Server"]]:
+    """``servers`` once each answers ``/health``; every one stopped afterwards,
+    whatever happened (a fixture's body)."""
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
 
 
 def words(ids: Sequence[int]) -> str:

@@ -26,7 +26,7 @@ import mlx_lm.server as mlx_server
 import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import serve_args, words
+from servers import ids, serve_args, words
 
 import muser_kv
 from muser_kv.serving.checkpoints import (
@@ -47,9 +47,6 @@ EVERY = 256  # --kv-store-checkpoint in these tests
 STEP = 128  # --prefill-step-size: two prefill steps per checkpoint interval
 START_TIMEOUT = 60
 
-
-def ids(n: int, seed: int) -> List[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(2, 250, n)]
 
 
 def bits(x: mx.array) -> np.ndarray:

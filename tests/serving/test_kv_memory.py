@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import List
 
 import metal_plugin
-import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import Server, words
+from servers import Server, ids, words
 
 from muser_kv.serving.server import serve
 from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
@@ -42,9 +41,6 @@ def planes(model_dir) -> SequencePlanes:
     assert geometry is not None and geometry.max_context == CONTEXT
     return SequencePlanes.of(geometry, 2048)  # mlx-lm's --prefill-step-size default
 
-
-def ids(n: int, seed: int) -> List[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(2, 250, n)]
 
 
 def test_the_budget_counts_every_slot_at_the_longest_sequence(planes):

@@ -44,10 +44,9 @@ from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import metal_plugin
-import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, serve_args, words
+from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, serve_args, words
 
 import muser_kv
 from muser_kv.serving.server import serve
@@ -90,9 +89,6 @@ def servers(model_dir, tmp_path_factory):
         for s in started.values():
             s.stop()
 
-
-def ids(n: int, seed: int) -> List[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(2, 250, n)]
 
 
 def complete(server: Server, prompt: Sequence[int], max_tokens: int = 10):

@@ -20,10 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Sequence, Tuple
 
 import metal_plugin
-import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import REQUEST_TIMEOUT, Server, words
+from servers import REQUEST_TIMEOUT, Server, ids, serving, words
 
 CONTEXT = 128
 CHAT = "/v1/chat/completions"
@@ -39,20 +38,11 @@ def servers(tmp_path_factory):
     model = write_local_model(tmp_path_factory.mktemp("model") / "muse")
     logs = tmp_path_factory.mktemp("logs")
     context = ("--max-context", str(CONTEXT))
-    started = {"shift": Server(model, logs / "shift.log", *context, "--context-keep", "4"),
-               "error": Server(model, logs / "error.log", *context, "--context-policy", "error",
-                               "--prompt-cache-size", "0")}
-    try:
-        for s in started.values():
-            s.wait_ready()
+    with serving({"shift": Server(model, logs / "shift.log", *context, "--context-keep", "4"),
+                  "error": Server(model, logs / "error.log", *context, "--context-policy",
+                                  "error", "--prompt-cache-size", "0")}) as started:
         yield started
-    finally:
-        for s in started.values():
-            s.stop()
 
-
-def ids(n: int, seed: int) -> List[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(2, 250, n)]
 
 
 def message(role: str, n: int, seed: int) -> Dict[str, str]:

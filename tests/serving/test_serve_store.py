@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import List, Sequence, Tuple
 
 import metal_plugin
-import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import Server, words
+from servers import Server, ids, words
 
 CONTEXT = 2048
 
@@ -33,9 +32,6 @@ def model_dir(tmp_path_factory) -> Path:
     return write_local_model(tmp_path_factory.mktemp("model") / "muse",
                              max_position_embeddings=CONTEXT)
 
-
-def ids(n: int, seed: int) -> List[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(2, 250, n)]
 
 
 def complete(server: Server, prompt: Sequence[int], max_tokens: int = 24) -> Tuple[List[int], int]:

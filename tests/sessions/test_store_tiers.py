@@ -501,6 +501,19 @@ def test_redis_refuses_a_value_too_large_without_going_down(redis_server, monkey
     t.close()
 
 
+def take_foreign(t, via: str, caplog) -> list:
+    """Meet key 1, which holds something that is no chunk, ``via`` get, get_into
+    or put (a put then reads its chunk back); the store's warnings logged."""
+    with caplog.at_level(logging.WARNING, "muser_kv.store"):
+        if via == "get":
+            assert t.get(key(1)) is None
+        elif via == "get_into":
+            assert t.get_into(key(1), lambda n: np.zeros(n, dtype=np.uint8)) is None
+        else:
+            assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)
+    return store_warnings(caplog)
+
+
 @pytest.mark.parametrize("via", ["get", "get_into", "put"])
 def test_redis_a_key_of_another_type_is_a_miss_dropped_and_stored_again(redis_server, via, caplog):
     """A key of ours holding a list is no chunk: not contained, and the first
@@ -511,14 +524,7 @@ def test_redis_a_key_of_another_type_is_a_miss_dropped_and_stored_again(redis_se
     c.delete(RedisTier.PREFIX + key(1))
     c.rpush(RedisTier.PREFIX + key(1), b"a", b"b")
     assert not t.contains(key(1))
-    with caplog.at_level(logging.WARNING, "muser_kv.store"):
-        if via == "get":
-            assert t.get(key(1)) is None
-        elif via == "get_into":
-            assert t.get_into(key(1), lambda n: np.zeros(n, dtype=np.uint8)) is None
-        else:
-            assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)
-    lines = store_warnings(caplog)
+    lines = take_foreign(t, via, caplog)
     assert len(lines) == 1 and key(1) in lines[0].getMessage() and "type" in lines[0].getMessage()
     assert t.get(key(2)) == blob(2)  # not a fault: the tier is not marked down
     if via != "put":
@@ -642,14 +648,7 @@ def test_directory_something_not_a_file_at_a_chunks_path_is_a_miss_dropped_and_s
     path.mkdir()
     (path / "other").write_bytes(b"x")
     assert not t.contains(key(1))
-    with caplog.at_level(logging.WARNING, "muser_kv.store"):
-        if via == "get":
-            assert t.get(key(1)) is None
-        elif via == "get_into":
-            assert t.get_into(key(1), lambda n: np.zeros(n, dtype=np.uint8)) is None
-        else:
-            assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)
-    lines = store_warnings(caplog)
+    lines = take_foreign(t, via, caplog)
     assert len(lines) == 1 and key(1) in lines[0].getMessage() and "not a file" in lines[0].getMessage()
     assert t.get(key(2)) == blob(2)
     if via != "put":
