@@ -122,6 +122,9 @@ def add_flags(p: argparse.ArgumentParser, geometry: Sequence[str] = MODEL,
         g.add_argument(f"--{name}", type=int, default=default, help=f"{text} (default {default})")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
+    g.add_argument("--buffer-cache", choices=("on", "off"), default="on",
+                   help="MLX's buffer cache: on (MLX's default) or off for the whole run "
+                        "(mx.set_cache_limit(0), as muser-kv serve --exact-buffers)")
     p.set_defaults(_geometry_defaults=defaults)
 
 
@@ -180,6 +183,9 @@ def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> a
         args.steps = 64 if on_gpu() else 16
     if getattr(args, "prefill_step", None) and args.warmup is None:
         args.warmup = args.window + 2 * args.prefill_step
+    if getattr(args, "buffer_cache", "on") == "off":
+        mx.set_cache_limit(0)
+        mx.clear_cache()
     return args
 
 

@@ -15,14 +15,16 @@ as well as muser-kv's?
    decode steps; each run's logits compared bitwise with the first run's.
 3. **Allocator**: SDPA at decode over rows ``[0, L)`` of planes allocating ``R``
    rows, the planes in a buffer of exactly their size, in a freed buffer one
-   page larger that MLX's allocator recycled, and allocating ``R + 8`` rows (so
-   never a cuDNN read): which agree. On MLX CUDA the recycled buffer is read by
+   page larger that MLX's allocator recycled, allocated after the same decoys
+   with MLX's buffer cache off (``mx.set_cache_limit(0)``), and allocating
+   ``R + 8`` rows (so never a cuDNN read): which agree. On MLX CUDA the recycled buffer is read by
    the vector kernel, not cuDNN (``docs/performance.md``: why the repeated answers differ).
 4. **Writes** (``--writes``): after a ``--prompt``-token fill, ``--steps`` decode
    steps of synthetic K/V through every layer's ``update_and_fetch`` and SDPA;
    per step the peak memory of its writes above what was held, against one plane: a write
    that cannot reuse its buffer copies the plane into a buffer the allocator
-   picks (section 3).
+   picks (section 3). Steps waited for one by one, and pipelined as mlx-lm's
+   ``generate_step`` runs them (the previous step's attention in flight).
 
     bash benchmarks/device.sh determinism                     # H200: SDPA, then the real model
     bash benchmarks/device.sh buffers                         # H200: sections 1, 3 and 4
@@ -96,7 +98,9 @@ def recycle(nbytes: int, count: int) -> None:
 def allocator_rows(args) -> List[List[Any]]:
     """SDPA at decode over rows ``[0, L)`` of planes allocating ``R`` rows (256 x a power
     of two), the planes in a buffer of their own size, in a recycled buffer one page
-    larger, and allocating ``R + 8`` rows: which results agree."""
+    larger, allocated after the same decoys with MLX's buffer cache off
+    (``mx.set_cache_limit(0)``: the decoys are returned, not cached), and allocating
+    ``R + 8`` rows: which results agree."""
     heads, d, rows = args.heads, args.sdpa_head_dim, []
     for name in args.dtypes:
         dtype = H.DTYPES[name]
@@ -112,11 +116,19 @@ def allocator_rows(args) -> List[List[Any]]:
                 recycle(exact[0].nbytes, 2)
                 big = [mx.contiguous(src[:, :, :alloc, :]) for _ in range(2)]
                 mx.eval(big)
+                limit = mx.set_cache_limit(0)
+                mx.clear_cache()
+                recycle(exact[0].nbytes, 2)
+                off = [mx.contiguous(src[:, :, :alloc, :]) for _ in range(2)]
+                mx.eval(off)
+                mx.set_cache_limit(limit)
                 out = {}
-                for label, (k, v) in (("own", exact), ("recycled", big), ("R+8", (src, src))):
+                for label, (k, v) in (("own", exact), ("recycled", big), ("off", off),
+                                      ("R+8", (src, src))):
                     out[label] = H.bits(mx.fast.scaled_dot_product_attention(
                         q, k[:, :, :length, :], v[:, :, :length, :], scale=0.088))
-                pairs = (("own", "recycled"), ("recycled", "R+8"), ("own", "R+8"))
+                pairs = (("own", "recycled"), ("own", "off"), ("recycled", "R+8"),
+                         ("own", "R+8"))
                 rows.append([name, kv, length, alloc] + [
                     "yes" if (out[a] == out[b]).all() else "no" for a, b in pairs])
     return rows
@@ -127,7 +139,11 @@ def write_rows(args) -> List[List[Any]]:
     them, against one plane's bytes: a step at or above a plane copied one (its
     write could not reuse the buffer, so the copy's buffer came from the
     allocator: section 3). Each step's attention reads the rows after its writes
-    are measured, so the next step's writes meet what a read leaves behind.
+    are measured, so the next step's writes meet what a read leaves behind:
+    waited for (``synchronous``), or still in flight (``pipelined``: the next
+    step's writes are evaluated before the previous step is waited for, as
+    mlx-lm's ``generate_step`` runs a decode; a GPU backend holds the buffers a
+    kernel reads until it completes, so such a write may have to copy).
     Muse Glimmer's K/V geometry with tiny other dimensions; ``--prompt`` tokens of
     synthetic K/V written through every layer's ``update_and_fetch``, then
     ``--steps`` one-token steps, each layer's output read by SDPA, mlx-lm's way."""
@@ -135,39 +151,51 @@ def write_rows(args) -> List[List[Any]]:
     for name in args.dtypes:
         model = H.build_model(args, name, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=8, vocab_size=256)
-        a = model.args
         dtype = H.DTYPES[name]
         for system in H.SYSTEMS:
             for preallocate in ((False, True) if system == "muser-kv" else (False,)):
-                cache = (muser_kv.make_prompt_cache(model, preallocate=preallocate)
-                         if system == "muser-kv" else model.make_cache())
-                kv = mx.random.normal((1, a.num_key_value_heads, args.prompt, a.head_dim)).astype(dtype)
-                q = mx.random.normal((1, a.num_attention_heads, 1, a.head_dim)).astype(dtype)
-                mx.eval(kv, q)
-                for c in cache:
-                    c.update_and_fetch(kv, kv)
-                mx.eval([c.state for c in cache])
-                extra = []
-                for step in range(args.steps):
-                    one = kv[:, :, step:step + 1]
-                    mx.synchronize()
-                    base = mx.get_active_memory()
-                    mx.reset_peak_memory()
-                    read = [c.update_and_fetch(one, one) for c in cache]
-                    mx.eval(read)  # the writes alone: what they allocated
-                    mx.synchronize()
-                    extra.append(max(0, mx.get_peak_memory() - base))
-                    outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088)
-                            for k, v in read]  # then read, as attention does
-                    mx.eval(outs)
-                    del outs, read
-                plane = max(c.state[0].nbytes for c in cache)
-                label = system + (" preallocated" if preallocate else "")
-                rows.append([name, label, plane, max(extra),
-                             sum(e >= plane for e in extra), args.steps])
+                for pipelined in (False, True):
+                    extra, plane = _writes(model, system, preallocate, pipelined, dtype, args)
+                    label = system + (" preallocated" if preallocate else "")
+                    rows.append([name, label, "pipelined" if pipelined else "synchronous", plane,
+                                 max(extra), sum(e >= plane for e in extra), args.steps])
         del model
         mx.clear_cache()
     return rows
+
+
+def _writes(model, system: str, preallocate: bool, pipelined: bool, dtype, args):
+    """One run of section 4: the extra bytes of each step's writes, and a plane's bytes."""
+    a = model.args
+    cache = (muser_kv.make_prompt_cache(model, preallocate=preallocate)
+             if system == "muser-kv" else model.make_cache())
+    kv = mx.random.normal((1, a.num_key_value_heads, args.prompt, a.head_dim)).astype(dtype)
+    q = mx.random.normal((1, a.num_attention_heads, 1, a.head_dim)).astype(dtype)
+    mx.eval(kv, q)
+    for c in cache:
+        c.update_and_fetch(kv, kv)
+    mx.eval([c.state for c in cache])
+    extra, outs = [], None
+    for step in range(args.steps):
+        one = kv[:, :, step:step + 1]
+        mx.eval(one)
+        if not pipelined:
+            mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        read = [c.update_and_fetch(one, one) for c in cache]
+        mx.async_eval(read)  # the writes alone: what they allocate is decided here
+        if not pipelined:
+            mx.synchronize()
+        extra.append(max(0, mx.get_peak_memory() - base))
+        outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088)
+                for k, v in read]  # then read, as attention does
+        mx.async_eval(outs)
+        if not pipelined:
+            mx.eval(outs)
+        del read
+    mx.eval(outs)
+    return extra, max(c.state[0].nbytes for c in cache)
 
 
 def one_run(model, prompt: mx.array, args, system: str, _run: int) -> List[np.ndarray]:
@@ -207,13 +235,15 @@ def main(argv=None) -> Dict[str, Any]:
     H.table(["dtype", "q heads", "kv heads", "L", "bitwise = call 1"], out["sdpa"],
             title=f"1. SDPA at decode, {args.calls} calls on the same inputs: how many equal the first")
     out["allocator"] = allocator_rows(args)
-    H.table(["dtype", "kv heads", "L", "R", "own = recycled", "recycled = R+8", "own = R+8"],
-            out["allocator"], title="3. SDPA at decode over planes of R rows in a buffer of their "
-            "own size, in a recycled one a page larger, and over planes of R + 8 rows: bitwise equal?")
+    H.table(["dtype", "kv heads", "L", "R", "own = recycled", "own = cache off", "recycled = R+8",
+             "own = R+8"], out["allocator"],
+            title="3. SDPA at decode over planes of R rows in a buffer of their own size, in a "
+            "recycled one a page larger, allocated with MLX's buffer cache off, and over planes "
+            "of R + 8 rows: bitwise equal?")
     if args.writes:
         out["writes"] = write_rows(args)
-        H.table(["dtype", "cache", "largest plane B", "most extra B in a step", "steps that copied",
-                 "steps"], out["writes"],
+        H.table(["dtype", "cache", "steps", "largest plane B", "most extra B in a step",
+                 "steps that copied", "of"], out["writes"],
                 title=f"4. Decode writes after a {args.prompt:,}-token fill: does each step reuse "
                       "the planes' buffers? (peak memory of a step's writes above what was held)")
     if args.model:

@@ -116,6 +116,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--logs", metavar="DIR", default=None,
                    help="copy the servers' logs into DIR (default: they stay in the run's "
                         "temporary directory, which is printed)")
+    p.add_argument("--serve-flags", default="", metavar="FLAGS",
+                   help="more flags for muser-kv serve, as one string (e.g. \"--exact-buffers\")")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
     args = p.parse_args(argv)
@@ -392,8 +394,8 @@ def run_system(system: str, args: argparse.Namespace, model: Path, work: Path,
     """Every request of the chat on one system, into ``result`` as they are
     answered (a run cut short keeps what it has); failures are results."""
     store = work / f"store-{system}"
-    flags = ["--max-context", str(args.max_context), "--kv-store", str(store)] \
-        if system == "muser" else []
+    flags = ["--max-context", str(args.max_context), "--kv-store", str(store),
+             *args.serve_flags.split()] if system == "muser" else []
     log = work / f"{system}.log"
     rows: List[Dict[str, Any]] = []
     answers: Dict[str, List[str]] = {}
@@ -455,7 +457,8 @@ def run_system(system: str, args: argparse.Namespace, model: Path, work: Path,
         if server is not None:
             server.stop()
     if system == "muser":  # a fresh server with no store: turn 3 from nothing
-        flags = ["--max-context", str(args.max_context), "--kv-store-memory", "0"]
+        flags = ["--max-context", str(args.max_context), "--kv-store-memory", "0",
+                 *args.serve_flags.split()]
         fresh = start()
         if fresh is not None:
             try:
