@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, List, Optional
 
 from muser_kv.core.geometry import ROW_GRANULE, LayerKind, MuseGeometry, allocated_rows, footprint
+from muser_kv.serving.arg_types import positive
 
 if TYPE_CHECKING:  # for the annotation only; cmd_inspect imports it when it runs
     from muser_kv.sessions.reading import SessionFile
@@ -171,13 +172,6 @@ def _report(session: SessionFile) -> int:
     return 1 if bad else 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def cmd_selftest(ns: argparse.Namespace) -> int:
     """Every kernel on this machine's GPU against the reference path, bit for bit."""
     from muser_kv.core.selftest import main as selftest
@@ -256,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "check it bitwise against the reference path")
     st.add_argument("--backend", choices=("metal", "cuda"),
                     help="the kernel backend to test (default: the one this MLX has)")
-    st.add_argument("--jobs", type=_positive, default=None,
+    st.add_argument("--jobs", type=positive, default=None,
                     help="worker processes, each compiling its share of the kernel programs "
                          "(default: about the square root of their number, 4 for 16, at most "
                          "one per CPU; 1: all in this process)")

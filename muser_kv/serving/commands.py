@@ -52,6 +52,7 @@ from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core.geometry import UnsupportedModel
+from muser_kv.serving.arg_types import non_negative, positive
 from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval, prefill_pieces
 from muser_kv.serving.install import context_for, install
 from muser_kv.sessions.format import SnapshotError
@@ -70,19 +71,6 @@ class CommandError(Exception):
     refused and what to pass instead (printed as one line, exit status 1)."""
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
-        return value
-    parse.__name__ = f"int >= {minimum}"
-    return parse
-
-
 def build_parser(command: str) -> argparse.ArgumentParser:
     """mlx-lm's own parser for ``command`` with muser-kv's flags added."""
     module = _module(command)
@@ -93,11 +81,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     ours = parser.add_argument_group(
         "muser-kv", "the caches muser_kv.install puts on the model (--max-kv-size is refused: "
                     "use --max-context)")
-    ours.add_argument("--max-context", type=_count(1), default=None, metavar="N",
+    ours.add_argument("--max-context", type=positive, default=None, metavar="N",
                       help="tokens the cache holds; a write past it stops with an error, "
                            "nothing is dropped (default: the session file's, else the model's "
                            "max_position_embeddings, else no preset bound)")
-    ours.add_argument("--retain", type=_count(0), default=DEFAULT_RETAIN, metavar="N",
+    ours.add_argument("--retain", type=non_negative, default=DEFAULT_RETAIN, metavar="N",
                       help="overwritten rows each sliding ring keeps, i.e. how deep a trim is "
                            f"exact past the wrap (default {DEFAULT_RETAIN}; raised to "
                            "--num-draft-tokens with --draft-model)")
@@ -110,7 +98,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     ours.add_argument("--kv-store", metavar="DIR|redis://HOST:PORT", default=None,
                       help="a KV store: the prompt's deepest stored point is rebuilt instead "
                            "of prefilled; prompts and answers are put (docs/store.md)")
-    ours.add_argument("--kv-store-bytes", type=_count(0), default=None, metavar="N",
+    ours.add_argument("--kv-store-bytes", type=non_negative, default=None, metavar="N",
                       help="the --kv-store tier's bound in bytes (default: unbounded)")
     ours.add_argument("--kv-store-checkpoint", type=checkpoint_interval,
                       default=DEFAULT_CHECKPOINT, metavar="N",

@@ -8,24 +8,11 @@ import types
 from typing import Any, Iterable, Optional, Sequence
 
 from muser_kv.caches.speculative import DEFAULT_RETAIN
+from muser_kv.serving.arg_types import non_negative, positive
 from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval
 from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 
 PROG = "muser-kv serve"
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
-    return value
-
-
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
