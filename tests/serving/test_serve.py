@@ -437,19 +437,29 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_queued(model_dir):
         generator.stop_and_join()
 
 
-def test_the_provider_decides_batchability_without_building_a_cache(model_dir, monkeypatch):
-    """A cache list preallocates its planes (1.8 GB at 131k): loading a model
-    builds none, yet the provider batches it."""
+def test_the_provider_decides_batchability_without_building_a_cache(tmp_path, monkeypatch):
+    """A preallocated cache list holds max_context rows per global plane (1.8 GB
+    at 131k): loading a model builds none to decide batchability, yet the
+    provider batches it. The one list a load builds is the warm-up's, which
+    grows to its few hundred tokens only."""
     install_module = sys.modules["muser_kv.serving.install"]  # the module (the package exports its function)
     built = []
     real = install_module.make_cache_for
-    monkeypatch.setattr(install_module, "make_cache_for",
-                        lambda *a, **k: built.append(1) or real(*a, **k))
+
+    def counted(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(install_module, "make_cache_for", counted)
+    model_dir = write_local_model(tmp_path / "muse", max_position_embeddings=4096)
     provider = serve.MuseModelProvider(parse(["--model", str(model_dir)]))
     provider.load("default_model")
-    assert provider.is_batchable and built == []
+    assert provider.is_batchable and len(built) == 2  # the warm-up's
+    whole = muser_kv.make_prompt_cache(provider.model, max_context=4096, preallocate=True)
+    for warm in built:
+        assert sum(c.nbytes for c in warm) * 2 <= sum(c.nbytes for c in whole)
     provider.model.make_cache()
-    assert built == [1]  # the counter sees a build
+    assert len(built) == 3  # the counter sees a build
 
 
 def test_a_draft_model_muser_kv_does_not_serve_keeps_mlx_lm_caches(model_dir):

@@ -92,6 +92,7 @@ from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, Sequen
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
 from muser_kv.serving.server.serve_flags import PROG, argparse_with
+from muser_kv.serving.server.warm_up import warm_up
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ class MuseModelProvider(mlx.server.ModelProvider):
         except Exception:
             self.reset()  # no model is left serving without muser-kv's caches
             raise
+        warm_up(self.model)
         if self.draft_model is None:
             for hook in self.on_load:
                 hook(self.model)
