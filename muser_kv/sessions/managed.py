@@ -1,4 +1,5 @@
-"""Moving MLX CUDA's host-visible arrays to the GPU in bulk.
+"""Moving MLX CUDA's host-visible arrays to the GPU in bulk, and keeping GPU
+arrays there when the host reads them.
 
 On MLX CUDA an array made by a CPU stream lives in managed memory
 (``cudaMallocManaged``): the host writes it in place, and the first GPU kernel
@@ -6,6 +7,12 @@ to read it pulls its pages over one fault at a time, at a fraction of the
 link's speed. ``to_gpu`` asks the CUDA runtime to migrate a range now
 (``cudaMemPrefetchAsync``) and waits for it, so a kernel launched afterwards
 finds the pages already there.
+
+The other way round, a host read of a GPU array (numpy, a file write) moves
+its buffer into managed memory for good (MLX CUDA's ``Buffer::raw_ptr``), so
+the next kernels to read that array fault its pages back. An array the GPU
+will read again is read on the host through ``host_copies``: a copy made on
+the GPU moves, the array stays.
 
 It is a hint and never a condition of correctness: managed memory is coherent
 whether the pages moved early, late or not at all, so where there is no CUDA
@@ -19,8 +26,9 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence
 
+import mlx.core as mx
 import numpy as np
 
 #: Whether ``to_gpu`` migrates at all (off: the GPU pulls pages in as it faults on them).
@@ -102,6 +110,27 @@ class Prefetcher:
             self._streams.put(stream)
 
 
+def host_reads_move() -> bool:
+    """Whether a host read of a GPU array moves its buffer (module doc): on MLX
+    CUDA. The CPU's arrays and Metal's unified memory stay where they are."""
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available()
+
+
+def host_copies(arrays: Sequence[mx.array]) -> List[mx.array]:
+    """What to read on the host in place of ``arrays`` that the GPU reads again:
+    where host reads move buffers, copies made on the GPU (bit for bit: an
+    integer OR with 0 over their bytes, which cannot reuse a buffer another
+    array holds); elsewhere ``arrays`` themselves. Not evaluated."""
+    if not host_reads_move():
+        return list(arrays)
+    return [_bitwise_copy(a) for a in arrays]
+
+
+def _bitwise_copy(a: mx.array) -> mx.array:
+    return (a.view(mx.uint8) | 0).view(a.dtype)
+
+
 _BUILD = threading.Lock()
 _UNSET = object()
 _PREFETCHER: Any = _UNSET
@@ -111,8 +140,6 @@ def build() -> Optional[Prefetcher]:
     """A prefetcher on the CUDA runtime MLX loaded, for MLX's current device, or
     ``None`` where MLX runs without CUDA (raises where the runtime lacks an
     entry point: ``prefetcher`` turns that into ``None``)."""
-    import mlx.core as mx
-
     cuda = getattr(mx, "cuda", None)
     if cuda is None or not cuda.is_available():
         return None

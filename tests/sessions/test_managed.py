@@ -156,3 +156,28 @@ def test_without_cuda_there_is_nothing_to_prefetch():
     assert managed.prefetcher() is None
     x = mx.zeros((64,), mx.float16)
     assert managed.to_gpu(np.asarray(x)) is False
+
+
+# -- host reads of GPU arrays --------------------------------------------------------------
+
+
+def _address(a: mx.array) -> int:
+    return np.asarray(a.view(mx.uint8)).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_host_copies_are_the_same_bits_in_other_buffers_where_host_reads_move(dtype,
+                                                                             monkeypatch):
+    """Bit for bit, -0.0 and NaN payloads included, and never the array's own
+    buffer: the host reads the copy, the original stays where the GPU reads it."""
+    words = np.array([0x8000, 0x7E01, 0x7FFF, 0x0001, 0x3C00, 0xFC00], np.uint16)
+    width = 2 if dtype != mx.float32 else 1
+    a = mx.array(np.tile(words, 4)).view(dtype).reshape(2, 3 * width, -1)
+    mx.eval(a)
+    assert managed.host_copies([a])[0] is a  # the CPU: nothing moves, nothing is copied
+    monkeypatch.setattr(managed, "host_reads_move", lambda: True)
+    (c,) = managed.host_copies([a])
+    mx.eval(c)
+    assert c.dtype == a.dtype and c.shape == a.shape
+    np.testing.assert_array_equal(np.array(c.view(mx.uint8)), np.array(a.view(mx.uint8)))
+    assert _address(c) != _address(a)

@@ -26,6 +26,7 @@ from muser_kv.sessions import reading, restore
 from muser_kv.sessions.store import CHUNK, chunks, planner
 from muser_kv.sessions.store import rows as rows_module
 from muser_kv.sessions.store.landing import GRAIN, Landing
+from muser_kv.sessions.store.memory import MemoryTier
 
 CONTEXT = 1024
 #: positions the producer passes through: every chunk boundary, and the put
@@ -641,3 +642,44 @@ def test_rebuildable_and_longest_prefix_walk_one_rule_past_a_hole_in_the_chain()
         assert n == max([p for p in below if p <= length - 1], default=0)
         if n:
             assert_same(state(cache), states[n])
+
+
+def test_the_writer_never_reads_the_memory_tiers_arrays_on_the_host(tmp_path, monkeypatch):
+    """Where a host read moves a GPU array's buffer (MLX CUDA: into managed
+    memory, whose pages a later rebuild faults back), the byte tier's writer
+    encodes copies: no array it reads shares a byte with one the memory tier
+    keeps, and what it wrote rebuilds bit for bit."""
+    from muser_kv.sessions import managed
+
+    monkeypatch.setattr(managed, "host_reads_move", lambda: True)
+    kept, shared, encoded = [], [], []
+    encode, put = chunks.encode, MemoryTier.put
+
+    def keeps(self, key, obj):
+        kept.extend(_extent(a) for a in chunks.arrays_of(obj))
+        return put(self, key, obj)
+
+    def spied(obj, encoding):
+        # every array the memory tier keeps is alive (nothing is evicted): an array
+        # read here shares no byte with one of them, at the time it is read
+        alive = list(kept)
+        for lo, hi in (_extent(a) for a in chunks.arrays_of(obj)):
+            encoded.append(lo)
+            shared.extend((lo, hi) for k in alive if lo < k[1] and k[0] < hi)
+        return encode(obj, encoding)
+
+    monkeypatch.setattr(chunks, "encode", spied)
+    monkeypatch.setattr(MemoryTier, "put", keeps)
+    model = PLANS["glimmer-w8"](mx.bfloat16)
+    tokens = tokens_for(21)
+    store = KVStore(tmp_path / "store")
+    states, _ = converse(model, tokens, store)
+    store.flush()
+    assert encoded and kept and not shared
+    store.close()
+    again = KVStore(tmp_path / "store", memory_bytes=0)  # every read from the directory
+    for n in PUTS:
+        got, cache = again.longest_prefix(tokens[:n + 1], model, into=new_list(model))
+        assert got == n
+        assert_same(state(cache), states[n])
+    again.close()

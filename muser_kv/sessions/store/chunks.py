@@ -35,7 +35,7 @@ import json
 import struct
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -222,6 +222,37 @@ class Index:
 
 
 Stored = Any  # Rows | Point | Index
+
+
+def for_host(objs: Sequence[Stored]) -> List[Stored]:
+    """``objs`` as the byte tiers' writer reads them on the host, their arrays
+    evaluated: the memory tier keeps ``objs`` for rebuilds on the GPU, and a host
+    read must not move their buffers (``managed.host_copies``). One evaluation."""
+    if not managed.host_reads_move():
+        return list(objs)
+    copies = managed.host_copies([a for obj in objs for a in arrays_of(obj)])
+    mx.eval(copies)
+    it = iter(copies)
+    return [_rebuilt(obj, it) for obj in objs]
+
+
+def arrays_of(obj: Stored) -> List[mx.array]:
+    if isinstance(obj, Rows):
+        return obj.arrays()
+    if isinstance(obj, Point):
+        return [a for r in (obj.globals, *obj.fragments) for a in r.arrays()]
+    return []
+
+
+def _rebuilt(obj: Stored, arrays: Iterator[mx.array]) -> Stored:
+    """``obj`` with its arrays, in ``arrays_of`` order, taken from ``arrays``."""
+    if isinstance(obj, Rows):
+        return Rows(obj.start, obj.count, obj.layers,
+                    tuple(Block(b.at, next(arrays), next(arrays)) for b in obj.blocks))
+    if isinstance(obj, Point):
+        return Point(obj.tail, _rebuilt(obj.globals, arrays),
+                     tuple(_rebuilt(f, arrays) for f in obj.fragments))
+    return obj
 
 
 def shaped_rows(scope: Scope, layers: Sequence[int], start: int, count: int) -> Rows:

@@ -102,10 +102,15 @@ class TierManager:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def keep(self, key: str, obj: Any, encoding: str) -> None:
-        self.memory.put(key, obj)
+    def keep_all(self, items: Sequence[Tuple[str, Any]], encoding: str) -> None:
+        """Keep every ``(key, object)`` in memory and send it to the byte tiers,
+        as ``chunks.for_host`` gives it (the memory tier's own arrays are never
+        read on the host: on MLX CUDA that would move them out of GPU memory)."""
+        for key, obj in items:
+            self.memory.put(key, obj)
         if self.tiers:
-            self._send(key, obj, encoding)
+            for (key, _), sent in zip(items, chunks.for_host([obj for _, obj in items])):
+                self._send(key, sent, encoding)
 
     def add_tail(self, key: str, r: int, encoding: str) -> None:
         """Add the tail length ``r`` to the index ``key``."""

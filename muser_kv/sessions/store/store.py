@@ -196,13 +196,9 @@ class KVStore:
         made = [(key, r) for (key, _, _), r in zip(glob + slid, glob_rows[:len(glob)] + slid_rows)]
         point = None if has_point else Point(plan.tail, glob_rows[-1], tuple(slid_rows[len(slid):]))
         mx.eval([a for r in glob_rows + slid_rows for a in r.arrays()])
-        copied = 0
-        for key, obj in made:
-            self._tiers.keep(key, obj, scope.encoding)
-            copied += obj.nbytes
-        if point is not None:
-            self._tiers.keep(plan.point_key, point, scope.encoding)
-            copied += point.nbytes
+        kept = made + ([(plan.point_key, point)] if point is not None else [])
+        self._tiers.keep_all(kept, scope.encoding)
+        copied = sum(obj.nbytes for _, obj in kept)
         self._tiers.add_tail(plan.index_key, len(plan.tail), scope.encoding)
         with self._lock:
             self._stats.puts += 1
