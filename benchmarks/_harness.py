@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import sys
@@ -557,6 +558,14 @@ def environment() -> Dict[str, Any]:
             "argv": sys.argv}
 
 
+def _flag(name: str, value: Any) -> str:
+    """``--name value`` as a shell reads it back (``--name=value`` where the
+    value itself starts with a dash, as argparse would take it for a flag)."""
+    flag = f"--{name.replace('_', '-')}"
+    text = str(value)
+    return f"{flag}={shlex.quote(text)}" if text.startswith("-") else f"{flag} {shlex.quote(text)}"
+
+
 def print_header(title: str, args: argparse.Namespace, extra: Optional[str] = None) -> None:
     """The title, the environment (device, MLX, mlx-lm, CPUs, huge pages), every flag."""
     env = environment()
@@ -565,7 +574,7 @@ def print_header(title: str, args: argparse.Namespace, extra: Optional[str] = No
           f"mlx {env['mlx']} | mlx-lm {env['mlx_lm']} | {env['cpus']} CPUs | {env['huge_pages']}")
     flags = [(k, ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
              for k, v in vars(args).items() if v not in (None, []) and k != "json"]
-    print("flags: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags))
+    print("flags: " + " ".join(_flag(k, v) for k, v in flags))
     if extra:
         print(extra)
     print()
