@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 import muser_kv
+from muser_kv.sessions import managed
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 MB = MIB = 1 << 20
@@ -125,7 +126,8 @@ def add_flags(p: argparse.ArgumentParser, geometry: Sequence[str] = MODEL,
     g.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
     g.add_argument("--buffer-cache", choices=("on", "off"), default="on",
                    help="MLX's buffer cache: on (MLX's default) or off for the whole run "
-                        "(mx.set_cache_limit(0), as muser-kv serve --exact-buffers)")
+                        "(muser_kv.sessions.managed.exact_buffers, as muser-kv serve "
+                        "--exact-buffers)")
     p.set_defaults(_geometry_defaults=defaults)
 
 
@@ -185,8 +187,7 @@ def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> a
     if getattr(args, "prefill_step", None) and args.warmup is None:
         args.warmup = args.window + 2 * args.prefill_step
     if getattr(args, "buffer_cache", "on") == "off":
-        mx.set_cache_limit(0)
-        mx.clear_cache()
+        managed.exact_buffers()
     return args
 
 

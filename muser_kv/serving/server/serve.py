@@ -93,6 +93,7 @@ from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
 from muser_kv.serving.server.serve_flags import PROG, argparse_with
 from muser_kv.serving.server.warm_up import warm_up
+from muser_kv.sessions import managed
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -145,21 +146,6 @@ def check_budget(budget: int, planes: SequencePlanes) -> None:
                            f"their smallest ({least:,} bytes): no request could be admitted")
 
 
-def exact_buffers() -> None:
-    """MLX's buffer cache off for the process: a freed buffer is returned, never
-    handed out again, so each buffer is allocated at its own size (rounded to
-    the allocator's page). MLX CUDA reads a one-query step's K/V with cuDNN only
-    when the viewed planes fill their buffer exactly, and its allocator would
-    otherwise hand a plane a freed buffer up to two pages larger, read by
-    another kernel, which rounds otherwise: with the cache off the kernel, and
-    so the bits, follow from the planes' rows alone. The clear drops what the
-    cache already holds (a limit only stops it growing)."""
-    import mlx.core as mx
-
-    mx.set_cache_limit(0)
-    mx.clear_cache()
-
-
 class MuseModelProvider(mlx.server.ModelProvider):
     """mlx-lm's ``ModelProvider``: every model it loads gets muser-kv's caches
     (``install``). The model must be one muser-kv serves (``UnsupportedModel``
@@ -180,7 +166,8 @@ class MuseModelProvider(mlx.server.ModelProvider):
         #: already answers 200)
         self.ready = cli_args.model is None
         if getattr(cli_args, "exact_buffers", False):
-            exact_buffers()
+            managed.exact_buffers()
+            log.info("muser-kv serve: --exact-buffers: MLX's buffer cache is off")
         if cli_args.model is not None:
             geometry = check_model(cli_args.model, cli_args.max_context)
             budget = getattr(cli_args, "kv_memory", None)
