@@ -54,6 +54,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -79,6 +80,8 @@ NAMES = {"muser": "muser-kv serve", "mlx-lm": "mlx_lm.server"}
 #: the requests whose answers are the same request's (turn 3's)
 REPEATS = ("turn 3", "regenerate", "regenerate after restart")
 LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
+#: muser-kv serve's warm-up line, before /health answers 200
+WARM_UP = re.compile(r"muser-kv serve: warmed up in ([0-9.]+) s")
 #: mlx-lm's prompt-cache statistics, logged with every request: not the request's path
 QUIET = ("Prompt Cache:", "- ")
 
@@ -418,6 +421,9 @@ def run_system(system: str, args: argparse.Namespace, model: Path, work: Path,
             rows.append(r)
         return r
 
+    starts: List[Dict[str, Any]] = []
+    result["starts"] = starts
+
     def start() -> Optional[Server]:
         server = Server(system, model, log, flags)
         why = server.wait_ready(args.start_timeout)
@@ -425,6 +431,9 @@ def run_system(system: str, args: argparse.Namespace, model: Path, work: Path,
             result["failure"] = f"{NAMES[system]} did not start: {why}"
             server.stop()
             return None
+        warm = [float(m.group(1)) for m in map(WARM_UP.search, server.lines()) if m]
+        starts.append({"ready_s": round(time.time() - server.started, 3),
+                       "warm_up_s": warm[-1] if warm else None})
         return server
 
     server = start()
@@ -570,6 +579,11 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]]) -> None
         for r in res["requests"]:
             if r["error"]:
                 print(f"- {NAMES[s]} {r['request']}: status {r['status']}: {r['error']}")
+        ready = [f"{x['ready_s']:.1f} s" + (f" (warmed up in {x['warm_up_s']:.2f} s)"
+                                             if x["warm_up_s"] is not None else "")
+                 for x in res.get("starts", [])]
+        if ready:
+            print(f"- {NAMES[s]} ready (/health 200) after each start: {'; '.join(ready)}")
         t = res.get("traffic")
         if t:
             median = f"{t['median_ttft_s']:.3f} s" if t["median_ttft_s"] is not None else "-"

@@ -49,6 +49,11 @@ def test_the_http_benchmark_runs_small_and_reports_identical_answers(tmp_path):
     assert len(path) == 1 and f"rebuilt {restart['store_rebuilt']};" in path[0], restart["log"]
     read = int(path[0].split("; ")[1].split(" B read")[0])
     assert read > 0, path  # a restart's memory tier is empty: every chunk came from the directory
+    # every start (the first, the restart, the fresh server) warmed up before /health said 200
+    assert len(muser["starts"]) == 3 and all(
+        x["warm_up_s"] is not None and x["warm_up_s"] < x["ready_s"] for x in muser["starts"])
+    assert all(x["warm_up_s"] is None for x in results["mlx-lm"]["starts"])
+    assert "muser-kv serve ready (/health 200) after each start:" in run.stdout
     edit = muser["requests"][4]
     assert any(m.startswith("muser-kv request path: entries") for _, m in edit["log"]), edit["log"]
     same = muser["identity"]
