@@ -62,6 +62,7 @@ from muser_kv.sessions.format import (
 )
 from muser_kv.sessions.handoff import recv_session, send_session
 from muser_kv.sessions.load import load_session
+from muser_kv.sessions.managed import exact_buffers
 from muser_kv.sessions.reading import read_session
 from muser_kv.sessions.save import save_session
 from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, restore_into
@@ -114,6 +115,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotMismatch",
     "StoreStats",
+    "exact_buffers",
     "load_session",
     "model_fingerprint",
     "read_session",
