@@ -47,7 +47,7 @@ import metal_plugin
 import mlx.core as mx
 import pytest
 from local_model import write_local_model
-from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, serve_args, words
+from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, serve_args, serving, words
 
 import muser_kv
 from muser_kv.serving.server import serve
@@ -79,16 +79,9 @@ def servers(model_dir, tmp_path_factory):
              "draft": ("--prompt-cache-size", "0", "--draft-model", str(model_dir),
                        "--num-draft-tokens", "3", *context),
              "cached": ("--retain", "16")}  # depths of 16 to ~48: the trims below are past them
-    started: Dict[str, Server] = {}
-    try:
-        for name, extra in flags.items():
-            started[name] = Server(model_dir, logs / f"{name}.log", *extra)
-        for s in started.values():
-            s.wait_ready()
+    with serving({name: Server(model_dir, logs / f"{name}.log", *extra)
+                  for name, extra in flags.items()}) as started:
         yield started
-    finally:
-        for s in started.values():
-            s.stop()
 
 
 

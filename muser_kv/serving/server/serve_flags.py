@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exact-buffers", action="store_true",
                    help="turn MLX's buffer cache off, so every buffer is allocated at its own "
                         "size: MLX CUDA then reads a decode step's K/V with the kernel the "
-                        "planes' rows decide, whatever ran before, and a repeated request gets "
-                        "the same answer (docs/serving.md; no effect on what the CPU computes)")
+                        "planes' rows decide, whatever ran before (muser_kv.exact_buffers, "
+                        "docs/serving.md; no effect on what the CPU computes)")
     g.add_argument("--context-policy", choices=("shift", "error"), default="shift",
                    help="a request whose prompt and max_tokens do not fit --max-context: shift "
                         "(default) drops a chat's oldest whole turns (never its system messages "
