@@ -376,8 +376,16 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
     def _prompt(self, tokenizer: Any, request: Any, args: Any) -> List[int]:
         """``request``'s prompt as mlx-lm tokenizes it (a copy of it), as the
         context policy keeps it (``FittedRequest``)."""
-        prompt, *_ = super()._tokenize(tokenizer, copy.deepcopy(request), args)  # mlx-lm's
-        return request.tokens(prompt) if isinstance(request, FittedRequest) else list(prompt)
+        if not isinstance(request, FittedRequest):
+            return list(self._mlx_lm_tokenize(tokenizer, request, args)[0])
+        prompt = request.tokenized(
+            tokenizer, args, lambda: self._mlx_lm_tokenize(tokenizer, request, args))[0]
+        return request.tokens(prompt)
+
+    def _mlx_lm_tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+        """mlx-lm's ``_tokenize`` of a copy of ``request`` (mlx-lm converts the
+        messages' content in place), leaving ``request`` as it was."""
+        return super()._tokenize(tokenizer, copy.deepcopy(request), args)
 
     def _settle(self, request: Any, args: Any, tokenizer: Any, max_context: int) -> None:
         """Decide what the context policy keeps of ``request`` (a
@@ -520,7 +528,11 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             raise RuntimeError("muser-kv serve: a request tokenized with no model loaded")
         # the handler fitted it where the model it runs on was loaded; else here
         self._settle(request, args, tokenizer, limits.max_context)
-        tokenized = super()._tokenize(tokenizer, request, args)
+        if isinstance(request, FittedRequest):  # what the handler's fit tokenized, if it did
+            tokenized = request.tokenized(
+                tokenizer, args, lambda: self._mlx_lm_tokenize(tokenizer, request, args))
+        else:
+            tokenized = super()._tokenize(tokenizer, request, args)
         if isinstance(request, FittedRequest) and request.fit and request.fit.tokens_dropped:
             prompt = request.tokens(tokenized[0])  # a raw prompt's middle left out
             tokenized = (prompt, [prompt], *tokenized[2:])

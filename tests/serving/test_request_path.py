@@ -1,0 +1,125 @@
+"""A request's path through ``muser-kv serve`` before its prefill: the prompt is
+tokenized once. The handler's thread tokenizes a request to fit it to the
+context and admit it; the generation thread serves that same tokenization
+rather than rendering and tokenizing the whole chat again (at 130k tokens each
+pass is a fraction of a second of a returning chat's time to first token).
+
+mlx-lm's generation thread runs in this process (``MuseResponseGenerator`` over
+a ``MuseModelProvider``), fed as its HTTP handler feeds it, on a tiny model on
+disk with the local chat template; mlx-lm's ``_tokenize`` is counted."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlx_lm.server as mlx_server
+import pytest
+from local_model import write_local_model
+from servers import serve_args, words
+
+from muser_kv.serving.server import serve
+from muser_kv.serving.server.prompt_cache import ExactPromptCache
+
+CONTEXT = 1024
+START_TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_local_model(tmp_path_factory.mktemp("muse") / "muse", dtype="bfloat16",
+                             max_position_embeddings=CONTEXT, num_hidden_layers=4,
+                             head_dim=32)
+
+
+@pytest.fixture
+def counted(monkeypatch) -> List[int]:
+    """The number of messages of each chat mlx-lm's ``_tokenize`` renders."""
+    seen: List[int] = []
+    real = mlx_server.ResponseGenerator._tokenize
+
+    def counting(self, tokenizer, request, args):
+        seen.append(len(request.messages or []))
+        return real(self, tokenizer, request, args)
+
+    monkeypatch.setattr(mlx_server.ResponseGenerator, "_tokenize", counting)
+    return seen
+
+
+@pytest.fixture
+def generator(model_dir):
+    provider = serve.MuseModelProvider(serve_args(
+        ["--model", str(model_dir), "--max-context", str(CONTEXT)]))
+    gen = serve.MuseResponseGenerator(provider, ExactPromptCache(4))
+    deadline = time.monotonic() + START_TIMEOUT
+    while provider.limits is None:  # the generation thread loads the model
+        assert time.monotonic() < deadline and gen.generation_available()
+        time.sleep(0.02)
+    yield gen
+    gen.stop_and_join()
+
+
+def args(max_tokens: int) -> Any:
+    s = mlx_server
+    return s.GenerationArguments(
+        model=s.ModelDescription("default_model", "default_model", None),
+        sampling=s.SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.0),
+        logits=s.LogitsProcessorArguments(None, 1.0, 20, 0.0, 20, 0.0, 20),
+        stop_words=[], max_tokens=max_tokens, num_draft_tokens=3, logprobs=False,
+        top_logprobs=0, seed=None, chat_template_kwargs=None)
+
+
+def chat(turns: int, words_per_message: int) -> List[Dict[str, str]]:
+    messages = [{"role": "system", "content": words(range(2, 2 + words_per_message))}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": words(
+            range(10 + t, 10 + t + words_per_message))})
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": words(range(5, 9))})
+    return messages
+
+
+def ask(gen, messages: List[Dict[str, str]], max_tokens: int = 3):
+    request = mlx_server.CompletionRequest("chat", "", messages, None, None)
+    ctx, responses = gen.generate(request, args(max_tokens))
+    tokens = [r.token for r in responses]
+    return ctx, tokens
+
+
+def test_a_chat_that_fits_is_tokenized_once_for_the_handler_and_the_generation_thread(
+        generator, counted):
+    messages = chat(3, 40)
+    ctx, tokens = ask(generator, messages)
+    assert counted == [len(messages)], (
+        f"mlx-lm's _tokenize rendered chats of {counted} messages for one request of "
+        f"{len(messages)}: the generation thread must serve the handler's tokenization")
+    tokenizer = generator.model_provider.tokenizer
+    assert list(ctx.prompt) == list(tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True))
+    assert len(tokens) == 3
+
+
+def test_a_shifted_chat_is_served_as_the_policy_kept_it_each_candidate_tokenized_once(
+        generator, counted):
+    """Too long for the context: the handler renders the whole chat, then the
+    candidates of its bisection; the generation thread renders nothing more, and
+    the prompt it serves is the kept chat's (the system message and the newest
+    whole turns), as mlx-lm tokenizes it."""
+    messages = chat(12, 90)  # a system message and 12 turns of ~94 tokens: over 1,024
+    ctx, _ = ask(generator, messages)
+    assert counted[0] == len(messages) and len(counted) > 1
+    assert len(counted) == len(set(counted)), (
+        f"mlx-lm's _tokenize rendered chats of {counted} messages: one list rendered twice")
+    tokenizer = generator.model_provider.tokenizer
+    n = len(ctx.prompt)
+    assert n + 3 <= CONTEXT
+    kept = None
+    for start in range(1, len(messages)):
+        candidate = messages[:1] + messages[start:]
+        if messages[start]["role"] == "user" and len(candidate) in counted and len(
+                tokenizer.apply_chat_template(candidate, add_generation_prompt=True)) == n:
+            kept = candidate
+            break
+    assert kept is not None, "the served prompt is no rendered suffix of whole turns"
+    assert list(ctx.prompt) == list(tokenizer.apply_chat_template(kept, add_generation_prompt=True))
