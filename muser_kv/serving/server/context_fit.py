@@ -76,10 +76,11 @@ class FittedRequest(mlx_server.CompletionRequest):
     generation thread, before it is tokenized there)."""
 
     fit: Optional[Fit] = None
-    #: mlx-lm's tokenizations of this request and of its ``variant``s (shared
-    #: with them), by message list (``tokenized``)
-    _memo: Dict[int, Tuple[Tuple[Any, ...], Any]] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False)
+    #: mlx-lm's tokenizations of this request by message list (``tokenized``),
+    #: shared with the policy's candidates (``dataclasses.replace`` hands the
+    #: same dict on)
+    tokenizations: Dict[int, Tuple[Tuple[Any, ...], Any]] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, request: Any) -> "FittedRequest":
@@ -88,26 +89,18 @@ class FittedRequest(mlx_server.CompletionRequest):
         fields["messages"] = list(fields["messages"] or [])
         return cls(**fields)
 
-    def variant(self, messages: List[Any]) -> "FittedRequest":
-        """This request with ``messages`` instead (a candidate of the policy),
-        sharing this one's tokenizations."""
-        other = dataclasses.replace(self, messages=messages)
-        other._memo = self._memo
-        return other
-
     def tokenized(self, tokenizer: Any, args: Any, tokenize: Callable[[], Any]) -> Any:
         """``tokenize()`` (mlx-lm's ``_tokenize`` of this request with ``tokenizer``
         and ``args``), made once per message list: the handler's thread
-        tokenizes a request (and the policy's candidates, ``variant``) to fit
-        and admit it, and the generation thread takes the result for the
-        messages kept rather than tokenizing the prompt again (at 130k tokens
-        that is a fraction of a second of a returning chat's path). A result is
-        reused only for the same tokenizer, arguments, message list, raw prompt
-        and tools."""
+        tokenizes a request (and the policy's candidates) to fit and admit it,
+        and the generation thread takes the result for the messages kept rather
+        than tokenizing the prompt again (at 130k tokens that is a fraction of a
+        second of a returning chat's path). A result is reused only for the
+        same tokenizer, arguments, message list, raw prompt and tools."""
         key = (tokenizer, args, self.messages, self.prompt, self.tools)
-        memo = self._memo.get(id(self.messages))
+        memo = self.tokenizations.get(id(self.messages))
         if memo is None or any(a is not b for a, b in zip(memo[0], key)):
-            memo = self._memo[id(self.messages)] = (key, tokenize())
+            memo = self.tokenizations[id(self.messages)] = (key, tokenize())
         return memo[1]
 
     def settle(self, fit: Fit) -> None:
@@ -178,9 +171,7 @@ def fit_chat(request: Any, max_tokens: int, max_context: int,
 
     def length_of(d: int) -> int:
         if d not in lengths:
-            candidate = (request.variant(kept(d)) if isinstance(request, FittedRequest)
-                         else dataclasses.replace(request, messages=kept(d)))
-            lengths[d] = length(candidate)
+            lengths[d] = length(dataclasses.replace(request, messages=kept(d)))
         return lengths[d]
 
     def fits(room: int) -> Callable[[int], bool]:
