@@ -36,7 +36,6 @@ import mlx.core as mx
 import numpy as np
 
 import muser_kv
-from muser_kv.sessions import managed
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 MB = MIB = 1 << 20
@@ -126,8 +125,8 @@ def add_flags(p: argparse.ArgumentParser, geometry: Sequence[str] = MODEL,
     g.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
     g.add_argument("--buffer-cache", choices=("on", "off"), default="on",
                    help="MLX's buffer cache: on (MLX's default) or off for the whole run "
-                        "(muser_kv.sessions.managed.exact_buffers, as muser-kv serve "
-                        "--exact-buffers)")
+                        "(mx.set_cache_limit(0) and one mx.clear_cache(): every buffer "
+                        "allocated at its own size)")
     p.set_defaults(_geometry_defaults=defaults)
 
 
@@ -187,7 +186,8 @@ def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> a
     if getattr(args, "prefill_step", None) and args.warmup is None:
         args.warmup = args.window + 2 * args.prefill_step
     if getattr(args, "buffer_cache", "on") == "off":
-        managed.exact_buffers()
+        mx.set_cache_limit(0)
+        mx.clear_cache()  # a limit keeps what is cached: nothing may be handed out again
     return args
 
 

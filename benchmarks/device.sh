@@ -30,10 +30,6 @@
 #   bash benchmarks/device.sh buffers    # what decode attention depends on beside the rows: SDPA
 #                                        # over own / recycled buffers, whether decode writes reuse
 #                                        # the planes' buffers, tests/caches/test_owned_buffers.py
-#   bash benchmarks/device.sh exact      # what MLX's buffer cache off costs decode (bf16, 32k and
-#                                        # 131k, decode.py --buffer-cache on / off)
-#   bash benchmarks/device.sh serve32exact  # serve32, muser-kv serve alone, with --exact-buffers:
-#                                        # are the repeated answers identical?
 #   bash benchmarks/device.sh handoff2   # NEEDS TWO GPUS (nvidia-h200-x2): a session handed between
 #                                        # two ranks of an NCCL group (mlx.launch --backend nccl), on
 #                                        # collectives (NCCL has no send/recv), against raw all_sum
@@ -147,17 +143,6 @@ families)
 serve32)
   b serve32 560 benchmarks/serve_http.py --history 32768 --geometry glimmer-real --dtype bfloat16 \
     --traffic 10 --logs "$out" --json "$out/serve32.json"
-  ;;
-exact)
-  for cache in on off; do
-    b exact 250 benchmarks/decode.py --dtype bfloat16 --depths 32768,131072 \
-      --max-contexts 131072 --repeats 2 --buffer-cache $cache --json "$out/exact_$cache.json"
-  done
-  ;;
-serve32exact)
-  b serve32exact 560 benchmarks/serve_http.py --history 32768 --geometry glimmer-real \
-    --dtype bfloat16 --traffic 10 --systems muser --serve-flags=--exact-buffers --logs "$out" \
-    --json "$out/serve32exact.json"
   ;;
 handoff2)
   # two GPUs, one per rank: on a one-GPU machine NCCL's init fails and nothing runs

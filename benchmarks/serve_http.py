@@ -120,7 +120,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="copy the servers' logs into DIR (default: they stay in the run's "
                         "temporary directory, which is printed)")
     p.add_argument("--serve-flags", default="", metavar="FLAGS",
-                   help="more flags for muser-kv serve, as one string (e.g. \"--exact-buffers\")")
+                   help="more flags for muser-kv serve, as one string (e.g. \"--retain 8\")")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write all measurements as JSON")
     args = p.parse_args(argv)

@@ -62,7 +62,6 @@ from muser_kv.sessions.format import (
 )
 from muser_kv.sessions.handoff import recv_session, send_session
 from muser_kv.sessions.load import load_session
-from muser_kv.sessions.managed import exact_buffers
 from muser_kv.sessions.reading import read_session
 from muser_kv.sessions.save import save_session
 from muser_kv.sessions.snapshot import LayerCut, SessionSnapshot, restore_into
@@ -115,7 +114,6 @@ __all__ = [
     "SnapshotError",
     "SnapshotMismatch",
     "StoreStats",
-    "exact_buffers",
     "load_session",
     "model_fingerprint",
     "read_session",

@@ -55,7 +55,6 @@ from muser_kv.core.geometry import UnsupportedModel
 from muser_kv.serving.arg_types import non_negative, positive
 from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval, prefill_pieces
 from muser_kv.serving.install import context_for, install
-from muser_kv.sessions import managed
 from muser_kv.sessions.format import SnapshotError
 from muser_kv.sessions.reading import read_session
 from muser_kv.sessions.save import save_session
@@ -101,10 +100,6 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                            "of prefilled; prompts and answers are put (docs/store.md)")
     ours.add_argument("--kv-store-bytes", type=non_negative, default=None, metavar="N",
                       help="the --kv-store tier's bound in bytes (default: unbounded)")
-    ours.add_argument("--exact-buffers", action="store_true",
-                      help="turn MLX's buffer cache off, so MLX CUDA reads a decode step's K/V "
-                           "with the kernel the planes' rows decide, whatever ran before "
-                           "(muser_kv.exact_buffers; no effect on what the CPU computes)")
     ours.add_argument("--kv-store-checkpoint", type=checkpoint_interval,
                       default=DEFAULT_CHECKPOINT, metavar="N",
                       help="with --kv-store, also put the prompt's state at every multiple of N "
@@ -364,8 +359,6 @@ def run(command: str, argv: Sequence[str]) -> int:
     parser = build_parser(command)
     ns = parser.parse_args(argv)  # --help and bad flags exit here, as in mlx-lm
     _refuse_changed_meanings(ns)
-    if ns.exact_buffers:
-        managed.exact_buffers()
     session = Session(ns.session, command, ns.model) if ns.session is not None else None
     swaps: Dict[str, Any] = dict(setup_arg_parser=lambda: parser,
                                  load=Loader(module.load, ns, session))

@@ -36,8 +36,6 @@ ENABLED = True
 #: ``cudaMemLocationTypeDevice`` and ``cudaStreamNonBlocking`` from the CUDA runtime's headers.
 LOCATION_DEVICE = 1
 STREAM_NON_BLOCKING = 1
-#: ``cudaMemPoolAttrReleaseThreshold``: the bytes a memory pool keeps reserved at a sync
-RELEASE_THRESHOLD = 4
 #: The runtime version from which ``cudaMemPrefetchAsync`` takes a ``cudaMemLocation``
 #: (before 13.0 that form is ``cudaMemPrefetchAsync_v2``, from 12.2).
 LOCATION_ARGUMENT = 13000
@@ -95,19 +93,6 @@ class Prefetcher:
                         "cudaStreamCreateWithFlags")
             return stream
 
-    def keep_freed_memory(self) -> None:
-        """Raise the device's default memory pool's release threshold to all: the
-        pool keeps what is freed into it reserved at a synchronization, where by
-        default it returns it to the driver and maps it again at the next
-        ``cudaMallocAsync``. With MLX's own buffer cache off every buffer MLX
-        frees goes to this pool (``muser-kv serve --exact-buffers``)."""
-        pool = ctypes.c_void_p()
-        self._check(self._rt.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), self.device),
-                    "cudaDeviceGetDefaultMemPool")
-        everything = ctypes.c_uint64(2 ** 64 - 1)
-        self._check(self._rt.cudaMemPoolSetAttribute(pool, RELEASE_THRESHOLD,
-                                                     ctypes.byref(everything)),
-                    "cudaMemPoolSetAttribute")
 
     def prefetch(self, address: int, nbytes: int) -> None:
         """Migrate ``[address, address + nbytes)`` to the device and wait for it."""
@@ -202,35 +187,4 @@ def to_gpu(view: np.ndarray) -> bool:
     except Exception:  # a hint that did not happen; the memory is coherent either way
         return False
     return True
-
-
-def keep_freed_memory() -> bool:
-    """``Prefetcher.keep_freed_memory`` on the runtime MLX loaded: ``True`` if the
-    runtime did it, ``False`` where MLX runs without CUDA or the call failed (a
-    setting for speed, never one of correctness)."""
-    p = prefetcher()
-    if p is None:
-        return False
-    try:
-        p.keep_freed_memory()
-    except Exception:
-        return False
-    return True
-
-
-def exact_buffers() -> None:
-    """MLX's buffer cache off for the process: a freed buffer is returned, never
-    handed out again, so each buffer is allocated at its own size (rounded to
-    the allocator's page). MLX CUDA reads a one-query step's K/V with cuDNN only
-    when the viewed planes fill their buffer exactly, and its allocator would
-    otherwise hand a plane a freed buffer up to two pages larger, read by its
-    vector kernel, which rounds otherwise: with the cache off the kernel, and
-    so the bits, follow from the planes' rows alone. The clear drops what the
-    cache already holds (a limit only stops it growing). What MLX frees then
-    goes to CUDA's own memory pool, told to keep it reserved
-    (``keep_freed_memory``), so allocating afresh reuses memory rather than
-    mapping it again."""
-    mx.set_cache_limit(0)
-    mx.clear_cache()
-    keep_freed_memory()
 

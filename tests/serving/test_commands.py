@@ -357,26 +357,6 @@ def test_help_is_mlx_lms_with_muser_kvs_flags(command, theirs, capsys):
         assert flag in text
 
 
-def test_exact_buffers_turns_mlxs_buffer_cache_off_for_the_command(local_muse_model, capsys):
-    """generate --exact-buffers: what the run frees is never cached to be handed
-    out again (muser_kv.exact_buffers), and the tokens are the run's without it."""
-    limit = mx.set_cache_limit(0)
-    mx.set_cache_limit(limit)
-    try:
-        assert muser_kv_main(generate_args(local_muse_model, tokens=8)) == 0
-        plain = capsys.readouterr().out
-        assert mx.get_cache_memory() > 0  # MLX's default: freed buffers are cached
-        assert muser_kv_main(generate_args(local_muse_model, "--exact-buffers", tokens=8)) == 0
-        exact = capsys.readouterr().out
-        assert mx.get_cache_memory() == 0
-    finally:
-        mx.set_cache_limit(limit)
-    text = [line for line in exact.splitlines() if "=====" not in line and "tokens-per-sec" not in
-            line and "Peak memory" not in line]
-    assert text and text == [line for line in plain.splitlines() if "=====" not in line and
-                             "tokens-per-sec" not in line and "Peak memory" not in line]
-
-
 def test_a_run_leaves_mlx_lm_as_it_found_it(local_muse_model, capsys):
     before = (GENERATE.load, GENERATE.stream_generate,
               GENERATE.setup_arg_parser, list(sys.argv))

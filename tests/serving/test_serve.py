@@ -44,7 +44,6 @@ from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import metal_plugin
-import mlx.core as mx
 import pytest
 from local_model import write_local_model
 from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, serve_args, serving, words
@@ -372,29 +371,6 @@ def test_the_provider_installs_muser_kv_on_every_model_it_loads(model_dir):
     plain = serve.MuseModelProvider(parse(["--model", str(model_dir), "--max-context", "64"]))
     plain.load("default_model")
     assert plain.is_batchable and muser_kv.installed(plain.model).max_context == 64
-
-
-def test_exact_buffers_turns_mlxs_buffer_cache_off_for_the_server(model_dir):
-    """--exact-buffers: no freed buffer is kept to be handed out again (what MLX
-    CUDA's decode attention would read with another kernel); without it MLX's
-    default is left alone."""
-    limit = mx.set_cache_limit(0)
-    mx.set_cache_limit(limit)
-
-    def freed_and_kept() -> int:
-        a = mx.zeros((1 << 20,))
-        mx.eval(a)
-        del a
-        return mx.get_cache_memory()
-
-    try:
-        serve.MuseModelProvider(parse(["--model", str(model_dir)]))
-        assert freed_and_kept() > 0  # MLX's default: a freed buffer is cached
-        serve.MuseModelProvider(parse(["--model", str(model_dir), "--exact-buffers"]))
-        assert mx.get_cache_memory() == 0  # what was cached is gone
-        assert freed_and_kept() == 0
-    finally:
-        mx.set_cache_limit(limit)
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_queued(model_dir):

@@ -51,15 +51,6 @@ class FakeRuntime:
         self.calls.append(("clear",))
         return 0
 
-    def cudaDeviceGetDefaultMemPool(self, out, device):
-        self.calls.append(("pool", device))
-        out._obj.value = 0x7000 + device
-        return 0
-
-    def cudaMemPoolSetAttribute(self, pool, attribute, value):
-        self.calls.append(("set", pool.value, attribute, value._obj.value))
-        return self.fail
-
 
 def prefetch_call(rt):
     (name, args), = [c for c in rt.calls if c[0].startswith("cudaMem")]
@@ -190,19 +181,4 @@ def test_host_copies_are_the_same_bits_in_other_buffers_where_host_reads_move(dt
     assert c.dtype == a.dtype and c.shape == a.shape
     np.testing.assert_array_equal(np.array(c.view(mx.uint8)), np.array(a.view(mx.uint8)))
     assert _address(c) != _address(a)
-
-
-def test_the_pool_keeps_what_is_freed_into_it_on_the_loaded_runtime(monkeypatch):
-    """--exact-buffers: the device's default pool gets a release threshold of
-    everything; a failed call is False with the runtime's error cleared; no
-    CUDA, no call."""
-    rt = FakeRuntime(13000)
-    monkeypatch.setattr(managed, "prefetcher", lambda: managed.Prefetcher(rt, device=2))
-    assert managed.keep_freed_memory() is True
-    assert rt.calls == [("pool", 2), ("set", 0x7002, managed.RELEASE_THRESHOLD, 2 ** 64 - 1)]
-    failing = FakeRuntime(13000, fail=1)
-    monkeypatch.setattr(managed, "prefetcher", lambda: managed.Prefetcher(failing, device=0))
-    assert managed.keep_freed_memory() is False and ("clear",) in failing.calls
-    monkeypatch.setattr(managed, "prefetcher", lambda: None)
-    assert managed.keep_freed_memory() is False
 

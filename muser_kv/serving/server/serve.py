@@ -93,7 +93,6 @@ from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
 from muser_kv.serving.server.serve_flags import PROG, argparse_with
 from muser_kv.serving.server.warm_up import warm_up
-from muser_kv.sessions import managed
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -165,9 +164,6 @@ class MuseModelProvider(mlx.server.ModelProvider):
         #: for (mlx-lm loads ``--model`` in its generation thread, after /health
         #: already answers 200)
         self.ready = cli_args.model is None
-        if getattr(cli_args, "exact_buffers", False):
-            managed.exact_buffers()
-            log.info("muser-kv serve: --exact-buffers: MLX's buffer cache is off")
         if cli_args.model is not None:
             geometry = check_model(cli_args.model, cli_args.max_context)
             budget = getattr(cli_args, "kv_memory", None)

@@ -51,11 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the checkpoint below it (a positive multiple of 256; default "
                         f"{DEFAULT_CHECKPOINT}; 0: off); batched requests only "
                         "(docs/store.md)")
-    g.add_argument("--exact-buffers", action="store_true",
-                   help="turn MLX's buffer cache off, so every buffer is allocated at its own "
-                        "size: MLX CUDA then reads a decode step's K/V with the kernel the "
-                        "planes' rows decide, whatever ran before (muser_kv.exact_buffers, "
-                        "docs/serving.md; no effect on what the CPU computes)")
     g.add_argument("--context-policy", choices=("shift", "error"), default="shift",
                    help="a request whose prompt and max_tokens do not fit --max-context: shift "
                         "(default) drops a chat's oldest whole turns (never its system messages "
