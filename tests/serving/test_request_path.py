@@ -10,6 +10,7 @@ disk with the local chat template; mlx-lm's ``_tokenize`` is counted."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -88,9 +89,10 @@ def ask(gen, messages: List[Dict[str, str]], max_tokens: int = 3):
 
 
 def test_a_chat_that_fits_is_tokenized_once_for_the_handler_and_the_generation_thread(
-        generator, counted):
+        generator, counted, caplog):
     messages = chat(3, 40)
-    ctx, tokens = ask(generator, messages)
+    with caplog.at_level(logging.INFO, logger="muser_kv.serving.server.serve"):
+        ctx, tokens = ask(generator, messages)
     assert counted == [len(messages)], (
         f"mlx-lm's _tokenize rendered chats of {counted} messages for one request of "
         f"{len(messages)}: the generation thread must serve the handler's tokenization")
@@ -98,16 +100,20 @@ def test_a_chat_that_fits_is_tokenized_once_for_the_handler_and_the_generation_t
     assert list(ctx.prompt) == list(tokenizer.apply_chat_template(
         messages, add_generation_prompt=True))
     assert len(tokens) == 3
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("muser-kv request:")]
+    assert len(said) == 1 and said[0].startswith(f"muser-kv request: {len(ctx.prompt)} prompt tokens")
+    assert "(tokenizations: 1)" in said[0]
 
 
 def test_a_shifted_chat_is_served_as_the_policy_kept_it_each_candidate_tokenized_once(
-        generator, counted):
+        generator, counted, caplog):
     """Too long for the context: the handler renders the whole chat, then the
     candidates of its bisection; the generation thread renders nothing more, and
     the prompt it serves is the kept chat's (the system message and the newest
     whole turns), as mlx-lm tokenizes it."""
     messages = chat(12, 90)  # a system message and 12 turns of ~94 tokens: over 1,024
-    ctx, _ = ask(generator, messages)
+    with caplog.at_level(logging.INFO, logger="muser_kv.serving.server.serve"):
+        ctx, _ = ask(generator, messages)
     assert counted[0] == len(messages) and len(counted) > 1
     assert len(counted) == len(set(counted)), (
         f"mlx-lm's _tokenize rendered chats of {counted} messages: one list rendered twice")
@@ -123,3 +129,7 @@ def test_a_shifted_chat_is_served_as_the_policy_kept_it_each_candidate_tokenized
             break
     assert kept is not None, "the served prompt is no rendered suffix of whole turns"
     assert list(ctx.prompt) == list(tokenizer.apply_chat_template(kept, add_generation_prompt=True))
+    dropped = sum(m["role"] == "user" for m in messages) - sum(m["role"] == "user" for m in kept)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("muser-kv request:")]
+    assert len(said) == 1 and said[0].startswith(f"muser-kv request: {n} prompt tokens, ")
+    assert said[0].endswith(f"(tokenizations: {len(counted)}, {dropped} turns dropped)")

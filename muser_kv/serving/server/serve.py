@@ -389,10 +389,17 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         ``tokenizer`` and context are given."""
         if isinstance(request, FittedRequest) and request.fit is None:
             cli = self.model_provider.cli_args
-            request.settle(fit_request(
+            start = time.perf_counter()
+            fit = fit_request(
                 request, args.max_tokens, max_context,
                 ContextPolicy(getattr(cli, "context_policy", "shift")),
-                getattr(cli, "context_keep", 0), lambda r: self._prompt(tokenizer, r, args)))
+                getattr(cli, "context_keep", 0), lambda r: self._prompt(tokenizer, r, args))
+            request.settle(fit)
+            dropped = (f", {fit.turns_dropped} turns dropped" if fit.turns_dropped else
+                       f", {fit.tokens_dropped} tokens dropped" if fit.tokens_dropped else "")
+            log.info("muser-kv request: %d prompt tokens, tokenized and fitted in %.3f s "
+                     "(tokenizations: %d%s)", fit.prompt_tokens, time.perf_counter() - start,
+                     len(request.tokenizations), dropped)
 
     def _positions(self, request: Any, args: Any) -> Optional[int]:
         """The positions ``request`` may write (its prompt and ``max_tokens``, as
