@@ -26,6 +26,18 @@ as well as muser-kv's?
    picks (section 3). Steps waited for one by one, and pipelined as mlx-lm's
    ``generate_step`` runs them (the previous step's attention in flight).
 
+5. **Repeats** (``--repeats``): a whole list written and read as a forward
+   does, ``--runs`` times from new caches (growing and preallocated): three
+   prefill chunks of synthetic K/V (200, 100 and 300 rows, across the 256- and
+   512-row allocations), then ``--steps`` one-token steps, every layer's
+   ``update_and_fetch`` and SDPA in one graph per step; the layers' queries
+   independent (the test's way) or chained (each layer's query after the
+   previous layer's output, a model's way). Per run the K/V rows handed to
+   attention (copied) and the outputs are compared with run 1's: rows equal
+   and outputs not is attention varying over the same rows. Run it under
+   ``MLX_USE_CUDA_GRAPHS=0`` or ``MLX_CUDA_USE_CUDNN_SDPA=0`` to see which part
+   of MLX CUDA varies (``bash benchmarks/device.sh repeats``).
+
     bash benchmarks/device.sh determinism                     # H200: SDPA, then the real model
     bash benchmarks/device.sh buffers                         # H200: sections 1, 3 and 4
     python3 benchmarks/determinism.py                          # SDPA only
@@ -59,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--model", action="store_true", help="also run the model check")
     p.add_argument("--writes", action="store_true",
                    help="also check that decode writes reuse the planes' buffers (section 4)")
+    p.add_argument("--repeats", action="store_true",
+                   help="also run a whole list's writes and reads several times (section 5)")
     p.add_argument("--prompt", type=int, default=4096, help="model prompt tokens (default 4096)")
     p.add_argument("--steps", type=int, default=4, help="greedy decode steps per run (default 4)")
     H.add_flags(p, ("layers", "hidden", "intermediate", "vocab", "heads", "window", "max_position"),
@@ -198,6 +212,75 @@ def _writes(model, system: str, preallocate: bool, pipelined: bool, dtype, args)
     return extra, max(c.state[0].nbytes for c in cache)
 
 
+#: section 5's prefill chunks: across the 256- and 512-row allocations
+REPEAT_CHUNKS = (200, 100, 300)
+
+
+def repeat_rows(args) -> List[List[Any]]:
+    """Section 5: per dtype, allocation and query order, how many of ``--runs``
+    runs gave run 1's K/V rows and run 1's outputs, and where the first output
+    differed."""
+    rows = []
+    for name in args.dtypes:
+        model = H.build_model(args, name, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=8, vocab_size=256)
+        for preallocate in (False, True):
+            for chained in (False, True):
+                runs = [_repeat(model, preallocate, chained, H.DTYPES[name], args)
+                        for _ in range(args.runs)]
+                rows.append([name, "preallocated" if preallocate else "growing",
+                             "chained" if chained else "independent",
+                             *_agreement(runs), args.runs - 1])
+        del model
+        mx.clear_cache()
+    return rows
+
+
+def _agreement(runs: List[List[Any]]) -> List[Any]:
+    """Runs whose every step's K/V rows equal run 1's; runs whose every output
+    does; the first (step, layer) whose output differs from run 1's."""
+    first, rows_same, outs_same, where = runs[0], 0, 0, "-"
+    for run in runs[1:]:
+        rows_same += all(np.array_equal(a, b) for s, t in zip(first, run)
+                         for a, b in zip(s[0], t[0]))
+        same = True
+        for step, (s, t) in enumerate(zip(first, run)):
+            for layer, (a, b) in enumerate(zip(s[1], t[1])):
+                if same and not np.array_equal(a, b):
+                    same = False
+                    where = where if where != "-" else f"step {step}, layer {layer}"
+        outs_same += same
+    return [rows_same, outs_same, where]
+
+
+def _repeat(model, preallocate: bool, chained: bool, dtype, args) -> List[Any]:
+    """One run of section 5: per step, the K/V rows each layer handed attention
+    (copied in the same graph, so no write is kept from reusing its buffer) and
+    each layer's output, as bits."""
+    a = model.args
+    cache = muser_kv.make_prompt_cache(model, max_context=4096, preallocate=preallocate)
+    steps = []
+    for i, n in enumerate(REPEAT_CHUNKS + (1,) * args.steps):
+        key = mx.random.key(args.seed + i)
+        k, v, q = (mx.random.normal((1, h, n, a.head_dim), key=part).astype(dtype)
+                   for h, part in zip((a.num_key_value_heads, a.num_key_value_heads,
+                                       a.num_attention_heads), mx.random.split(key, 3)))
+        mx.eval(k, v, q)
+        masks = [c.make_mask(n, window_size=None if c.kind.value == "full_attention"
+                             else c.window_size) for c in cache]  # before the writes, as a model
+        outs, copies = [], []
+        for c, mask in zip(cache, masks):
+            keys, values = c.update_and_fetch(k, v)
+            query = q if not (chained and outs) else q + 0 * outs[-1][..., -1:, :]
+            outs.append(mx.fast.scaled_dot_product_attention(query, keys, values, scale=0.088,
+                                                             mask=mask))
+            # one row more: a copy, never a view of the planes
+            copies.append(mx.concatenate([keys, values, keys[:, :, :1]], axis=2))
+        mx.eval(outs, copies)
+        steps.append(([H.bits(x) for x in copies], [H.bits(o) for o in outs]))
+    return steps
+
+
 def one_run(model, prompt: mx.array, args, system: str, _run: int) -> List[np.ndarray]:
     """From a new cache: the prefill in 2,048-token chunks, then greedy steps; the logits' bits."""
     cache = H.prompt_cache(system, model)
@@ -246,6 +329,13 @@ def main(argv=None) -> Dict[str, Any]:
                  "steps that copied", "of"], out["writes"],
                 title=f"4. Decode writes after a {args.prompt:,}-token fill: does each step reuse "
                       "the planes' buffers? (peak memory of a step's writes above what was held)")
+    if args.repeats:
+        out["repeats"] = repeat_rows(args)
+        H.table(["dtype", "planes", "queries", "K/V rows = run 1", "outputs = run 1",
+                 "first output differing", "of"], out["repeats"],
+                title=f"5. A whole list's writes and reads, {args.runs} runs from new caches "
+                      f"(prefill chunks {', '.join(map(str, REPEAT_CHUNKS))}, then "
+                      f"{args.steps} steps): how many runs equal run 1")
     if args.model:
         out["model"] = model_rows(args)
         H.table(["dtype", "cache", "step", "bitwise = run 1"], out["model"],

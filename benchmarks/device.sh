@@ -30,6 +30,8 @@
 #   bash benchmarks/device.sh buffers    # what decode attention depends on beside the rows: SDPA
 #                                        # over own / recycled buffers, whether decode writes reuse
 #                                        # the planes' buffers, tests/caches/test_owned_buffers.py
+#   bash benchmarks/device.sh repeats    # a whole list's writes and reads three times (determinism.py
+#                                        # section 5): MLX's defaults, CUDA graphs off, cuDNN SDPA off
 #   bash benchmarks/device.sh handoff2   # NEEDS TWO GPUS (nvidia-h200-x2): a session handed between
 #                                        # two ranks of an NCCL group (mlx.launch --backend nccl), on
 #                                        # collectives (NCCL has no send/recv), against raw all_sum
@@ -152,6 +154,14 @@ handoff2)
   ;;
 determinism)
   b determinism 300 benchmarks/determinism.py --model --json "$out/determinism.json"
+  ;;
+repeats)
+  for env in MLX_DEFAULTS=1 MLX_USE_CUDA_GRAPHS=0 MLX_CUDA_USE_CUDNN_SDPA=0; do
+    echo "== $env" | tee -a "$out/repeats.md"
+    env "$env" timeout 150 python3 benchmarks/determinism.py --lengths 4097 --calls 2 --repeats \
+      --steps 6 --runs 3 --json "$out/repeats_${env%%=*}.json" 2>&1 | tee -a "$out/repeats.md" \
+      | tail -14
+  done
   ;;
 buffers)
   b buffers 300 benchmarks/determinism.py --lengths 4097,32768,131072 --calls 2 --writes \
