@@ -103,3 +103,29 @@ def test_a_raw_prompt_keeps_its_head_and_newest_tokens_only_when_it_must(n, max_
 def test_a_context_keep_that_leaves_no_room_is_refused():
     with pytest.raises(RequestRefused, match="--context-keep 63 leaves no room"):
         fit_request(raw(64), 10, 64, ContextPolicy.SHIFT, 63, words)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_search_finds_the_fewest_turns_from_any_guess_and_a_right_guess_costs_two_renders(
+        seed):
+    """``_smallest`` against a scan, from every guess, ``fits`` holding from some
+    point on (or nowhere); each candidate rendered once; a right guess renders
+    two candidates, a wrong one few more than a bisection would."""
+    from muser_kv.serving.server.context_fit import _smallest
+
+    rng = np.random.default_rng(seed)
+    hi = int(rng.integers(0, 40))
+    first = int(rng.integers(0, hi + 2))  # hi + 1: nothing fits
+    for guess in range(-1, hi + 2):
+        asked: list = []
+
+        def fits(d, asked=asked):
+            asked.append(d)
+            return d >= first
+
+        got = _smallest(fits, 0, hi, guess)
+        assert got == (first if first <= hi else None), (hi, first, guess)
+        assert len(asked) - len(set(asked)) <= 1  # the end found fitting is asked again
+        if guess == first and 0 < first <= hi:
+            assert len(set(asked)) == 2
+        assert len(set(asked)) <= 2 * (abs(guess - first) + 1).bit_length() + 2

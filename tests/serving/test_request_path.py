@@ -115,6 +115,9 @@ def test_a_shifted_chat_is_served_as_the_policy_kept_it_each_candidate_tokenized
     with caplog.at_level(logging.INFO, logger="muser_kv.serving.server.serve"):
         ctx, _ = ask(generator, messages)
     assert counted[0] == len(messages) and len(counted) > 1
+    # turns of like sizes: the guess from characters is right, so two candidates are
+    # rendered (it fits; one turn fewer dropped does not), not a bisection's log2(12) + 1
+    assert len(counted) == 3, counted
     assert len(counted) == len(set(counted)), (
         f"mlx-lm's _tokenize rendered chats of {counted} messages: one list rendered twice")
     tokenizer = generator.model_provider.tokenizer

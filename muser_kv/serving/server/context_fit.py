@@ -134,20 +134,53 @@ def _turn_starts(messages: Sequence[Any]) -> Tuple[int, List[int]]:
     return len(chat.system), starts
 
 
-def _smallest(fits: Callable[[int], bool], lo: int, hi: int) -> Optional[int]:
-    """The smallest ``d`` in ``[lo, hi]`` with ``fits(d)`` (``None``: none), by
-    bisection: dropping more turns never lengthens a rendered prompt. The ``d``
-    returned always fits (bisection keeps its upper end where ``fits`` held)."""
-    if lo > hi or not fits(hi):
+def _smallest(fits: Callable[[int], bool], lo: int, hi: int, guess: int) -> Optional[int]:
+    """The smallest ``d`` in ``[lo, hi]`` with ``fits(d)`` (``None``: none);
+    ``fits`` holds from some ``d`` on (dropping more turns never lengthens a
+    rendered prompt). Each call of ``fits`` tokenizes a candidate, so the search
+    starts at ``guess`` and gallops away from it, then bisects: a right guess
+    costs two calls (it fits, one fewer does not), a wrong one about twice the
+    log of its error. The ``d`` returned always fits."""
+    if lo > hi:
         return None
-    a, b = lo, hi
-    while a < b:
+    g = min(max(guess, lo), hi)
+    step = 1
+    if fits(g):  # the answer is in [lo, g]
+        top = g
+        while top - step >= lo and fits(top - step):
+            top -= step
+            step *= 2
+        a, b = max(lo, top - step + 1), top
+    else:  # the answer is in (g, hi]
+        bottom = g
+        while bottom + step < hi and not fits(bottom + step):
+            bottom += step
+            step *= 2
+        a, b = bottom + 1, min(bottom + step, hi)
+        if not fits(b):
+            return None
+    while a < b:  # b fits; everything below a does not
         mid = (a + b) // 2
         if fits(mid):
             b = mid
         else:
             a = mid + 1
     return a
+
+
+def _guess(messages: Sequence[Any], n_system: int, starts: Sequence[int], n: int,
+           most: int) -> int:
+    """The fewest oldest turns whose dropping leaves at most ``most`` of the
+    ``n`` tokens, if tokens went as the messages' characters: a start for
+    ``_smallest``, never a decision."""
+    sizes = [len(str(m.get("content", "")) if isinstance(m, dict) else "") + 1 for m in messages]
+    per_char = n / max(1, sum(sizes))
+    drop, d = float(n - most), 0
+    ends = list(starts[1:]) + [len(messages)]
+    while d < len(starts) - 1 and drop > 0:
+        drop -= per_char * sum(sizes[starts[d]:ends[d]])
+        d += 1
+    return d
 
 
 def fit_chat(request: Any, max_tokens: int, max_context: int,
@@ -179,7 +212,8 @@ def fit_chat(request: Any, max_tokens: int, max_context: int,
 
     newest = len(starts) - 1
     for room in (max_tokens, 1):
-        d = _smallest(fits(room), 0, newest)
+        d = _smallest(fits(room), 0, newest,
+                      _guess(messages, n_system, starts, n, max_context - room))
         if d is not None:
             return Fit(True, length_of(d), turns_dropped=d,
                        messages=kept(d) if d else None)
