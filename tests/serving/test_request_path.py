@@ -21,6 +21,7 @@ from local_model import write_local_model
 from servers import serve_args, words
 
 from muser_kv.serving.server import serve
+from muser_kv.serving.server.handler import LAST_REQUEST
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 
 CONTEXT = 1024
@@ -103,6 +104,13 @@ def test_a_chat_that_fits_is_tokenized_once_for_the_handler_and_the_generation_t
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("muser-kv request:")]
     assert len(said) == 1 and said[0].startswith(f"muser-kv request: {len(ctx.prompt)} prompt tokens")
     assert "(tokenizations: 1)" in said[0]
+    # asked again, the prompt cache reuses a prefix and mlx-lm drops the segments it
+    # covers; the tokenization the request keeps, shared by its two threads, stays whole
+    again, _ = ask(generator, messages)
+    assert again.prompt_cache_count > 0
+    kept = LAST_REQUEST.request
+    ((_, (prompt, segments, *_)),) = kept.tokenizations.values()
+    assert list(prompt) == list(ctx.prompt) and sum(map(len, segments)) == len(prompt)
 
 
 def test_a_shifted_chat_is_served_as_the_policy_kept_it_each_candidate_tokenized_once(
