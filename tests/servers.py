@@ -208,6 +208,19 @@ class RedisServer:
         self._log.close()
 
 
+def generation_args(max_tokens: int, logprobs: bool = True) -> Any:
+    """mlx-lm's server's arguments for one greedy request, as its handler builds
+    them, for a generation thread fed in this process."""
+    import mlx_lm.server as s
+
+    return s.GenerationArguments(
+        model=s.ModelDescription("default_model", "default_model", None),
+        sampling=s.SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.0),
+        logits=s.LogitsProcessorArguments(None, 1.0, 20, 0.0, 20, 0.0, 20),
+        stop_words=[], max_tokens=max_tokens, num_draft_tokens=3, logprobs=logprobs,
+        top_logprobs=0, seed=None, chat_template_kwargs=None)
+
+
 def serve_args(argv: Sequence[str]) -> Any:
     """The namespace ``muser-kv serve argv`` parses, through mlx-lm's own
     ``main`` with its server loop stubbed out; the substituted names are put back."""

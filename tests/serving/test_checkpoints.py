@@ -26,7 +26,7 @@ import mlx_lm.server as mlx_server
 import numpy as np
 import pytest
 from local_model import write_local_model
-from servers import ids, serve_args, words
+from servers import generation_args, ids, serve_args, words
 
 import muser_kv
 from muser_kv.serving.checkpoints import (
@@ -208,16 +208,6 @@ class Server:
 
     def stop(self) -> None:
         self.gen.stop_and_join()
-
-
-def generation_args(max_tokens: int) -> Any:
-    s = mlx_server
-    return s.GenerationArguments(
-        model=s.ModelDescription("default_model", "default_model", None),
-        sampling=s.SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.0),
-        logits=s.LogitsProcessorArguments(None, 1.0, 20, 0.0, 20, 0.0, 20),
-        stop_words=[], max_tokens=max_tokens, num_draft_tokens=3, logprobs=True,
-        top_logprobs=0, seed=None, chat_template_kwargs=None)
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import mlx_lm.server as mlx_server
 import pytest
 from local_model import write_local_model
-from servers import serve_args, words
+from servers import generation_args, serve_args, words
 
 from muser_kv.serving.server import serve
 from muser_kv.serving.server.handler import LAST_REQUEST
@@ -62,16 +62,6 @@ def generator(model_dir):
     gen.stop_and_join()
 
 
-def args(max_tokens: int) -> Any:
-    s = mlx_server
-    return s.GenerationArguments(
-        model=s.ModelDescription("default_model", "default_model", None),
-        sampling=s.SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.0),
-        logits=s.LogitsProcessorArguments(None, 1.0, 20, 0.0, 20, 0.0, 20),
-        stop_words=[], max_tokens=max_tokens, num_draft_tokens=3, logprobs=False,
-        top_logprobs=0, seed=None, chat_template_kwargs=None)
-
-
 def chat(turns: int, words_per_message: int) -> List[Dict[str, str]]:
     messages = [{"role": "system", "content": words(range(2, 2 + words_per_message))}]
     for t in range(turns):
@@ -84,7 +74,7 @@ def chat(turns: int, words_per_message: int) -> List[Dict[str, str]]:
 
 def ask(gen, messages: List[Dict[str, str]], max_tokens: int = 3):
     request = mlx_server.CompletionRequest("chat", "", messages, None, None)
-    ctx, responses = gen.generate(request, args(max_tokens))
+    ctx, responses = gen.generate(request, generation_args(max_tokens, logprobs=False))
     tokens = [r.token for r in responses]
     return ctx, tokens
 
