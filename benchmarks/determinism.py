@@ -56,7 +56,7 @@ import mlx.core as mx
 import numpy as np
 
 import muser_kv
-from muser_kv.core.geometry import canonical_rows
+from muser_kv.core.geometry import LayerKind, canonical_rows
 
 
 def parse_args(argv=None):
@@ -243,13 +243,11 @@ def _agreement(runs: List[List[Any]]) -> List[Any]:
     for run in runs[1:]:
         rows_same += all(np.array_equal(a, b) for s, t in zip(first, run)
                          for a, b in zip(s[0], t[0]))
-        same = True
-        for step, (s, t) in enumerate(zip(first, run)):
-            for layer, (a, b) in enumerate(zip(s[1], t[1])):
-                if same and not np.array_equal(a, b):
-                    same = False
-                    where = where if where != "-" else f"step {step}, layer {layer}"
-        outs_same += same
+        differing = [(step, layer) for step, (s, t) in enumerate(zip(first, run))
+                     for layer, (a, b) in enumerate(zip(s[1], t[1])) if not np.array_equal(a, b)]
+        outs_same += not differing
+        if differing and where == "-":
+            where = "step {}, layer {}".format(*differing[0])
     return [rows_same, outs_same, where]
 
 
@@ -266,8 +264,8 @@ def _repeat(model, preallocate: bool, chained: bool, dtype, args) -> List[Any]:
                    for h, part in zip((a.num_key_value_heads, a.num_key_value_heads,
                                        a.num_attention_heads), mx.random.split(key, 3)))
         mx.eval(k, v, q)
-        masks = [c.make_mask(n, window_size=None if c.kind.value == "full_attention"
-                             else c.window_size) for c in cache]  # before the writes, as a model
+        masks = [c.make_mask(n, window_size=None if c.kind is LayerKind.GLOBAL else c.window_size)
+                 for c in cache]  # before the writes, as a model asks
         outs, copies = [], []
         for c, mask in zip(cache, masks):
             keys, values = c.update_and_fetch(k, v)

@@ -93,7 +93,6 @@ class Prefetcher:
                         "cudaStreamCreateWithFlags")
             return stream
 
-
     def prefetch(self, address: int, nbytes: int) -> None:
         """Migrate ``[address, address + nbytes)`` to the device and wait for it."""
         self._check(self._rt.cudaSetDevice(self.device), "cudaSetDevice")  # this thread's
@@ -187,4 +186,3 @@ def to_gpu(view: np.ndarray) -> bool:
     except Exception:  # a hint that did not happen; the memory is coherent either way
         return False
     return True
-

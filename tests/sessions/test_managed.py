@@ -181,4 +181,3 @@ def test_host_copies_are_the_same_bits_in_other_buffers_where_host_reads_move(dt
     assert c.dtype == a.dtype and c.shape == a.shape
     np.testing.assert_array_equal(np.array(c.view(mx.uint8)), np.array(a.view(mx.uint8)))
     assert _address(c) != _address(a)
-

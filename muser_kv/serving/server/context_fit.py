@@ -168,8 +168,7 @@ def _smallest(fits: Callable[[int], bool], lo: int, hi: int, guess: int) -> Opti
     return a
 
 
-def _guess(messages: Sequence[Any], n_system: int, starts: Sequence[int], n: int,
-           most: int) -> int:
+def _guess(messages: Sequence[Any], starts: Sequence[int], n: int, most: int) -> int:
     """The fewest oldest turns whose dropping leaves at most ``most`` of the
     ``n`` tokens, if tokens went as the messages' characters: a start for
     ``_smallest``, never a decision."""
@@ -213,7 +212,7 @@ def fit_chat(request: Any, max_tokens: int, max_context: int,
     newest = len(starts) - 1
     for room in (max_tokens, 1):
         d = _smallest(fits(room), 0, newest,
-                      _guess(messages, n_system, starts, n, max_context - room))
+                      _guess(messages, starts, n, max_context - room))
         if d is not None:
             return Fit(True, length_of(d), turns_dropped=d,
                        messages=kept(d) if d else None)
