@@ -49,7 +49,7 @@ from local_model import write_local_model
 from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, serve_args, serving, words
 
 import muser_kv
-from muser_kv.serving.server import serve
+from muser_kv.serving.server import serve, serve_flags
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -463,6 +463,34 @@ def test_bad_flags_are_refused_by_the_parser(model_dir, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         serve.main(["--model", str(model_dir), *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cuda_attention_defaults_to_mlx_kernels_unless_the_switch_is_set():
+    """Identical repeats on MLX CUDA need MLX's own attention kernels: the
+    default sets MLX's switch to 0; an explicit flag sets it either way; an
+    environment that already chose is left as it is."""
+    switch = serve_flags.CUDNN_SWITCH
+    for environ, flag, want, value in [
+            ({}, None, "mlx", "0"), ({}, "cudnn", "cudnn", "1"), ({}, "mlx", "mlx", "0"),
+            ({switch: "1"}, None, "cudnn", "1"), ({switch: "0"}, None, "mlx", "0"),
+            ({switch: "1"}, "mlx", "mlx", "0"), ({switch: "0"}, "cudnn", "cudnn", "1"),
+            ({switch: " "}, None, "mlx", "0")]:
+        got = serve_flags.cuda_attention(flag, environ)
+        assert (got, environ[switch]) == (want, value), (environ, flag)
+
+
+def test_the_parsed_flags_set_mlx_cuda_attention_before_any_model_loads(model_dir, monkeypatch,
+                                                                         capsys):
+    monkeypatch.delenv(serve_flags.CUDNN_SWITCH, raising=False)
+    assert parse(["--model", str(model_dir)]).cuda_attention == "mlx"
+    assert os.environ[serve_flags.CUDNN_SWITCH] == "0"
+    assert parse(["--model", str(model_dir), "--cuda-attention", "cudnn"]).cuda_attention == "cudnn"
+    assert os.environ[serve_flags.CUDNN_SWITCH] == "1"
+    monkeypatch.setenv(serve_flags.CUDNN_SWITCH, "yes")
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", str(model_dir)])
+    assert e.value.code == 2
+    assert "MLX_CUDA_USE_CUDNN_SDPA='yes': MLX reads an integer" in capsys.readouterr().err
 
 
 def test_a_model_muser_kv_cannot_serve_is_refused_before_the_server_starts(tmp_path, capsys):

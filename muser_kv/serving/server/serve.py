@@ -12,7 +12,8 @@ afterwards:
                        ``--context-policy``, ``--context-keep``, ``--retain``,
                        ``--plane-dtype``, ``--sliding-layout``,
                        ``--kv-memory``, ``--kv-store``, ``--kv-store-bytes``,
-                       ``--kv-store-memory``, ``--kv-store-checkpoint``) and refuses
+                       ``--kv-store-memory``, ``--kv-store-checkpoint``,
+                       ``--cuda-attention``) and refuses
                        ``--kv-bits`` and ``--retain 0`` with a draft model
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
                        ``muser_kv.install`` on every model it loads, and the
@@ -164,6 +165,9 @@ class MuseModelProvider(mlx.server.ModelProvider):
         #: for (mlx-lm loads ``--model`` in its generation thread, after /health
         #: already answers 200)
         self.ready = cli_args.model is None
+        attention = getattr(cli_args, "cuda_attention", None)
+        if attention is not None and mlx_cuda():
+            log.info("muser-kv serve: attention on MLX CUDA: %s", ATTENTION[attention])
         if cli_args.model is not None:
             geometry = check_model(cli_args.model, cli_args.max_context)
             budget = getattr(cli_args, "kv_memory", None)
@@ -546,6 +550,19 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             segments, types = split_segments(segments, types, interval)
             tokenized = (prompt, segments, types, *rest)
         return tokenized
+
+
+#: what ``--cuda-attention``'s choices mean for a client, in the start-up log
+ATTENTION = {"mlx": "MLX's own kernels, a repeated request gets identical tokens "
+                    "(--cuda-attention cudnn for cuDNN's)",
+             "cudnn": "cuDNN's, a repeated request may get other tokens "
+                      "(--cuda-attention mlx for identical ones)"}
+
+
+def mlx_cuda() -> bool:
+    import mlx.core as mx
+
+    return bool(mx.cuda.is_available())
 
 
 def mx_distributed_size() -> int:

@@ -4,6 +4,7 @@ its own, after mlx-lm's flags), and the combinations it refuses."""
 from __future__ import annotations
 
 import argparse
+import os
 import types
 from typing import Any, Iterable, Optional, Sequence
 
@@ -13,6 +14,10 @@ from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval
 from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 
 PROG = "muser-kv serve"
+
+#: MLX CUDA's switch for cuDNN's attention, read once, at the process's first
+#: attention call (``supports_sdpa_cudnn``): "0" keeps MLX's own kernels.
+CUDNN_SWITCH = "MLX_CUDA_USE_CUDNN_SDPA"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +73,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "at the longest sequence's planes), one whose planes alone do not "
                         "fit is refused, and prompt-cache entries are evicted to stay within "
                         "it (default: no bound)")
+    g.add_argument("--cuda-attention", choices=("mlx", "cudnn"), default=None,
+                   help="on MLX CUDA, the attention kernels: mlx (the default, unless "
+                        f"{CUDNN_SWITCH} is set) MLX's own, so a request served again (a "
+                        "regenerate, after other traffic, after a restart over the same "
+                        "--kv-store) gets identical tokens; cudnn: cuDNN's (MLX's default), "
+                        "a faster cold prefill and decode at depth, but a repeated request "
+                        "may get other tokens (docs/serving.md). No effect elsewhere")
+
+
+def cuda_attention(choice: Optional[str], environ: Any = os.environ) -> str:
+    """Set MLX CUDA's attention switch for ``choice`` and return what it is.
+
+    Identical repeats need MLX's own kernels: cuDNN's decode attention gives
+    other bits over the same rows from one run to the next on the H200
+    (docs/serving.md), which no allocation of muser-kv's decides. Absent a
+    choice an explicit ``MLX_CUDA_USE_CUDNN_SDPA`` stands. MLX reads the
+    switch once, at its first attention call, so this runs as the flags are
+    parsed, before any model loads."""
+    if choice is None:
+        given = environ.get(CUDNN_SWITCH)
+        if given is not None and given.strip():
+            try:
+                return "cudnn" if int(given) else "mlx"
+            except ValueError:
+                raise ValueError(f"{CUDNN_SWITCH}={given!r}: MLX reads an integer "
+                                 "(0: its own attention kernels, 1: cuDNN's)") from None
+        choice = "mlx"
+    environ[CUDNN_SWITCH] = "1" if choice == "cudnn" else "0"
+    return choice
 
 
 def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
@@ -80,6 +114,10 @@ def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> 
                      "muser-kv's planes are exact f16/bf16 and are never quantized (mlx-lm's "
                      "own Muse Glimmer caches refuse it too: RotatingKVCache.to_quantized is "
                      "not implemented)")
+    try:
+        ns.cuda_attention = cuda_attention(ns.cuda_attention)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def argparse_with(argv: Sequence[str]) -> types.ModuleType:
