@@ -262,15 +262,15 @@ class MuseKVCache(ABC):
         # the int 1 exactly (True, 1.0, numpy's 1 take the checked path below)
         if N.__class__ is int and N == 1 and not return_array and not self._first_of_kind and (
                 window_size is None or window_size == self._window):
-            if self._list is not None:  # 0 check_asked, 1 here, 2 its caller
-                self._list.check_asked(2)
+            if self._list is not None:
+                self._list.check_asked()
             return None  # one token sees every row it is handed (at most the window)
         if N.__class__ is not int or N < 1:
             N = count(N, f"layer {self.layer}: make_mask N", minimum=1)
         if self._first_of_kind:
             self._before_forward(N)
         elif self._list is not None:
-            self._list.check_asked(2)
+            self._list.check_asked()
         return self._mask(N, window_size, return_array)
 
     @abstractmethod
@@ -284,12 +284,12 @@ class MuseKVCache(ABC):
         predecessor, or one write of ``n`` behind it if that layer went first)."""
         group = self._list
         if group is None:  # rebuilt alone (from_state): join the list the model hands
-            group = cachelist.adopt(self, 3)
+            group = cachelist.adopt(self)
             if group is None:
                 self._first_of_kind = False  # driven alone: a list of one, as ever
                 return
         if not self._index:  # the model asks layer 0 first: once per forward
-            group.check_caller(3)  # 0 check_caller, 1 here, 2 make_mask, 3 its caller
+            group.check_caller()
         ahead, here = self._prev.end, self.ring.end
         if ahead != here and not (self._index and ahead == here + n):
             raise group.out_of_step(self, n if self._index else 0)

@@ -100,20 +100,29 @@ def _mask_helper() -> Any:
     return helper
 
 
-def _model_frame(depth: int) -> Any:
-    """The frame of the model asking for a mask, when the frame ``depth`` up from
-    the caller of this function is mlx-lm's ``create_attention_mask`` (how
-    mlx-lm's models ask): the one above it, whose ``self`` and ``cache`` are the
-    model and the sequence it was handed. ``None`` for any other caller (a
-    custom driver, left to the in-step rule)."""
-    try:
-        caller = sys._getframe(depth + 1)
-        helper = _MASK_HELPER[0] or _mask_helper()
-        if helper is None or caller.f_code is not helper:
-            return None
-        return sys._getframe(depth + 2)
-    except ValueError:  # the stack is shallower than that
+#: frames between a cache's ``make_mask`` and mlx-lm's ``create_attention_mask``
+#: that the model lookup looks through: a wrapper cache (or a few) in between
+#: keeps every check on
+WRAPPERS = 4
+
+
+def _model_frame() -> Any:
+    """The frame of the model asking for a mask: the one above mlx-lm's
+    ``create_attention_mask`` (how mlx-lm's models ask), found among the few
+    frames above ``make_mask`` (``WRAPPERS``); its ``self`` and ``cache`` are
+    the model and the sequence it was handed. ``None`` when the mask is asked
+    otherwise (a custom driver, left to the in-step rule)."""
+    helper = _MASK_HELPER[0] or _mask_helper()
+    if helper is None:
         return None
+    frame = sys._getframe(1)  # the CacheList method; then make_mask, within a method or not
+    for _ in range(WRAPPERS + 3):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code is helper:
+            return frame.f_back
+    return None
 
 
 def _kinds(caches: Sequence[Any]) -> List[str]:
@@ -236,18 +245,18 @@ class CacheList:
 
     # -- the model ----------------------------------------------------------------
 
-    def check_caller(self, depth: int) -> None:
+    def check_caller(self) -> None:
         """Refuse a model whose layers do not fit this list, when the model is
-        found computing its masks with the list in hand (see the module doc).
-        ``make_mask``'s caller is ``depth`` frames up: when that is mlx-lm's
-        ``create_attention_mask`` (how mlx-lm's models ask for masks), the
-        model's frame is the next one up, and its ``self`` and ``cache`` are
-        read; a model once found to fit is remembered, but the sequence it
+        found computing its masks with the list in hand (see the module doc):
+        when ``make_mask`` was called by mlx-lm's ``create_attention_mask`` (how
+        mlx-lm's models ask for masks), directly or through a wrapper or a few,
+        the model's frame is the one above it, and its ``self`` and ``cache``
+        are read (``_model_frame``); a model once found to fit is remembered, but the sequence it
         hands is compared with the list every time (a slice of a used list is
         refused as a fresh one's is). Any other caller (a custom driver) costs
-        one frame lookup and is left to the in-step rule. About 2 us per
+        a few frame lookups and is left to the in-step rule. About 2 us per
         forward on a CPU, 0.2 us without a model."""
-        frame = _model_frame(depth)
+        frame = _model_frame()
         if frame is None:
             return
         local = frame.f_locals
@@ -264,17 +273,16 @@ class CacheList:
         self._check_model(owner, layers, handed)
         self._fits = weakref.ref(owner)
 
-    def check_asked(self, depth: int) -> None:
+    def check_asked(self) -> None:
         """A cache that is not its kind's first in this list, asked for a mask.
         In a model's forward over the whole list only each kind's first cache
         is asked (mlx-lm's models ask ``cache[first index of the kind]``), so a
         model asking this one holds a sequence in which it comes first: a slice
         without the list's head, or a rearrangement, refused here unless the
         sequence is the whole list (a model that asks other caches too). Found
-        as ``check_caller`` finds the model (``depth`` frames up is
-        ``make_mask``'s caller); any other caller (a custom driver) is left to
+        as ``check_caller`` finds the model; any other caller (a custom driver) is left to
         the in-step rule. Costs nothing in a forward over the whole list."""
-        frame = _model_frame(depth)
+        frame = _model_frame()
         if frame is None:
             return
         handed = frame.f_locals.get("cache")
@@ -323,16 +331,15 @@ def bind(caches: Sequence[Any], model: Any = None, model_layers: int = 0) -> Cac
     return group
 
 
-def adopt(cache: Any, depth: int) -> Optional[CacheList]:
+def adopt(cache: Any) -> Optional[CacheList]:
     """Bind the list a model hands ``cache`` when ``cache`` was rebuilt alone
     (``from_state``: mlx-lm's ``load_prompt_cache`` rebuilds a list one cache at
     a time and never tells them they are one), so a restored list keeps every
     rule of the module doc from its first forward on. The list is found as
-    ``CacheList.check_caller`` finds the model (``depth`` frames up is mlx-lm's
-    ``create_attention_mask``); it is bound only when it holds ``cache`` and
+    ``CacheList.check_caller`` finds the model; it is bound only when it holds ``cache`` and
     every member is a muser-kv cache of no list. Returns the list, or ``None``
     (a custom driver: the cache stays a list of one)."""
-    frame = _model_frame(depth)
+    frame = _model_frame()
     if frame is None:
         return None
     handed = frame.f_locals.get("cache")

@@ -293,6 +293,39 @@ def test_generate_step_on_a_slice_writes_no_layer(model_f32, used):
     assert len({c.offset for c in cache}) == 1 and cache[0].offset > used
 
 
+class Wrapped:
+    """A user's wrapper around a cache (logging, say): it hands every call on,
+    so ``make_mask`` runs one frame further from mlx-lm's mask helper."""
+
+    def __init__(self, cache):
+        self.inner = cache
+
+    def make_mask(self, *args, **kwargs):
+        return self.inner.make_mask(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("cut", SLICES)
+def test_a_wrapper_between_the_model_and_the_cache_keeps_a_slice_refused(model_f32, cut):
+    """The model is found however many wrappers (a few) stand between mlx-lm's
+    mask helper and the cache's make_mask: no wrapper turns the check off."""
+    cache = used_list(model_f32)
+    twin = used_list(model_f32)
+    wrapped = [Wrapped(Wrapped(c)) for c in cache]
+    before = state(cache)
+    with pytest.raises(CacheListMismatch):
+        model_f32(prompt(3), cache=wrapped[SLICES[cut]])
+    assert_state(cache, before)
+    other = tiny_model(num_hidden_layers=12)
+    with pytest.raises(CacheListMismatch, match="model with 12 layers"):
+        other(prompt(3), cache=wrapped + [None] * 4)
+    assert_state(cache, before)
+    got, want = model_f32(mx.array([[7]]), cache=wrapped), model_f32(mx.array([[7]]), cache=twin)
+    np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+
+
 def part_written(model):
     """A used list that a driver wrote on its first 4 layers only: out of step."""
     cache = used_list(model)
