@@ -115,7 +115,7 @@ def _model_frame() -> Any:
     helper = _MASK_HELPER[0] or _mask_helper()
     if helper is None:
         return None
-    frame = sys._getframe(1)  # the CacheList method; then make_mask, within a method or not
+    frame: Any = sys._getframe(1)  # the CacheList method; then make_mask, within a method or not
     for _ in range(WRAPPERS + 3):
         frame = frame.f_back
         if frame is None:
