@@ -49,6 +49,8 @@ suite)
   echo "selftest exit ${PIPESTATUS[0]}" | tee -a "$out/selftest.txt"
   shard="${2:-1}/${3:-1}"
   # peak-memory tests run alone: workers sharing the GPU disturb what they measure
+  # many servers start at once on one GPU (the conformance suite's 30): more than CI's 90 s each
+  MUSER_KV_TEST_SERVER_TIMEOUT=${SERVER_TIMEOUT:-300} \
   timeout 480 python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-12}" --shard "$shard" \
     -o addopts="-ra" --ignore tests/caches/test_no_plane_copy.py tests 2>&1 \
     | tee "$out/tests_${2:-1}_of_${3:-1}.log" | tail -60

@@ -18,8 +18,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT = 90
-REQUEST_TIMEOUT = 60
+#: seconds a server may take to answer /health, and a request to be answered:
+#: enough for 2 CPU cores; a run that starts many servers on one GPU at once
+#: (the conformance suite's 30, each creating its CUDA context and warming up)
+#: raises them (``MUSER_KV_TEST_SERVER_TIMEOUT``, both in seconds)
+START_TIMEOUT = float(os.environ.get("MUSER_KV_TEST_SERVER_TIMEOUT", 90))
+REQUEST_TIMEOUT = max(60.0, START_TIMEOUT * 2 / 3)
 
 
 def end(proc: "subprocess.Popen[bytes] | None") -> None:
