@@ -493,6 +493,26 @@ def test_the_parsed_flags_set_mlx_cuda_attention_before_any_model_loads(model_di
     assert "MLX_CUDA_USE_CUDNN_SDPA='yes': MLX reads an integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, says", [([], "MLX's own kernels, a repeated request gets "
+                                              "identical tokens"),
+                                        (["--cuda-attention", "cudnn"], "cuDNN's, a repeated "
+                                         "request may get other tokens")])
+def test_the_start_up_log_says_which_attention_kernels_serve_on_mlx_cuda(model_dir, monkeypatch,
+                                                                       caplog, flag, says):
+    import logging
+
+    args = parse(["--model", str(model_dir), *flag])
+    for cuda in (False, True):
+        monkeypatch.setattr(serve, "mlx_cuda", lambda cuda=cuda: cuda)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=serve.__name__):
+            serve.MuseModelProvider(args)
+        lines = [r.getMessage() for r in caplog.records if "attention" in r.getMessage()]
+        assert len(lines) == cuda, lines
+        assert all(line.startswith(f"muser-kv serve: attention on MLX CUDA: {says} (")
+                   for line in lines), lines
+
+
 def test_a_model_muser_kv_cannot_serve_is_refused_before_the_server_starts(tmp_path, capsys):
     llama = write_local_model(tmp_path / "llama", model_type="llama")
     assert serve.main(["--model", str(llama)]) == 2
