@@ -251,9 +251,9 @@ class CacheList:
         when ``make_mask`` was called by mlx-lm's ``create_attention_mask`` (how
         mlx-lm's models ask for masks), directly or through a wrapper or a few,
         the model's frame is the one above it, and its ``self`` and ``cache``
-        are read (``_model_frame``); a model once found to fit is remembered, but the sequence it
-        hands is compared with the list every time (a slice of a used list is
-        refused as a fresh one's is). Any other caller (a custom driver) costs
+        are read (``_model_frame``); a model once found to fit is remembered,
+        but the sequence it hands is compared with the list every time (a
+        slice of a used list is refused as a fresh one's is). Any other caller (a custom driver) costs
         a few frame lookups and is left to the in-step rule. About 2 us per
         forward on a CPU, 0.2 us without a model."""
         frame = _model_frame()
@@ -280,8 +280,9 @@ class CacheList:
         model asking this one holds a sequence in which it comes first: a slice
         without the list's head, or a rearrangement, refused here unless the
         sequence is the whole list (a model that asks other caches too). Found
-        as ``check_caller`` finds the model; any other caller (a custom driver) is left to
-        the in-step rule. Costs nothing in a forward over the whole list."""
+        as ``check_caller`` finds the model; any other caller (a custom driver)
+        is left to the in-step rule. Costs nothing in a forward over the whole
+        list."""
         frame = _model_frame()
         if frame is None:
             return
@@ -336,8 +337,8 @@ def adopt(cache: Any) -> Optional[CacheList]:
     (``from_state``: mlx-lm's ``load_prompt_cache`` rebuilds a list one cache at
     a time and never tells them they are one), so a restored list keeps every
     rule of the module doc from its first forward on. The list is found as
-    ``CacheList.check_caller`` finds the model; it is bound only when it holds ``cache`` and
-    every member is a muser-kv cache of no list. Returns the list, or ``None``
+    ``CacheList.check_caller`` finds the model; it is bound only when it holds
+    ``cache`` and every member is a muser-kv cache of no list. Returns the list, or ``None``
     (a custom driver: the cache stays a list of one)."""
     frame = _model_frame()
     if frame is None:
