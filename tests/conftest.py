@@ -59,16 +59,14 @@ def mlx_lm_kernel_standins(request):
         yield patched
 
 
-#: MLX CUDA's attention switch, which parsing ``muser-kv serve``'s flags sets
-CUDNN_SWITCH = "MLX_CUDA_USE_CUDNN_SDPA"
-
-
 @pytest.fixture(autouse=True)
 def mlx_cuda_attention_switch():
     """A test that parses serve's flags sets the switch for its process, as the
     server does for its own; it must not pass on to later tests, whose child
     processes (a handoff's ranks) would then compute with other kernels than
     the test process that checks them."""
+    from muser_kv.serving.server.serve_flags import CUDNN_SWITCH
+
     before = os.environ.get(CUDNN_SWITCH)
     yield
     if before is None:

@@ -503,7 +503,7 @@ def test_the_start_up_log_says_which_attention_kernels_serve_on_mlx_cuda(model_d
 
     args = parse(["--model", str(model_dir), *flag])
     for cuda in (False, True):
-        monkeypatch.setattr(serve, "mlx_cuda", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(serve, "detect", lambda cuda=cuda: "cuda" if cuda else "reference")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=serve.__name__):
             serve.MuseModelProvider(args)

@@ -83,6 +83,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
+from muser_kv.core.kernels import detect
 from muser_kv.serving.checkpoints import split_segments
 from muser_kv.serving.install import context_for, install, installed, vocab_size
 from muser_kv.serving.policy import ContextPolicy
@@ -92,7 +93,7 @@ from muser_kv.serving.server.handler import LAST_REQUEST, MuseAPIHandler, hub_ca
 from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
-from muser_kv.serving.server.serve_flags import PROG, argparse_with
+from muser_kv.serving.server.serve_flags import ATTENTION, PROG, argparse_with
 from muser_kv.serving.server.warm_up import warm_up
 from muser_kv.sessions.store import KVStore
 
@@ -166,7 +167,7 @@ class MuseModelProvider(mlx.server.ModelProvider):
         #: already answers 200)
         self.ready = cli_args.model is None
         attention = getattr(cli_args, "cuda_attention", None)
-        if attention is not None and mlx_cuda():
+        if attention is not None and detect() == "cuda":
             log.info("muser-kv serve: attention on MLX CUDA: %s", ATTENTION[attention])
         if cli_args.model is not None:
             geometry = check_model(cli_args.model, cli_args.max_context)
@@ -550,19 +551,6 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             segments, types = split_segments(segments, types, interval)
             tokenized = (prompt, segments, types, *rest)
         return tokenized
-
-
-#: what ``--cuda-attention``'s choices mean for a client, in the start-up log
-ATTENTION = {"mlx": "MLX's own kernels, a repeated request gets identical tokens "
-                    "(--cuda-attention cudnn for cuDNN's)",
-             "cudnn": "cuDNN's, a repeated request may get other tokens "
-                      "(--cuda-attention mlx for identical ones)"}
-
-
-def mlx_cuda() -> bool:
-    import mlx.core as mx
-
-    return bool(mx.cuda.is_available())
 
 
 def mx_distributed_size() -> int:

@@ -18,6 +18,11 @@ PROG = "muser-kv serve"
 #: MLX CUDA's switch for cuDNN's attention, read once, at the process's first
 #: attention call (``supports_sdpa_cudnn``): "0" keeps MLX's own kernels.
 CUDNN_SWITCH = "MLX_CUDA_USE_CUDNN_SDPA"
+#: what ``--cuda-attention``'s choices mean for a client (the start-up log says it)
+ATTENTION = {"mlx": "MLX's own kernels, a repeated request gets identical tokens "
+                    "(--cuda-attention cudnn for cuDNN's)",
+             "cudnn": "cuDNN's, a repeated request may get other tokens "
+                      "(--cuda-attention mlx for identical ones)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
