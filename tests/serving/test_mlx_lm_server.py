@@ -1,7 +1,8 @@
 """The one module that names every mlx-lm internal ``muser-kv serve`` relies on
 (``muser_kv.serving.server.mlx_lm_server``): each named member is there as
 serve uses it, a change to one is reported by its name, no other serving module
-reads an mlx-lm private past it, and every mlx-lm private serve overrides is named."""
+reads an mlx-lm private past it, and every mlx-lm member serve overrides is named
+with its parameters."""
 
 from __future__ import annotations
 
@@ -93,13 +94,20 @@ def test_no_other_serving_module_reads_an_mlx_lm_private():
 @pytest.mark.parametrize("ours", [serve.MuseModelProvider, serve.MuseResponseGenerator,
                                   serve.MuseAPIHandler, ExactPromptCache, ExactPromptTrie],
                          ids=lambda c: c.__name__)
-def test_every_mlx_lm_private_serve_overrides_is_named(ours):
+def test_every_mlx_lm_member_serve_overrides_is_named_with_its_parameters(ours):
+    """An override (``__init__`` and public methods too) calls mlx-lm's through
+    ``super()`` with its parameters: a change to them must fail at import."""
     base = ours.__mro__[1]
-    named = {(m.owner, m.name) for m in mlx.REQUIRED}
-    overrides = [n for n in vars(ours) if _private(n) and hasattr(base, n)]
+    named = {(m.owner, m.name): m for m in mlx.REQUIRED}
+    overrides = [n for n in vars(ours) if (not n.startswith("__") or n == "__init__")
+                 and any(n in vars(c) for c in base.__mro__ if c is not object)]
+    assert overrides
     for name in overrides:
         owner = next(c for c in base.__mro__ if name in vars(c))
-        assert (owner, name) in named, f"{ours.__name__} overrides {owner.__name__}.{name}, not named"
+        member = named.get((owner, name))
+        assert member is not None, f"{ours.__name__} overrides {owner.__name__}.{name}, not named"
+        if callable(vars(owner)[name]):
+            assert member.params is not None, f"{owner.__name__}.{name}: its parameters unchecked"
 
 
 def test_substituted_replaces_exactly_the_named_globals_and_puts_them_back():

@@ -6,9 +6,10 @@ surface in three ways, each listed in ``REQUIRED``:
 
 * module globals of ``mlx_lm.server`` it substitutes while it runs
   (``SUBSTITUTED``, through ``substituted``);
-* private members of mlx-lm's classes it overrides and calls through
-  ``super()`` (``ModelProvider._load``, ``ResponseGenerator._tokenize`` and
-  ``_next_request``, ``APIHandler._set_*_headers``, ...), or whose state it
+* members of mlx-lm's classes it overrides and calls through ``super()``,
+  with their parameters (``ModelProvider._load``, ``ResponseGenerator._tokenize``
+  and ``_next_request``, ``APIHandler._set_*_headers``, ``PromptTrie.add``,
+  every ``__init__``, ...), or whose state it
   reads: ``ModelProvider``'s path maps (``model_key_for``), a
   ``GenerationContext``'s ``_should_stop`` (``stopped``), the tries under
   ``LRUPromptCache`` (``ExactPromptCache``);
@@ -104,6 +105,7 @@ REQUIRED: Tuple[Member, ...] = (
     Member(server, "Response"),
     Member(server, "CompletionRequest"),
     # ModelProvider: the load serve wraps, the maps it reads
+    Member(server.ModelProvider, "__init__", ("self", "cli_args")),
     Member(server.ModelProvider, "_load", ("self", "model_path", "adapter_path", "draft_model_path")),
     Member(server.ModelProvider, "reset", ("self",)),
     Member(server.ModelProvider, "_model_map", instance=True),
@@ -123,14 +125,20 @@ REQUIRED: Tuple[Member, ...] = (
     Member(server.APIHandler, "handle_completion", ("self", "request", "stop_words")),
     Member(server.APIHandler, "_set_completion_headers", ("self", "status_code")),
     Member(server.APIHandler, "_set_stream_headers", ("self", "status_code")),
-    # the prompt cache ExactPromptCache extends
+    # the prompt cache ExactPromptCache extends; the trie ExactPromptTrie
+    # extends; the result its search builds, field by field in this order
     Member(cache, "LRUPromptCache"),
     Member(cache, "PromptTrie"),
-    Member(cache, "PromptTrieResult"),
+    Member(cache, "PromptTrieResult", ("model", "exact", "shorter", "longer", "common_prefix")),
+    Member(cache.LRUPromptCache, "__init__", ("self", "max_size", "max_bytes")),
+    Member(cache.PromptTrie, "__init__", ("self",)),
     Member(cache.LRUPromptCache, "_trie", instance=True),
     Member(cache.PromptTrie, "_trie", instance=True),
     Member(cache.LRUPromptCache, "fetch_nearest_cache", ("self", "model", "tokens")),
     Member(cache.LRUPromptCache, "insert_cache", ("self", "model", "tokens", "prompt_cache")),
+    Member(cache.PromptTrie, "add", ("self", "model", "tokens", "value")),
+    Member(cache.PromptTrie, "get", ("self", "model", "tokens")),
+    Member(cache.PromptTrie, "pop", ("self", "model", "tokens")),
     Member(cache.PromptTrie, "search", ("self", "model", "tokens")),
     Member(cache.PromptTrie, "pop_prefixes", ("self", "model", "tokens")),
     # mlx_lm.utils: a model's config and classes, before any weights
@@ -188,11 +196,6 @@ def model_key_for(provider: Any, model_path: str, adapter_path: Optional[str],
 def stopped(ctx: Any) -> bool:
     """Whether a ``GenerationContext``'s handler stopped it (its client went away)."""
     return bool(ctx._should_stop)
-
-
-def prompt_trie(prompt_cache: Any) -> Any:
-    """The trie an ``LRUPromptCache`` keeps its entries in."""
-    return prompt_cache._trie
 
 
 def set_prompt_trie(prompt_cache: Any, trie: Any) -> None:
