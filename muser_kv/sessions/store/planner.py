@@ -77,10 +77,11 @@ Span = Tuple[str, int, int]
 
 @dataclass(frozen=True)
 class PutPlan:
-    """Every object a put at ``n = len(tokens)`` records, whether or not a tier
-    holds it already: the global chunks below ``n`` (``G``), the whole chunks of
-    the window (``S``), and the point (``P``: its tail's global rows
-    ``point_globals`` and the window's sliding rows no ``S`` covers, ``runs``)."""
+    """What a put at ``n = len(tokens)`` records: of its objects -- the global
+    chunks below ``n`` (``G``), the whole chunks of the window (``S``) and the
+    point (``P``: its tail's global rows ``point_globals`` and the window's
+    sliding rows no ``S`` covers, ``runs``) -- those no tier holds yet
+    (``glob``, ``slid``, ``has_point``), and how many some tier holds (``found``)."""
 
     n: int
     glob: List[Span]
@@ -90,11 +91,24 @@ class PutPlan:
     point_globals: Tuple[int, int]
     runs: List[Tuple[int, int]]
     index_key: str
+    has_point: bool
+    found: int
+
+    def global_ranges(self) -> List[Tuple[int, int]]:
+        """The global rows to copy: each missing ``G`` chunk's, then the point's."""
+        out = [(lo, hi) for _, lo, hi in self.glob]
+        return out if self.has_point else out + [self.point_globals]
+
+    def sliding_ranges(self) -> List[Tuple[int, int]]:
+        """The sliding rows to copy: each missing ``S`` chunk's, then the point's runs."""
+        out = [(lo, hi) for _, lo, hi in self.slid]
+        return out if self.has_point else out + self.runs
 
 
-def plan_put(scope: Scope, tokens: Sequence[int], window_start: int) -> PutPlan:
-    """The objects of a put of ``tokens`` from a list whose rings hold
-    ``[window_start, n)``."""
+def plan_put(scope: Scope, tokens: Sequence[int], window_start: int,
+             stored: Callable[[str], bool]) -> PutPlan:
+    """The put of ``tokens`` from a list whose rings hold ``[window_start, n)``,
+    where ``stored(key)`` says whether some tier holds an object already."""
     n = len(tokens)
     c = n // CHUNK
     names = chunks.chain(scope, tokens, c)
@@ -104,8 +118,14 @@ def plan_put(scope: Scope, tokens: Sequence[int], window_start: int) -> PutPlan:
     slid = [(chunks.object_key("S", names[j + 1]), CHUNK * j, CHUNK * (j + 1)) for j in whole]
     runs = [(window_start, first), (CHUNK * c, n)] if whole else [(window_start, n)]
     tail = tuple(tokens[CHUNK * c:])
-    return PutPlan(n, glob, slid, chunks.object_key("P", names[c], tail), tail, (CHUNK * c, n),
-                   [(lo, hi) for lo, hi in runs if hi > lo], chunks.object_key("I", names[c]))
+    point_key = chunks.object_key("P", names[c], tail)
+    missing_glob = [span for span in glob if not stored(span[0])]
+    missing_slid = [span for span in slid if not stored(span[0])]
+    has_point = stored(point_key)
+    found = len(glob) - len(missing_glob) + len(slid) - len(missing_slid) + has_point
+    return PutPlan(n, missing_glob, missing_slid, point_key, tail, (CHUNK * c, n),
+                   [(lo, hi) for lo, hi in runs if hi > lo], chunks.object_key("I", names[c]),
+                   has_point, found)
 
 
 # -- a lookup --------------------------------------------------------------------------------

@@ -12,9 +12,18 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 from muser_kv.caches.base import MuseKVCache
+from muser_kv.core.geometry import LayerKind
 from muser_kv.sessions.restore import LayerCut
 from muser_kv.sessions.store import chunks
 from muser_kv.sessions.store.chunks import Rows, Scope
+
+
+def window_start(entries: List[MuseKVCache], n: int) -> int:
+    """The first position every ring of a list at ``n`` tokens holds: the rings
+    hold ``[window_start, n)`` (the latest origin, should theirs differ); ``n``
+    for a list without one."""
+    return max((e.ring.origin_logical for e in entries if e.kind is LayerKind.SLIDING),
+               default=n)
 
 
 def cuts(entries: List[MuseKVCache], scope: Scope, start: int, window: List[Rows],

@@ -178,23 +178,13 @@ class KVStore:
         scope, _ = self._scopes.of(entries, model)
         if n == 0:
             return PutReport(0, 0, 0, 0, time.perf_counter() - t0)
-        # every ring holds [window_start, n) (the latest origin, should they differ)
-        window_start = max((e.ring.origin_logical for e in entries
-                            if e.kind is LayerKind.SLIDING), default=n)
-        plan = planner.plan_put(scope, tokens, window_start)
-        glob = [span for span in plan.glob if not self._tiers.has(span[0])]
-        slid = [span for span in plan.slid if not self._tiers.has(span[0])]
-        has_point = self._tiers.has(plan.point_key)
-        found = len(plan.glob) - len(glob) + len(plan.slid) - len(slid) + has_point
-        glob_ranges = [(lo, hi) for _, lo, hi in glob]
-        slid_ranges = [(lo, hi) for _, lo, hi in slid]
-        if not has_point:
-            glob_ranges.append(plan.point_globals)
-            slid_ranges.extend(plan.runs)
-        glob_rows = rows.gather(entries, scope.global_layers, glob_ranges)
-        slid_rows = rows.gather(entries, scope.sliding_layers, slid_ranges)
+        plan = planner.plan_put(scope, tokens, rows.window_start(entries, n), self._tiers.has)
+        glob, slid = plan.glob, plan.slid
+        glob_rows = rows.gather(entries, scope.global_layers, plan.global_ranges())
+        slid_rows = rows.gather(entries, scope.sliding_layers, plan.sliding_ranges())
         made = [(key, r) for (key, _, _), r in zip(glob + slid, glob_rows[:len(glob)] + slid_rows)]
-        point = None if has_point else Point(plan.tail, glob_rows[-1], tuple(slid_rows[len(slid):]))
+        point = None if plan.has_point else Point(plan.tail, glob_rows[-1],
+                                                  tuple(slid_rows[len(slid):]))
         mx.eval([a for r in glob_rows + slid_rows for a in r.arrays()])
         kept = made + ([(plan.point_key, point)] if point is not None else [])
         self._tiers.keep_all(kept, scope.encoding)
@@ -203,7 +193,8 @@ class KVStore:
         with self._lock:
             self._stats.puts += 1
             self._stats.copied_bytes += copied
-        return PutReport(n, len(made) + (point is not None), copied, found, time.perf_counter() - t0)
+        return PutReport(n, len(made) + (point is not None), copied, plan.found,
+                         time.perf_counter() - t0)
 
     def _check_owner(self, owner: Any, model: Any) -> None:
         """Refuse to put rows of a list made for ``owner`` under ``model``'s scope
