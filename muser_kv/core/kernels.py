@@ -23,6 +23,7 @@ from importlib import resources
 from typing import Callable, Dict, Optional, Sequence, Tuple, cast
 
 import mlx.core as mx
+import numpy as np
 
 from muser_kv.core.ring import Ring, Run
 
@@ -63,6 +64,19 @@ def physical_view(plane: mx.array, layout: str) -> mx.array:
         _, h, c, d = plane.shape
         return plane.transpose(0, 2, 1, 3).reshape(c, h * d)
     return plane.squeeze(0)
+
+
+def host_rows(physical: np.ndarray, layout: str, at: int, m: int, head_dim: int) -> np.ndarray:
+    """Physical rows ``at .. at + m`` of a host view of ``physical_view``'s form
+    (``[R, H*D]`` or ``[H, R, D]``) as ``[m, H, D]``: a view, so the host reads
+    a plane's rows from it and writes them through it (a save, a placed load)."""
+    if layout == TOKEN_MAJOR:
+        rows = physical[at:at + m]
+        if not rows.flags.c_contiguous:  # its reshape would be a copy: writes would be lost
+            raise ValueError(f"a token-major plane's host view must be C-contiguous, "
+                             f"got strides {physical.strides}")
+        return rows.reshape(m, -1, head_dim)
+    return physical[:, at:at + m, :].transpose(1, 0, 2)
 
 
 def place(plane: mx.array, rows: mx.array, runs: Sequence[Run], layout: str,
@@ -272,12 +286,16 @@ class KernelBackend(ReferenceBackend):
             # Nothing to convert: MLX's slice update copies the (strided) rows
             # straight into the plane, one dispatch per plane; a kernel would add one.
             return super().store(keys, values, layout, first, count, dtype=dtype)
+        # The destinations are how the selftest and the kernel tests check the
+        # device's ring arithmetic against Ring's; a store needs only the rows,
+        # and one kernel with ``count`` int32 words more costs less than a
+        # second program per type pair to compile and check.
         return self.store_with_dest(keys, values, layout, first, count, ring, start, dtype)[:2]
 
     def store_with_dest(self, keys, values, layout, first, count, ring=None, start=0,
                         dtype=PLANE_DTYPE):
         """``store`` plus each row's physical destination, translated on the device
-        from the ring's explicit origins (the seeds' batch-store arithmetic)."""
+        from the ring's explicit origins."""
         _, h, _, d = keys.shape
         shape = _rows_shape(layout, count, h, d)
         ring = ring or Ring(max(count, 1))

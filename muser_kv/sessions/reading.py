@@ -263,11 +263,7 @@ def _scatter(plane: np.ndarray, layout: str, runs: Sequence[Run], rows: np.ndarr
         if lo >= hi:
             continue
         at = run.physical + lo - run.source
-        part = rows[lo - first:hi - first]
-        if layout == kernels.TOKEN_MAJOR:
-            plane[at:at + hi - lo] = part.reshape(hi - lo, -1)
-        else:
-            plane[:, at:at + hi - lo, :] = part.transpose(1, 0, 2)
+        kernels.host_rows(plane, layout, at, hi - lo, rows.shape[-1])[...] = rows[lo - first:hi - first]
 
 
 def _read_placed(fd: int, entry: tensorfile.Entry, plane: np.ndarray, where: Placement,

@@ -149,17 +149,17 @@ class PlaneRows:
         """The rows in logical order as C-contiguous blocks: a token-major run is
         a view of the plane; head-major rows are transposed through ``staging``
         (of the plane's dtype, at least a row), as many rows at a time as it holds."""
-        row = self.row
+        row, head_dim = self.row, self.shape[-1]
         per = staging.size // row
         for run in self.runs:
-            if self.layout == kernels.TOKEN_MAJOR:
-                yield self.plane[run.physical:run.physical + run.length]
+            if self.layout == kernels.TOKEN_MAJOR:  # contiguous already
+                yield kernels.host_rows(self.plane, self.layout, run.physical, run.length, head_dim)
                 continue
             for a in range(0, run.length, per):
                 m = min(per, run.length - a)
-                at = run.physical + a
                 out = staging[:m * row].reshape(m, *self.shape[1:])
-                np.copyto(out, self.plane[:, at:at + m, :].transpose(1, 0, 2))
+                np.copyto(out, kernels.host_rows(self.plane, self.layout, run.physical + a, m,
+                                                 head_dim))
                 yield out
 
 
@@ -169,7 +169,7 @@ def plane_rows(cache: Sequence[MuseKVCache]) -> List[Tuple[str, PlaneRows]]:
     for i, c in enumerate(cache):
         runs = tuple(c.ring.live_runs())
         shape = (c.ring.len, c.kv_heads, c.head_dim)
-        for name, plane in zip(tensor_names(i), c.planes.physical(c.slot)):
+        for name, plane in zip(tensor_names(i), c.kv_state):
             out.append((name, PlaneRows(stored_view(plane), c.layout, runs, shape)))
     return out
 
