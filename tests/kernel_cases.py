@@ -16,11 +16,9 @@ KV = H * D
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 PLANES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 
-# (ring capacity, rows already live, origin, chunk): no wrap, wrap, wider than the ring
-CASES = [(16, 0, 0, 5), (16, 14, 0, 5), (16, 16, 7, 3), (16, 16, 9, 16), (16, 5, 0, 37),
-         (16, 16, 3, 40)]
-# (capacity, len, origin_logical) of a ring to snapshot / install
-RING_STATES = [(16, 0, 0), (16, 5, 0), (16, 16, 0), (16, 16, 11), (16, 16, 37)]
+# the stores and ring states the selftest checks on a GPU (muser_kv.core.kernel_cases)
+CASES = list(kernel_cases.STORE_CASES)
+RING_STATES = list(kernel_cases.RING_STATES)
 # a plane allocates whole granules of rows past its ring's capacity (geometry.ROW_GRANULE)
 ROWS = {"exact": lambda c: c, "padded": allocated_rows}
 

@@ -28,6 +28,15 @@ BF16_EDGE_BITS = [0x0000, 0x8000, 0x0001, 0x007F, 0x8001, 0x3F80, 0x3F81, 0x477F
                   0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC0, 0x7FFF, 0xFFA1]
 EDGE_BITS: Dict[mx.Dtype, List[int]] = {mx.float16: F16_EDGE_BITS, mx.bfloat16: BF16_EDGE_BITS}
 
+#: (ring capacity, rows already live, origin, chunk) of a store: empty, no wrap,
+#: wraps, full and wrapped, as wide as the ring, wider than it, a ring of 4
+STORE_CASES: Tuple[Tuple[int, int, int, int], ...] = (
+    (16, 0, 0, 5), (16, 14, 0, 5), (16, 16, 7, 3), (16, 16, 9, 16), (16, 5, 0, 37),
+    (16, 16, 3, 40), (4, 3, 0, 1))
+#: (capacity, live rows, origin) of a ring to gather from or install into
+RING_STATES: Tuple[Tuple[int, int, int], ...] = (
+    (16, 0, 0), (16, 5, 0), (16, 16, 0), (16, 16, 11), (16, 16, 37), (4, 1, 0))
+
 #: the memory layouts of model-shaped K/V ``model_kv`` builds
 LAYOUTS = ("contiguous", "strided", "broadcast", "offset", "reversed")
 

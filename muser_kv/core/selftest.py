@@ -40,7 +40,7 @@ import numpy as np
 
 from muser_kv.core import kernels
 from muser_kv.core.geometry import allocated_rows
-from muser_kv.core.kernel_cases import model_kv, plane_buffer
+from muser_kv.core.kernel_cases import RING_STATES, STORE_CASES, model_kv, plane_buffer
 from muser_kv.core.kernels import HEAD_MAJOR, TOKEN_MAJOR, KernelBackend, ReferenceBackend
 from muser_kv.core.ring import Ring
 
@@ -51,10 +51,6 @@ PLANE_DTYPES = (mx.float16, mx.bfloat16)
 # (kv_heads, head_dim): Muse Glimmer's, and one whose small inputs MLX passes in
 # `constant` memory (fewer than 8 elements)
 GEOMETRIES = ((2, 128), (1, 4))
-# (capacity, live rows, origin, chunk): empty, wraps, full and wrapped, wider than the ring
-STORE_CASES = ((16, 0, 0, 5), (16, 14, 0, 5), (16, 16, 9, 16), (16, 5, 0, 37), (16, 16, 3, 40),
-               (4, 3, 0, 1))
-RING_STATES = ((16, 5, 0), (16, 16, 0), (16, 16, 11), (16, 16, 37), (4, 1, 0))
 INPUT_LAYOUTS = ("strided", "contiguous", "offset")
 
 

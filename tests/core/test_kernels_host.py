@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from host_kernels import HostKernels, geometry_params
-from kernel_cases import EDGES, edge_values
+from kernel_cases import CASES, EDGES, PLANES, ROWS, edge_values
 
 from muser_kv import Ring
 from muser_kv.core.geometry import allocated_rows
@@ -69,14 +69,6 @@ def model_kv(n, dtype, seed, transposed):
 def bits16(a) -> np.ndarray:
     a = np.asarray(a)
     return a.view(np.uint16)
-
-
-CASES = [  # (ring capacity, rows already live, origin, chunk): no wrap, wrap, wider than ring
-    (16, 0, 0, 5), (16, 14, 0, 5), (16, 16, 7, 3), (16, 16, 9, 16), (16, 5, 0, 37), (16, 16, 3, 40),
-]
-PLANES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
-# a plane allocates whole granules of rows past its ring's capacity (geometry.ROW_GRANULE)
-ROWS = {"exact": lambda c: c, "padded": allocated_rows}
 
 
 def zeros_like_host(shape, plane: str) -> np.ndarray:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from nvrtc import recording_cuda_kernel
 
-from muser_kv.core import kernels, selftest
+from muser_kv.core import kernel_cases, kernels, selftest
 from muser_kv.core.kernels import KernelBackend
 
 NO_GPU = not (mx.metal.is_available() or mx.cuda.is_available())
@@ -73,9 +73,24 @@ def test_one_compile_per_kernel_and_type_pair(monkeypatch):
         else:  # a token-major plane goes to gather/install as one head of kv_dim
             assert seen == {(h, d, 1) for h, d in h_d} | {(1, h * d, 0) for h, d in h_d}, \
                 (group, seen)
-    # one kernel call per case, every case as before (592)
+    # one kernel call per case: the shared stores and ring states, in every
+    # geometry, plane type and layout (stage and the ring states at exact and padded rows)
     counts = {k: sum(len(c) for g, c in by_group.items() if g[0] == k) for k in selftest.KERNELS}
-    assert counts == {"batch_store": 144, "stage": 288, "gather": 80, "install": 80}, counts
+    stores = len(h_d) * len(selftest.PLANE_DTYPES) * len(selftest.INPUT_DTYPES) * 2 \
+        * len(kernel_cases.STORE_CASES)
+    per_state = len(h_d) * len(selftest.PLANE_DTYPES) * 2 * 2
+    states = per_state * len(kernel_cases.RING_STATES)
+    empty = per_state * sum(1 for _, n, _ in kernel_cases.RING_STATES if n == 0)
+    # an empty ring's gather is the reference path's (nothing to read): no kernel call
+    assert counts == {"batch_store": stores, "stage": 2 * stores, "gather": states - empty,
+                      "install": states}, counts
+    assert stores == 168 and states == 96 and empty == 16
+
+
+def _cases(kernel: str) -> int:
+    """How many cases the selftest checks ``kernel`` on (96 for gather and install)."""
+    return sum(1 for c in selftest.cases(KernelBackend("metal"), selftest.ReferenceBackend())
+               if c.kernel == kernel)
 
 
 def test_default_jobs(monkeypatch):
@@ -121,7 +136,8 @@ def test_a_broken_kernel_fails_the_selftest(emulator, monkeypatch):
     out = io.StringIO()
     assert selftest.summarize(reports, "emulated metal", out) == 1
     lines = out.getvalue().splitlines()
-    assert re.match(r"gather +FAIL +\d+ of 80 cases differ; first: H=2 D=128", lines[2]), lines[2]
+    assert re.match(rf"gather +FAIL +\d+ of {_cases('gather')} cases differ; first: H=2 D=128",
+                    lines[2]), lines[2]
     assert "key snapshot:" in lines[2] and "kernel 0x" in lines[2]
     assert all(line.split()[1] == "ok" for i, line in enumerate(lines[:4]) if i != 2)
     assert lines[-1] == "selftest FAILED: gather differs from the reference path"
@@ -147,12 +163,13 @@ def test_one_wrong_case_fails_and_is_named(emulator, monkeypatch):
     label = [c.label for c in selftest.cases(KernelBackend("metal"), selftest.ReferenceBackend())
              if c.kernel == "gather"][wrong - 1]
     [report] = reports
-    assert report.kernel == "gather" and report.cases == 80
+    assert report.kernel == "gather" and report.cases == _cases("gather")
     assert report.failures == [report.failures[0]] and report.failures[0].startswith(
         f"{label}: key snapshot: "), report.failures
     out = io.StringIO()
     assert selftest.summarize(reports, "emulated metal", out) == 1
-    assert out.getvalue().splitlines()[0].startswith(f"gather       FAIL  1 of 80 cases differ; first: {label}")
+    assert out.getvalue().splitlines()[0].startswith(
+        f"gather       FAIL  1 of {_cases('gather')} cases differ; first: {label}")
 
 
 def test_worker_processes_give_the_same_reports(emulator, monkeypatch):
@@ -166,6 +183,6 @@ def test_worker_processes_give_the_same_reports(emulator, monkeypatch):
                                  kernels_to_check=("install",), initializer=metal_plugin.install)
     assert [(r.kernel, r.cases, r.elements, r.failures) for r in spread] == \
         [(r.kernel, r.cases, r.elements, r.failures) for r in alone]
-    assert spread[0].ok and spread[0].cases == 80
+    assert spread[0].ok and spread[0].cases == _cases("install")
     with pytest.raises(ValueError, match="rebuilds the backends by name"):
         selftest.run_checks(type("Sub", (KernelBackend,), {})("metal"), mx.cpu, jobs=2)
