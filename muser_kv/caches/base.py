@@ -387,7 +387,7 @@ class MuseKVCache(ABC):
     def install(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Replace the contents with logical rows ``[n, H, D]`` (plane type) starting
         at ``start``, placed at rotation ``start % capacity``: exactly where a
-        sequentially built ring with this origin holds them (invariant 4)."""
+        sequentially built ring with this origin holds them (``Ring.installed``)."""
         where = f"KV cache for layer {self.layer}"
         n = keys.shape[0] if keys.ndim else 0
         shape = (n, self.kv_heads, self.head_dim)
@@ -449,14 +449,14 @@ class MuseKVCache(ABC):
         self.replaced()
         self.settle()
 
-    def hold(self) -> Any:
-        """What ``release`` needs to put this cache back as it is now (the arrays
-        are values: holding them costs nothing until the planes are rewritten)."""
+    def undo_point(self) -> Any:
+        """What ``undo_to`` needs to put this cache back as it is now (the arrays
+        are values: keeping them costs nothing until the planes are rewritten)."""
         return self.planes.k, self.planes.v, self.planes.rows, self.ring.copy()
 
-    def release(self, held: Any) -> None:
-        """Put back what ``hold`` took (an install that failed part-way)."""
-        self.planes.k, self.planes.v, self.planes.rows, ring = held
+    def undo_to(self, point: Any) -> None:
+        """Put back what ``undo_point`` took (an install that failed part-way)."""
+        self.planes.k, self.planes.v, self.planes.rows, ring = point
         self.ring.assign(ring)
         self.replaced()
 

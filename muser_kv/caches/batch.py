@@ -54,6 +54,7 @@ from muser_kv.caches.masks import (
     additive_mask,
     batch_chunk_mask,
     batch_decode_mask,
+    check_window,
     decode_read_rows,
 )
 from muser_kv.caches.sliding import SlidingKVCache
@@ -308,8 +309,8 @@ class BatchKVCache:
         ``None`` (or ``"causal"`` for a chunk) wherever every sequence sees the
         same rows as the others -- equal lengths, every ring full -- since MLX's
         CUDA attention reads at the bandwidth limit only without an array mask
-        (H200, bf16, one query over 131,072 rows: 0.047 ms unmasked, 1.19 ms
-        masked). Otherwise the additive form (``masks.additive_mask``, in the
+        (docs/performance.md, "What does a mask cost MLX CUDA's attention?").
+        Otherwise the additive form (``masks.additive_mask``, in the
         planes' dtype), built once per call: the model asks once per layer kind
         and every layer of the kind shares it. That is exact because every query
         row of a batch sees at least one row (its own token, or a placeholder's
@@ -318,9 +319,8 @@ class BatchKVCache:
         form, as mlx-lm's caches give it, for callers that combine masks."""
         if isinstance(N, bool) or not isinstance(N, int) or N < 1:
             raise ValueError(f"make_mask needs an int N >= 1, got {N!r}")
-        if self.kind is LayerKind.SLIDING and window_size is not None and window_size != self._window:
-            raise ValueError(f"layer {self.layer}: sliding cache built for window {self._window}, "
-                             f"asked for a mask with window {window_size}")
+        if self.kind is LayerKind.SLIDING:
+            check_window(self.layer, self._window, window_size)
         if N == 1 and self._remaining is None:
             mask: Mask = batch_decode_mask(self.kind, [s.ring for s in self.seqs], self.active,
                                            window_size, return_array)

@@ -160,10 +160,10 @@ class CacheList:
     def is_whole(self, handed: Sequence[Any]) -> bool:
         """Whether ``handed`` is this list's caches, every one, in list order
         (padded with ``None`` after them where the model's later layers keep no
-        cache: Gemma 4). Compared by identity, about 2 us for 52 layers (every
-        forward asks); where that fails, an entry that stands in for the cache
-        at its place (a wrapper that hands on its ``cache_list`` and ``layer``)
-        counts as that cache."""
+        cache: Gemma 4). Compared by identity, since every forward asks; where
+        that fails, an entry that stands in for the cache at its place (a
+        wrapper that hands on its ``cache_list`` and ``layer``) counts as that
+        cache."""
         members = self._members
         n = len(members)
         if len(handed) < n:
@@ -254,8 +254,7 @@ class CacheList:
         are read (``_model_frame``); a model once found to fit is remembered,
         but the sequence it hands is compared with the list every time (a
         slice of a used list is refused as a fresh one's is). Any other caller (a custom driver) costs
-        a few frame lookups and is left to the in-step rule. About 2 us per
-        forward on a CPU, 0.2 us without a model."""
+        a few frame lookups and is left to the in-step rule."""
         frame = _model_frame()
         if frame is None:
             return

@@ -13,6 +13,14 @@ from muser_kv.core.geometry import LayerKind
 from muser_kv.core.ring import Ring, Run
 
 
+def check_window(layer: int, built: int, asked: Optional[int]) -> None:
+    """Refuse a sliding mask asked for another window than the cache's: its
+    rows were kept for ``built``, and any other window would be silently wrong."""
+    if asked is not None and asked != built:
+        raise ValueError(f"layer {layer}: sliding cache built for window {built}, "
+                         f"asked for a mask with window {asked}")
+
+
 def causal_mask(n: int, offset: int, window: Optional[int] = None) -> mx.array:
     """``[n, offset + n]`` bool: query ``offset + i`` sees key ``j`` iff
     ``j <= offset + i`` (and ``offset + i - j < window``). mlx-lm's semantics."""
@@ -29,8 +37,8 @@ def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
     seen, -inf where not): the same attention, bit for bit, for any row that
     sees at least one key with finite scores. MLX's CUDA attention takes this
     form in its fused kernel but turns a bool mask into a float one of every
-    head first: for a 2,048-token chunk over a 4,095-row window that was 1.0 GiB
-    of temporaries and 4.0 ms against 0.06 GiB and 1.05 ms (H200, bf16). Only
+    head first, a temporary per head and a slower chunk (docs/performance.md,
+    "What does a mask cost MLX CUDA's attention?"). Only
     for rows that always see a key (a sliding chunk sees itself): a fully masked
     row, or a NaN key, would need the bool form's select."""
     return mx.where(mask, mx.array(0, dtype), mx.array(-float("inf"), dtype))

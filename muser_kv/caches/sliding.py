@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Tuple
 import mlx.core as mx
 
 from muser_kv.caches.base import INPUT_DTYPE_SET, REGIMES, Mask, MuseKVCache, State
-from muser_kv.caches.masks import additive_mask, causal_mask
+from muser_kv.caches.masks import additive_mask, causal_mask, check_window
 from muser_kv.caches.speculative import DEFAULT_RETAIN, RetainedRows
 from muser_kv.caches.writes import evaluated_with
 from muser_kv.core import kernels
@@ -57,7 +57,8 @@ class SlidingKVCache(MuseKVCache):
         if keys.shape == self._one_token and values.shape == self._one_token:
             dtype = keys.dtype
             retained = self._retained
-            # the victim of a full ring is covered (RetainedRows.covers, inlined)
+            # not _victim_uncovered() before the write, and it after, inlined:
+            # the decode path's calls are counted (tests/caches/test_decode_calls.py)
             if (dtype == values.dtype and dtype in INPUT_DTYPE_SET and (
                     not self.retain or ring.len < ring.capacity
                     or retained.start <= ring.origin_logical < retained.end)):
@@ -101,10 +102,7 @@ class SlidingKVCache(MuseKVCache):
         return out if ahead is None else evaluated_with(out, ahead)
 
     def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
-        if window_size is not None and window_size != self._window:
-            raise ValueError(
-                f"layer {self.layer}: sliding cache built for window {self._window}, "
-                f"asked for a mask with window {window_size}")
+        check_window(self.layer, self._window, window_size)
         ring = self.ring
         read = ring.read_for(n)
         if read is Read.SHADOW:  # every query sees itself: the additive form is exact
@@ -165,10 +163,14 @@ class SlidingKVCache(MuseKVCache):
         next ``retain`` rows to be overwritten now, while this step reads the
         plane anyway. The caller makes the copy part of what attention
         evaluates (``evaluated_with``); ``None`` when nothing is due."""
+        return self._take_ahead() if self._victim_uncovered() else None
+
+    def _victim_uncovered(self) -> bool:
+        """Whether this is a full ring whose next victim (its oldest row, the
+        next write's) has no retained copy: the one condition for a copy ahead."""
         ring = self.ring
-        if not self.retain or ring.len < ring.capacity or self._retained.covers(ring.origin_logical):
-            return None
-        return self._take_ahead()
+        return bool(self.retain) and ring.len == ring.capacity \
+            and not self._retained.covers(ring.origin_logical)
 
     def _take_ahead(self) -> mx.array:
         """Retain copies of the next ``retain`` rows a full ring will overwrite."""
@@ -183,8 +185,7 @@ class SlidingKVCache(MuseKVCache):
         evaluated now (taken in the same graph as the next store, it would make
         MLX copy the ring)."""
         self._retained.clear()
-        ring = self.ring
-        if self.retain and ring.len == ring.capacity:
+        if self._victim_uncovered():
             mx.eval(self._take_ahead())
 
     @property
@@ -199,7 +200,7 @@ class SlidingKVCache(MuseKVCache):
     @property
     def state(self) -> State:
         k, v = self.kv_state
-        return k, v, self.meta_state, self._retained.held()
+        return k, v, self.meta_state, self._retained.blocks()
 
     @classmethod
     def build(cls, planes: Planes, *, window: int, max_context: int, layer: int,
@@ -248,18 +249,17 @@ class SlidingKVCache(MuseKVCache):
         """Hold rows ``state`` carried (checked by ``check_retained``), then, on a
         full ring whose next victim they do not cover, take the copy ahead now."""
         self._retained.adopt(start, blocks)
-        ring = self.ring
-        if ring.len == ring.capacity and not self._retained.covers(ring.origin_logical):
+        if self._victim_uncovered():
             mx.eval(self._take_ahead())
         else:
             mx.eval(blocks)
 
-    def hold(self) -> Any:
-        return super().hold(), self._retained.copy()
+    def undo_point(self) -> Any:
+        return super().undo_point(), self._retained.copy()
 
-    def release(self, held: Any) -> None:
-        base, retained = held
-        super().release(base)
+    def undo_to(self, point: Any) -> None:
+        base, retained = point
+        super().undo_to(base)
         self._retained = retained
 
     def _detached(self) -> "SlidingKVCache":

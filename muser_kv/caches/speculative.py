@@ -5,7 +5,7 @@ A global (NoPE) plane grows into unused rows, so rewinding it is three
 integers. A sliding ring at steady state has no unused rows: each token
 overwrites the oldest live row, so the ring keeps the rows it overwrote --
 at most ``retain`` of them, a few KiB per layer -- and a rollback puts them back
-where they were. Nothing ever copies a plane (seeds Ch 23.6).
+where they were. Nothing ever copies a plane.
 
 Rows are retained before they are overwritten, so mlx-lm's own ``trim`` protocol
 is exact up to the retained depth, and refused beyond it (never silently wrong).
@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from muser_kv.core.counts import count
 
-#: The longest draft block a checkpoint covers (seeds: DFlash blocks of up to 16).
+#: The longest draft block a checkpoint covers (a speculative draft of up to 16 tokens).
 MAX_BLOCK = 16
 
 #: Rows a sliding ring retains by default, so ``trim`` is exact that deep: deep
@@ -89,9 +89,9 @@ class RetainedRows:
             self._blocks.popleft()
             self.start = self._blocks[0][0]
 
-    def held(self) -> Optional[Tuple[int, List[mx.array]]]:
-        """``(start, blocks)``: the rows held, as the contiguous blocks they were
-        copied in (``None`` when nothing is held); ``adopt`` takes them back."""
+    def blocks(self) -> Optional[Tuple[int, List[mx.array]]]:
+        """``(start, blocks)``: the rows retained, as the contiguous blocks they were
+        copied in (``None`` when none are); ``adopt`` takes them back."""
         if not self._blocks:
             return None
         return self.start, [rows for _, rows in self._blocks]

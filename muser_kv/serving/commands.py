@@ -258,7 +258,7 @@ def _saving(stream_generate: Callable[..., Iterator[Any]],
 class StoredPrompts:
     """``--kv-store``: ``stream_generate`` over a ``KVStore``. A list the store
     rebuilt, or one whose every token went through here, is known token for
-    token (``held``); a list of unknown contents (restored by mlx-lm from
+    token (``known``); a list of unknown contents (restored by mlx-lm from
     elsewhere) is passed through untouched. With logits processors (which see
     the prompt's tokens) the prompt is handed to mlx-lm whole, as it is when
     nothing is reused, and only the finished answer is put."""
@@ -266,7 +266,7 @@ class StoredPrompts:
     def __init__(self, location: str, store_bytes: Optional[int], checkpoint: int = 0):
         self.store = KVStore(location, store_bytes=store_bytes, write_behind=False)
         self.checkpoint = checkpoint
-        self.held: Dict[int, List[int]] = {}
+        self.known: Dict[int, List[int]] = {}
 
     def wrap(self, stream_generate: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
         def stream(model: Any, tokenizer: Any, prompt: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
@@ -278,7 +278,7 @@ class StoredPrompts:
             plain = (bool(cache) and all(isinstance(c, MuseKVCache) for c in cache) and not args
                      and kwargs.get("draft_model") is None
                      and kwargs.get("input_embeddings") is None)
-            history = self.held.get(id(cache), []) if plain else []
+            history = self.known.get(id(cache), []) if plain else []
             if not plain or {c.offset for c in cache} != {len(history)}:
                 yield from stream_generate(model, tokenizer, prompt, *args, **kwargs)
                 return
@@ -300,9 +300,9 @@ class StoredPrompts:
             for response in stream_generate(model, tokenizer, rest, **kwargs):
                 made.append(int(response.token))
                 yield response
-            held = (tokens + made)[:cache[0].offset]
-            self.held[id(cache)] = held
-            self.store.put(held, cache, model)
+            known = (tokens + made)[:cache[0].offset]
+            self.known[id(cache)] = known
+            self.store.put(known, cache, model)
         stream.__doc__ = stream_generate.__doc__
         return stream
 

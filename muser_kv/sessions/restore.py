@@ -320,7 +320,7 @@ class Install:
     def __init__(self, cache: Sequence[Any], *, rollback: bool):
         self.cache = cache
         self.rollback = rollback
-        self._held: List[Tuple[Any, Any]] = []
+        self._undo: List[Tuple[Any, Any]] = []
         self._done: Set[int] = set()
 
     def layer(self, i: int, start: int, keys: mx.array, values: mx.array) -> None:
@@ -329,7 +329,7 @@ class Install:
         c = self.cache[i]
         if keys.dtype != c.dtype:  # convert=True: round to nearest even
             keys, values = keys.astype(c.dtype), values.astype(c.dtype)
-        self._hold(c)
+        self._keep_undo_point(c)
         c.install(start, keys, values)
         self._installed(i, c)
 
@@ -337,13 +337,13 @@ class Install:
         """Adopt planes already holding layer ``i``'s rows where ``ring`` puts them
         (``MuseKVCache.install_planes``: a load that read them in place)."""
         c = self.cache[i]
-        self._hold(c)
+        self._keep_undo_point(c)
         c.install_planes(ring, keys, values)
         self._installed(i, c)
 
-    def _hold(self, c: Any) -> None:
-        if self.rollback:  # held first: a plane that fails half-way is put back too
-            self._held.append((c, c.hold()))
+    def _keep_undo_point(self, c: Any) -> None:
+        if self.rollback:  # kept first: a plane that fails half-way is put back too
+            self._undo.append((c, c.undo_point()))
 
     def _installed(self, i: int, c: Any) -> None:
         self._done.add(i)
@@ -354,9 +354,9 @@ class Install:
 
     def undo(self) -> None:
         """Put back every layer installed so far, as it was."""
-        for c, held in reversed(self._held):
-            c.release(held)
-        self._held.clear()
+        for c, point in reversed(self._undo):
+            c.undo_to(point)
+        self._undo.clear()
         self._done.clear()
 
     def finish(self) -> None:

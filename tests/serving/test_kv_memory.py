@@ -53,7 +53,7 @@ def test_the_budget_counts_every_slot_at_the_longest_sequence(planes):
     kv.admit("a", 100)
     assert kv.fits(90) and not kv.fits(1500)  # a longer one costs both slots more
     kv.admit("b", 90)
-    assert kv.held == two and not kv.fits(1)
+    assert kv.admitted_bytes == two and not kv.fits(1)
     kv.release("a")
     assert kv.fits(100)
     with pytest.raises(KVMemoryExceeded, match="need .* bytes \\(3000 positions"):

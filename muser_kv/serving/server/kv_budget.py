@@ -83,14 +83,14 @@ class KVBudget:
         self.admitted: dict = {}
 
     def cost(self, positions: Iterable[int]) -> int:
-        held = list(positions)
-        if not held:
+        each = list(positions)
+        if not each:
             return 0
-        longest = max(held)
-        return len(held) * self.planes.bytes(longest) + self.planes.transient(len(held), longest)
+        longest = max(each)
+        return len(each) * self.planes.bytes(longest) + self.planes.transient(len(each), longest)
 
     @property
-    def held(self) -> int:
+    def admitted_bytes(self) -> int:
         return self.cost(self.admitted.values())
 
     def check(self, positions: int) -> None:

@@ -95,7 +95,7 @@ def exact_trim_depth(caches: Sequence[Any]) -> int:
     return depth or 0
 
 
-def held_tokens(caches: Sequence[Any]) -> Optional[int]:
+def list_tokens(caches: Sequence[Any]) -> Optional[int]:
     """How many tokens a muser-kv list holds: its first layer's offset (the main
     model's, in a list that carries a draft model's caches after it); ``None``
     for a list whose first layer is not muser-kv's."""
@@ -284,16 +284,16 @@ class ExactPromptCache(LRUPromptCache):
         prefill passing a multiple of ``--kv-store-checkpoint``) is only put
         into the store, never kept as an entry."""
         if cache_type == CHECKPOINT:
-            if held_tokens(prompt_cache) == len(tokens):
+            if list_tokens(prompt_cache) == len(tokens):
                 self._put(model, tokens, prompt_cache)
             return
-        held = held_tokens(prompt_cache)
-        if held is not None and held != len(tokens):
-            if held > len(tokens) or held == 0:
+        n = list_tokens(prompt_cache)
+        if n is not None and n != len(tokens):
+            if n > len(tokens) or n == 0:
                 log.warning("muser-kv prompt cache: not keeping a cache that holds %d tokens "
-                            "under a key of %d", held, len(tokens))
+                            "under a key of %d", n, len(tokens))
                 return
-            tokens = tokens[:held]
+            tokens = tokens[:n]
         started = time.perf_counter()
         for c in prompt_cache:  # an entry holds its rows, not a growth's headroom
             if isinstance(c, MuseKVCache):
@@ -301,7 +301,7 @@ class ExactPromptCache(LRUPromptCache):
         fitted = time.perf_counter()
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         inserted = time.perf_counter()
-        if held is not None:
+        if n is not None:
             self._put(model, tokens, prompt_cache)
         if self.store is not None:
             log.info("muser-kv prompt cache: kept %d tokens (fit %.3f s, insert %.3f s, KV store "

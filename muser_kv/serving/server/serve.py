@@ -456,7 +456,7 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             for key, answers in list(self._answers.items()):
                 if answers.ctx is not None and mlx.stopped(answers.ctx):
                     self._release(key)
-            self.prompt_cache.trim_to(n_bytes=kv.budget - kv.held)
+            self.prompt_cache.trim_to(n_bytes=kv.budget - kv.admitted_bytes)
         item = self._waiting
         if item is None:
             item = super()._next_request(timeout)
@@ -480,7 +480,7 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             return None
         if self._alone is not None or not kv.fits(positions):
             log.info("muser-kv serve: a request of %d positions waits for KV memory (%d "
-                     "sequences hold %d of %d bytes)", positions, len(kv.admitted), kv.held,
+                     "sequences hold %d of %d bytes)", positions, len(kv.admitted), kv.admitted_bytes,
                      kv.budget)
             return self._wait(item, timeout)
         self.prompt_cache.trim_to(n_bytes=kv.budget - kv.cost(

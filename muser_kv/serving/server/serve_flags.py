@@ -39,8 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--num-draft-tokens when a draft model is loaded; 0: none)")
     g.add_argument("--sliding-layout", choices=("head_major", "token_major"), default="head_major",
                    help="the sliding rings' layout (default head_major: a batch's sliding "
-                        "attention on CUDA reads head-major rings 3.8x faster at 16 sequences; "
-                        "docs/batching.md)")
+                        "attention on CUDA reads head-major rings faster; docs/batching.md)")
     g.add_argument("--plane-dtype", choices=("float16", "bfloat16"), default=None,
                    help="the planes' dtype (default: the model's attention dtype, bf16 for a "
                         "bf16 model, else f16)")
@@ -91,7 +90,7 @@ def cuda_attention(choice: Optional[str], environ: Any = os.environ) -> str:
     """Set MLX CUDA's attention switch for ``choice`` and return what it is.
 
     Identical repeats need MLX's own kernels: cuDNN's decode attention gives
-    other bits over the same rows from one run to the next on the H200
+    other bits over the same rows from one run to the next
     (docs/serving.md), which no allocation of muser-kv's decides. Absent a
     choice an explicit ``MLX_CUDA_USE_CUDNN_SDPA`` stands. MLX reads the
     switch once, at its first attention call, so this runs as the flags are
