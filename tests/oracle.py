@@ -1,4 +1,4 @@
-"""The seeds' CPU oracle, in numpy: not a ring. Full history per layer, rows
+"""A CPU oracle, in numpy: not a ring. Full history per layer, rows
 converted by numpy (f16: numpy's own round to nearest even; bf16: the bit rule
 below), the window applied as a rule over logical positions. Independent of
 MLX's conversion and of the Ring."""

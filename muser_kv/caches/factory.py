@@ -43,14 +43,14 @@ def make_prompt_cache(
     of 256. Global planes grow with the sequence: 256 rows at first, doubling
     before the write that needs more, never past ``max_context`` rounded up to
     256 (one bitwise copy per doubling; at most twice the live rows, rounded up
-    to 256). ``preallocate=True`` allocates them whole now instead, the seeds'
-    planes: what a fixed-slot deployment wants (its memory is known at start and
+    to 256). ``preallocate=True`` allocates them whole now instead:
+    what a fixed-slot deployment wants (its memory is known at start and
     never grows), and what ``footprint`` reports; it needs a bound
     (``UnsupportedModel`` where there is none: pass ``max_context``).
     ``retain`` is how many overwritten rows each sliding ring keeps, i.e. how
     deep ``trim`` and speculative rollback are exact past the wrap (0 turns the
     retention and its one extra copy per token off). ``sliding_layout`` picks the
-    rings' layout (``token_major``, the seeds' default, or ``head_major``).
+    rings' layout (``token_major``, the default, or ``head_major``).
     ``plane_dtype`` (f16 or bf16) overrides the planes' type, which otherwise
     follows the model: bf16 for a model whose attention runs in bf16, else f16
     (``muser_kv.precision``). ``batch_slots`` is how many sequences a batch merged

@@ -4,8 +4,8 @@ Every byte figure in this project is derived here, from integers, never
 measured: a sliding RoPE layer owns ``min(context, window)`` rows, a global NoPE
 layer owns ``context`` rows, and one row is ``kv_heads * head_dim`` 2-byte
 elements (f16, or bf16 for a bf16 model) per plane, two planes (K and V) per
-layer. The seeds' Table 22.1 falls out of those three facts to the byte, and
-the tests hold it there.
+layer. Every footprint follows from those three facts to the byte, and the
+tests hold it there.
 
 A plane *allocates* its rows rounded up to ``ROW_GRANULE`` (256): MLX's CUDA
 attention is up to 8x slower at depth when a K/V view's row stride is not a
@@ -13,7 +13,7 @@ multiple of 256 (``docs/performance.md``). The logical limits do not move --
 a ring still wraps at ``min(context, window)`` rows and a write past
 ``max_context`` is still refused -- and ``footprint`` reports what is allocated,
 which is the formula exactly whenever the row counts are multiples of 256
-(the seeds' 2,048 and 131,072 among them).
+(2,048 and 131,072 among them).
 """
 
 from __future__ import annotations
@@ -424,7 +424,7 @@ class Footprint:
     nope_bytes: int  # one slot's global-layer planes, allocated
     per_token_below_window: int  # marginal bytes of one more token, context < window
     per_token_above_window: int  # ... and once the rings have stopped growing
-    formula_bytes: int = 0  # one slot by the seeds' formula, nothing rounded up
+    formula_bytes: int = 0  # one slot by the formula, nothing rounded up
 
     @property
     def slot_bytes(self) -> int:
@@ -436,7 +436,7 @@ class Footprint:
 
 
 def footprint(geometry: MuseGeometry, context: int, slots: int = 1) -> Footprint:
-    """The seeds' formula, ``n_swa * min(C, W) * swa_row + n_nope * C * nope_row``
+    """The footprint formula, ``n_swa * min(C, W) * swa_row + n_nope * C * nope_row``
     per slot (one row bytes for both kinds where their heads agree), over
     allocated rows (each row count rounded up to ``ROW_GRANULE``)."""
     context = count(context, "footprint context", minimum=1)

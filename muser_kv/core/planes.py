@@ -11,7 +11,7 @@ read a whole plane of one sequence.
 
 ``R`` is the allocation, always a multiple of 256 (``geometry.ROW_GRANULE``),
 the row stride MLX's CUDA attention needs for its fast path. Preallocated
-planes (the seeds' planes; ``growing=False``) allocate the ring's capacity
+planes (``growing=False``) allocate the ring's capacity
 rounded up to 256 once, and rows past the capacity are zero and never read or
 written. Growing planes (``growing=True``: a global layer's plane where a
 server holds many short chats) allocate ``geometry.canonical_rows`` of their

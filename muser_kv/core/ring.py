@@ -4,7 +4,7 @@ Physical placement is never derived from an absolute position: the only
 translation is ``(origin_physical + logical - origin_logical) % capacity``.
 Carrying both origins explicitly costs two integers and makes the rotation a
 fact that can be inspected, snapshotted and rolled back, rather than a modulus
-recomputed on demand (seeds Ch 15.2, 23.8).
+recomputed on demand.
 
 Continuity fails closed: a write at any position other than
 ``origin_logical + len`` raises ``CacheDiscontinuity`` and changes nothing, so a
@@ -190,7 +190,7 @@ class Ring:
     def copy(self) -> "Ring":
         return replace(self)
 
-    # -- reservations (seeds Ch 15.5, 23.2) ----------------------------------
+    # -- reservations ------------------------------------------------------
 
     def append(self, position: int) -> int:
         """Reserve the physical row for ``position``; advance the origins on a wrap."""
@@ -314,5 +314,6 @@ class Ring:
     @classmethod
     def installed(cls, capacity: int, start: int, count: int, layer: int = 0) -> "Ring":
         """The ring a sequential build leaves holding ``count`` rows from
-        ``start``: the rotation is ``start % capacity`` (design invariant 4)."""
+        ``start``: the rotation is ``start % capacity``, so a ring installed from
+        stored rows and one built token by token hold every row in the same place."""
         return cls(capacity, count, start, start % capacity, layer)

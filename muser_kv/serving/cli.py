@@ -97,7 +97,7 @@ def _plot(g: MuseGeometry, context: int, path: str) -> None:
     ax.axvline(g.window, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("context C (tokens)")
     ax.set_ylabel("KV bytes per slot (GB)")
-    ax.set_title("The two growth regimes (seeds Figure 22.1)")
+    ax.set_title("KV bytes per slot: the two growth regimes")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -32,7 +32,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class ContextPolicy(str, enum.Enum):
-    """What a request that does not fit does (seeds' ``ContextPolicy``)."""
+    """What a request that does not fit does."""
 
     #: Drop the oldest whole turns, rebuild the rest at true positions (default).
     SHIFT = "shift"

@@ -1,7 +1,7 @@
 """Global planes that grow with the sequence.
 
 A growing list (``make_prompt_cache``'s default) and a preallocated one
-(``preallocate=True``, the seeds' planes) fed the same tokens give the same
+(``preallocate=True``) fed the same tokens give the same
 logits and hold the same live rows, bit for bit, across growths, ring wraps,
 trims, speculative rollbacks, batches (members of different allocations merged,
 extended, filtered and extracted), session files and prompt-cache files. A

@@ -116,7 +116,7 @@ def test_logits_match_a_full_recompute(model_f32):
 
 @pytest.mark.slow
 def test_real_window_1900_plus_512_chunk():
-    """The seeds' walk on the real 2,048 window: len 1,900 + a 512 chunk advances
+    """A walk on the real 2,048 window: len 1,900 + a 512 chunk advances
     both origins by 364; contents bitwise vs the oracle, logits vs mlx-lm."""
     # CPU attention over ~2k rows is the cost here: 4 layers (3 sliding, 1
     # global) and 2 query heads keep the real window affordable.

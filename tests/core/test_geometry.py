@@ -1,4 +1,4 @@
-"""Geometry and footprint: the seeds' Table 22.1 to the byte."""
+"""Geometry and footprint: the footprint formula's figures for Muse Glimmer, to the byte."""
 
 import pytest
 
@@ -26,7 +26,7 @@ def test_table_22_1_to_the_byte():
     assert one.per_token_above_window == 13_312
     assert footprint(g, 8192, 4).total_bytes == 763_363_328
     assert footprint(g, 32768, 4).total_bytes == 2_071_986_176
-    # Two routes, one number (seeds 22.3): below the window both formulas coincide.
+    # Two routes, one number: below the window both formulas coincide.
     assert footprint(g, 2048).slot_bytes == 52 * 2048 * 1024 == 109_051_904
     assert one.slot_bytes / footprint(g, 2048).slot_bytes == 16.75
 

@@ -1,4 +1,4 @@
-"""Ring arithmetic: the seeds' walks, fail-closed continuity, and a property
+"""Ring arithmetic: walks through wraps, fail-closed continuity, and a property
 test against a plain list of positions."""
 
 import pytest

@@ -73,7 +73,7 @@ from muser_kv.serving.pool.chat_shift import shift_chat, turn_digest
 #: (docs/policy.md).
 MAX_SLOTS = 4
 
-#: Positions per prefill chunk by default (the seeds' 512-position chunks).
+#: Positions per prefill chunk by default.
 DEFAULT_PREFILL_CHUNK = 512
 
 Cache = Tuple[MuseKVCache, ...]
