@@ -1,3 +1,3 @@
-"""serving: context policy and serving slots, the server's exact prompt cache,
-mlx-lm's integration (install, commands, serve, prompt-cache files), the CLI
-and selftest. Imports any layer below."""
+"""serving: the shared context policy, the library's slot pool (``pool/``),
+``muser-kv serve`` (``server/``), mlx-lm's integration (install, the
+generate / chat / cache-prompt commands) and the CLI. Imports any layer below."""
