@@ -10,6 +10,8 @@
 #   bash benchmarks/device.sh batched    # batched decode, B = 1, 2, 4, 8 at 8k and 32k
 #   bash benchmarks/device.sh floor      # batched decode at 131072 against the floor, B = 1..16, bf16
 #   bash benchmarks/device.sh profile    # one batched decode step profiled at 131072, B = 1..32, bf16
+#   bash benchmarks/device.sh host       # serve's rings at 131072 against the floor, B = 1, 2, 8, 16;
+#                                        # then the host's build of a step and its calls (host_step.py)
 #   bash benchmarks/device.sh sessions   # save / load against raw disk, rollback
 #   bash benchmarks/device.sh returning  # TTFT of a returning 32k chat through the server's prompt cache
 #   bash benchmarks/device.sh disk       # save / load against raw disk only (sessions.py section 1)
@@ -74,6 +76,15 @@ batched)
 floor)
   b floor 580 benchmarks/batched.py --contexts 131072 --batches 1,2,4,8,16 --dtype bfloat16 \
     --blocks 3 --json "$out/floor.json"
+  ;;
+host)
+  # muser-kv alone at 131k (mlx-lm's B = 16 beside it does not fit in one call); the floor
+  # is measured in the same run
+  b floor_head 380 benchmarks/batched.py --contexts 131072 --batches 1,2,8,16 --dtype bfloat16 \
+    --systems muser-kv --blocks 3 --sliding-layout head_major --fill-chunk 16384 \
+    --json "$out/floor_head.json"
+  b host_step 170 benchmarks/host_step.py --context 32768 --batches 1,2,8,16 --dtype bfloat16 \
+    --fill-chunk 16384 --json "$out/host_step.json"
   ;;
 profile)
   b profile 580 benchmarks/profile_step.py --context 131072 --batches 1,2,4,8,16,32 \
