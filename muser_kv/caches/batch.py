@@ -142,7 +142,7 @@ class BatchKVCache:
     def offset(self) -> mx.array:
         """Every sequence's next position (``[B]`` int32: what RoPE reads)."""
         if self._offsets is None:
-            self._offsets = _offsets(tuple(s.offset for s in self.seqs))
+            self._offsets = _offsets(tuple([s.offset for s in self.seqs]))
         return self._offsets
 
     def offsets(self) -> List[int]:
@@ -223,21 +223,28 @@ class BatchKVCache:
     def _decode(self, keys: mx.array, values: mx.array) -> Pair:
         """One token per sequence: rows reserved by each ring, one scatter per plane."""
         held: List[mx.array] = []
-        rows, slots = [], []
+        rows, slots, ahead = [], [], []
         active = self.active or [True] * len(self.seqs)
         read = decode_read_rows(self.kind, [s.ring for s in self.seqs], active)
-        if self.kind is LayerKind.GLOBAL:  # room for every ring's extent after its token
-            self.planes.settle(max(s.ring.len + on for s, on in zip(self.seqs, active)))
-        for b, (s, on) in enumerate(zip(self.seqs, active)):
-            if not on:
-                continue
-            ring = s.ring
-            if isinstance(s, SlidingKVCache) and ring.len == ring.capacity:
-                kept = s.keep_overwritten(ring.origin_logical, ring.origin_logical + 1)
-                if kept is not None:
-                    held.append(kept)
-            rows.append(ring.append(ring.end))
-            slots.append(b)
+        if self.kind is LayerKind.GLOBAL:
+            extent = 0
+            for b, (s, on) in enumerate(zip(self.seqs, active)):
+                ring = s.ring
+                if on:
+                    rows.append(ring.append(ring.end))
+                    slots.append(b)
+                extent = max(extent, ring.len)
+            self.planes.settle(extent)  # room for every ring's extent after its token
+        else:
+            for b, (s, on) in enumerate(zip(_rings(self.seqs), active)):
+                if on:
+                    row, kept, due = s.decode_row()
+                    rows.append(row)
+                    slots.append(b)
+                    if kept is not None:
+                        held.append(kept)
+                    if due:
+                        ahead.append(s)
         if keys.dtype != self.planes.dtype:
             keys, values = keys.astype(self.planes.dtype), values.astype(self.planes.dtype)
         if len(slots) < len(self.seqs):
@@ -247,11 +254,10 @@ class BatchKVCache:
         else:
             self.planes.put_rows(rows, keys, values)
         out = self.planes.prefix(read, slots=len(self.seqs))
-        if self.kind is LayerKind.SLIDING:
-            for s in _rings(self.seqs):
-                ahead = s.copy_ahead()
-                if ahead is not None:
-                    held.append(ahead)
+        for s in ahead:  # after the write, as the single path's
+            copy = s.copy_ahead()
+            if copy is not None:
+                held.append(copy)
         for h in held:
             out = evaluated_with(out, h)
         return out

@@ -100,6 +100,12 @@ def batch_decode_mask(kind: LayerKind, rings: Sequence[Ring], active: Optional[S
             valid = valid & (mx.array(after).reshape(B, 1) - 1 - j < window_size)
         return valid.reshape(B, 1, 1, rows)
     rows = decode_read_rows(kind, rings, on_list)
+    if not return_array:
+        for r in rings:
+            if r.len != r.capacity:
+                break
+        else:  # every ring full, before and after the token: each holds every row read
+            return None
     # each ring's live rows once the token is written (a placeholder: the
     # rows it holds, at least its origin row), as the ring's physical runs
     runs = [_runs_after_decode(r, on) for r, on in zip(rings, on_list)]
@@ -124,14 +130,19 @@ def decode_read_rows(kind: LayerKind, rings: Sequence[Ring],
     prefix after the token; a ring's capacity, or while no ring has moved its
     origin row the longest ring after the token. The batch's read and its mask
     both ask here, so they always agree."""
-    on = active if active else [True] * len(rings)
-    longest = max(max(1, r.len + (1 if a else 0)) for r, a in zip(rings, on))
+    # plain loops: every layer of every decode step asks
+    on = active if active else None
+    longest, moved = 1, False
+    for i, r in enumerate(rings):
+        after = r.len + 1 if on is None or on[i] else r.len
+        if after > longest:
+            longest = after
+        if r.origin_physical:
+            moved = True
     if kind is LayerKind.GLOBAL:
         return longest
     capacity = rings[0].capacity
-    if all(r.origin_physical == 0 for r in rings):
-        return min(longest, capacity)
-    return capacity
+    return capacity if moved else min(longest, capacity)
 
 
 def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:

@@ -131,7 +131,25 @@ class SlidingKVCache(MuseKVCache):
     # write (``keep_overwritten``, ``keep_from_shadow``) unless a copy was taken
     # ahead; after a write that leaves a full ring whose next victim has no
     # copy, the next ``retain`` victims are copied ahead (``copy_ahead``). The
-    # single and the batch paths call these three.
+    # single and the batch paths call these three; a batch's decode asks
+    # ``decode_row`` per sequence, which applies them to one token.
+
+    def decode_row(self) -> Tuple[int, Optional[mx.array], bool]:
+        """A batch decode's token for this sequence: keep the row it overwrites
+        (``keep_overwritten``, called only where no copy covers that row),
+        reserve its row, and say whether a copy ahead is due once the batch has
+        written it (``_victim_uncovered``, after the reservation; the caller then
+        calls ``copy_ahead``). ``(row, kept copy or None, due)``: one call per
+        sequence and layer in the steady state, where both checks are inlined."""
+        ring, retained = self.ring, self._retained
+        kept = None
+        if self.retain and ring.len == ring.capacity \
+                and not retained.start <= ring.origin_logical < retained.end:
+            kept = self.keep_overwritten(ring.origin_logical, ring.origin_logical + 1)
+        row = ring.append(ring.end)
+        due = bool(self.retain) and ring.len == ring.capacity \
+            and not retained.start <= ring.origin_logical < retained.end
+        return row, kept, due
 
     def keep_overwritten(self, lo: int, hi: int) -> Optional[mx.array]:
         """Before a write that overwrites live positions ``[lo, hi)`` in place:

@@ -58,3 +58,44 @@ def test_a_decode_forward_calls_the_caches_no_more_than_mlx_lm(dtype):
     assert sum(ours.values()) <= sum(theirs.values()), (
         f"muser-kv {sum(ours.values())} calls {dict(ours)}; "
         f"mlx-lm {sum(theirs.values())} calls {dict(theirs)}")
+
+
+def batch_calls(model, b: int) -> int:
+    """Calls into ``muser_kv`` in one decode forward of ``b`` sequences merged
+    per layer as mlx-lm's ``BatchGenerator`` merges them (``cls.merge``), each
+    past the wrap."""
+    window = model.args.sliding_window
+    lists = []
+    for i in range(b):
+        cache = muser_kv.make_prompt_cache(model)
+        mx.eval(model(mx.array([list(range(1 + i, 2 * window + 9 + i))]), cache=cache))
+        lists.append(cache)
+    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*lists)]
+    for t in (3, 4):
+        mx.eval(model(mx.full((b, 1), t), cache=batch))
+    seen = [0]
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            seen[0] += 1
+
+    sys.setprofile(hook)
+    try:
+        out = model(mx.full((b, 1), 5), cache=batch)
+    finally:
+        sys.setprofile(None)
+    mx.eval(out)
+    return seen[0]
+
+
+def test_a_batch_decode_forward_adds_one_reservation_per_sequence_and_layer():
+    """mlx-lm's batch caches keep one array per layer and make the same calls
+    at any B; muser-kv's keep a ring per sequence, so each sequence costs its
+    layer one call to reserve its row (``Ring.append``) and a sliding layer one
+    more for retention (``SlidingKVCache.decode_row``), and nothing else grows
+    with B."""
+    model = tiny_model(mx.bfloat16)
+    kinds = [c.kind for c in muser_kv.make_prompt_cache(model)]
+    per_sequence = sum(2 if k is muser_kv.LayerKind.SLIDING else 1 for k in kinds)
+    one, four = batch_calls(model, 1), batch_calls(model, 4)
+    assert four - one <= 3 * per_sequence, (one, four, per_sequence)
