@@ -227,14 +227,11 @@ class BatchKVCache:
         active = self.active or [True] * len(self.seqs)
         read = decode_read_rows(self.kind, [s.ring for s in self.seqs], active)
         if self.kind is LayerKind.GLOBAL:
-            extent = 0
+            self.planes.settle(read)  # the longest ring after its token: room for every one
             for b, (s, on) in enumerate(zip(self.seqs, active)):
-                ring = s.ring
                 if on:
-                    rows.append(ring.append(ring.end))
+                    rows.append(s.ring.append(s.ring.end))
                     slots.append(b)
-                extent = max(extent, ring.len)
-            self.planes.settle(extent)  # room for every ring's extent after its token
         else:
             for b, (s, on) in enumerate(zip(_rings(self.seqs), active)):
                 if on:

@@ -253,8 +253,9 @@ class CacheList:
         the model's frame is the one above it, and its ``self`` and ``cache``
         are read (``_model_frame``); a model once found to fit is remembered,
         but the sequence it hands is compared with the list every time (a
-        slice of a used list is refused as a fresh one's is). Any other caller (a custom driver) costs
-        a few frame lookups and is left to the in-step rule."""
+        slice of a used list is refused as a fresh one's is). Any other caller
+        (a custom driver) costs a few frame lookups and is left to the in-step
+        rule."""
         frame = _model_frame()
         if frame is None:
             return
@@ -337,8 +338,8 @@ def adopt(cache: Any) -> Optional[CacheList]:
     a time and never tells them they are one), so a restored list keeps every
     rule of the module doc from its first forward on. The list is found as
     ``CacheList.check_caller`` finds the model; it is bound only when it holds
-    ``cache`` and every member is a muser-kv cache of no list. Returns the list, or ``None``
-    (a custom driver: the cache stays a list of one)."""
+    ``cache`` and every member is a muser-kv cache of no list. Returns the
+    list, or ``None`` (a custom driver: the cache stays a list of one)."""
     frame = _model_frame()
     if frame is None:
         return None

@@ -169,7 +169,7 @@ def plane_rows(cache: Sequence[MuseKVCache]) -> List[Tuple[str, PlaneRows]]:
     for i, c in enumerate(cache):
         runs = tuple(c.ring.live_runs())
         shape = (c.ring.len, c.kv_heads, c.head_dim)
-        for name, plane in zip(tensor_names(i), c.kv_state):
+        for name, plane in zip(tensor_names(i), c.planes.physical(c.slot)):
             out.append((name, PlaneRows(stored_view(plane), c.layout, runs, shape)))
     return out
 
