@@ -36,15 +36,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Un
 import mlx.core as mx
 
 from muser_kv.caches import cachelist, saved_state
+from muser_kv.caches.masks import DecodeMask
 from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core import kernels
+from muser_kv.core.attention import DecodeRead, KeyRead
 from muser_kv.core.counts import count
 from muser_kv.core.geometry import LayerKind, canonical_rows
 from muser_kv.core.kernels import INPUT_DTYPES
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Trim, Write
 
-Mask = Union[None, str, mx.array]
+Mask = Union[None, str, mx.array, DecodeMask]
 Pair = Tuple[mx.array, mx.array]
 #: ``(keys, values, meta_state, retained)``: see ``MuseKVCache.state``
 State = Tuple[mx.array, mx.array, Tuple[str, ...], Any]
@@ -86,6 +88,12 @@ class MuseKVCache(ABC):
         self._window = window
         self.backend = kernels.get_backend()
         self._one_token = (1, planes.kv_heads, 1, planes.head_dim)
+        #: the id of the keys the last fetch returned (never the array: a
+        #: reference would keep the plane from being donated to the next store),
+        #: and where they lie when not where the ring says (a staging shadow):
+        #: what ``decode_read`` describes
+        self._fetched = 0
+        self._fetched_read: Optional[KeyRead] = None
         # its place in a list (cachelist.bind); alone, a cache is a list of one:
         # its own predecessor, always in step with itself
         self._list: Optional[cachelist.CacheList] = None
@@ -247,6 +255,21 @@ class MuseKVCache(ABC):
                                             plan.position, self.dtype)
         runs = [type(r)(r.physical, r.length, r.source - first) for r in plan.runs]
         self.planes.place(k_rows, v_rows, runs, self.slot)
+
+    # -- decode attention ---------------------------------------------------------------
+
+    def decode_read(self, keys: mx.array, values: mx.array) -> Optional[DecodeRead]:
+        """Where the keys this cache's last ``update_and_fetch`` returned lie
+        (``core.attention``), when ``keys`` are those; ``None`` otherwise. The
+        ring after the write says it, unless the write returned a staging
+        shadow (``_fetched_read``)."""
+        if id(keys) != self._fetched:
+            return None
+        read = self._fetched_read
+        if read is None:
+            ring = self.ring
+            read = KeyRead(0, ring.end, ring.len, ring.origin_physical, ring.capacity)
+        return DecodeRead(keys, values, (read,), self.window)
 
     # -- masks --------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from muser_kv.caches import base, cachelist
 from muser_kv.caches.base import Mask, MuseKVCache
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.masks import (
+    DECODE_MASK,
     additive_mask,
     batch_chunk_mask,
     batch_decode_mask,
@@ -60,6 +61,7 @@ from muser_kv.caches.masks import (
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.writes import ContextOverflow, evaluated_with, require_bound
 from muser_kv.core import kernels
+from muser_kv.core.attention import DecodeRead, KeyRead, decode_attention
 from muser_kv.core.geometry import LayerKind, MuseGeometry, canonical_rows
 from muser_kv.core.planes import Planes
 
@@ -92,6 +94,8 @@ class BatchKVCache:
         #: which sequences a decode step writes (``None``: all); a sequence left
         #: out keeps its state, and its query (a placeholder) sees its own rows
         self.active: Optional[List[bool]] = None
+        self.backend = first.backend
+        self._fetched = 0  # the id of the keys the last decode step returned (decode_read)
 
     # -- building ---------------------------------------------------------------------
 
@@ -257,12 +261,26 @@ class BatchKVCache:
                 held.append(copy)
         for h in held:
             out = evaluated_with(out, h)
+        self._fetched = id(out[0])
         return out
+
+    def decode_read(self, keys: mx.array, values: mx.array) -> Optional[DecodeRead]:
+        """Where each sequence's keys lie in what the last decode step returned
+        (``core.attention``), when ``keys`` are those: slot ``b`` of the first
+        ``B``, as sequence ``b``'s ring says (a placeholder's rows as it holds
+        them). ``None`` otherwise (a chunk: MLX's attention, with its mask)."""
+        if id(keys) != self._fetched:
+            return None
+        reads = tuple([KeyRead(b, r.end, r.len, r.origin_physical, r.capacity)
+                       for b, r in enumerate([s.ring for s in self.seqs])])
+        window = self._window if self.kind is LayerKind.SLIDING else None
+        return DecodeRead(keys, values, reads, window)
 
     def _chunk(self, keys: mx.array, values: mx.array, real: List[int]) -> Pair:
         """A chunk per sequence, its first ``real[b]`` tokens its own."""
         n = keys.shape[2]
         held: List[mx.array] = []
+        self._fetched = 0
         if self.kind is LayerKind.GLOBAL:
             rows = min(max(s.ring.len for s in self.seqs) + n, self.planes.limit)
             self.planes.settle(rows)  # the rows the read spans, padding included
@@ -325,6 +343,8 @@ class BatchKVCache:
         if self.kind is LayerKind.SLIDING:
             check_window(self.layer, self._window, window_size)
         if N == 1 and self._remaining is None:
+            if not return_array and decode_attention() == "muser":
+                return DECODE_MASK  # the lengths go to attention as integers (decode_read)
             mask: Mask = batch_decode_mask(self.kind, [s.ring for s in self.seqs], self.active,
                                            window_size, return_array)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from muser_kv.caches import batch as _batch  # noqa: F401  (enters base.BATCH)
-from muser_kv.caches import cachelist, prompt_files
+from muser_kv.caches import cachelist, mlx_lm_attention, prompt_files
 from muser_kv.caches.base import MuseKVCache
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
@@ -108,5 +108,7 @@ def make_cache_for(
     for c in caches:
         c.batch_slots = batch_slots
     cachelist.bind(caches, model, model_layers=geometry.model_layers or geometry.num_layers)
+    if model is not None:
+        mlx_lm_attention.route(model)  # its decode steps attend with muser-kv's attention
     prompt_files.register()  # a list that may be saved: mlx-lm's loader must find its classes
     return caches

@@ -74,14 +74,18 @@ class GlobalKVCache(MuseKVCache):
                     live = ring.len  # the ring's extent (it never wraps)
                     if not planes.low < live <= planes.high:
                         planes.settle(live)
-                    return planes.put_token(row, keys, values, self.slot, live)
+                    kv = planes.put_token(row, keys, values, self.slot, live)
+                    self._fetched = id(kv[0])
+                    return kv
         n = self.check_input(keys, values)
         self.check_write(n)
         plan = ring.write(ring.end, n)
         self.planes.settle(plan.after.extent)
         self.store(keys, values, plan)
         ring.assign(plan.after)
-        return self.planes.prefix(ring.len, self.slot)
+        kv = self.planes.prefix(ring.len, self.slot)
+        self._fetched = id(kv[0])
+        return kv
 
     def bound_to(self, planes: Planes, slot: int) -> "GlobalKVCache":
         """A cache like this one (geometry, ring state, growth) in slot ``slot``

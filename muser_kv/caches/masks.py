@@ -154,3 +154,18 @@ def _runs_after_decode(ring: Ring, active: bool) -> List[Run]:
     after = ring.copy()
     after.append(after.end)
     return after.live_runs()
+
+
+class DecodeMask:
+    """A batch's decode-step mask when muser-kv's decode attention reads it:
+    no array at all, since that attention takes each sequence's keys as
+    integers (``core.attention``). MLX's attention refuses it (it is no array
+    and no ``"causal"``), so a step that missed muser-kv's attention fails
+    instead of attending without the sequences' lengths."""
+
+    def __repr__(self) -> str:
+        return "DecodeMask()"
+
+
+#: the one instance every batch's decode step hands the model
+DECODE_MASK = DecodeMask()

@@ -26,6 +26,7 @@ from muser_kv.caches.masks import additive_mask, causal_mask, check_window
 from muser_kv.caches.speculative import DEFAULT_RETAIN, RetainedRows
 from muser_kv.caches.writes import evaluated_with
 from muser_kv.core import kernels
+from muser_kv.core.attention import KeyRead
 from muser_kv.core.geometry import LayerKind
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Read, Ring, Trim, Write
@@ -68,9 +69,11 @@ class SlidingKVCache(MuseKVCache):
                     if dtype != planes.dtype:
                         keys, values = self._plane_rows(keys, values)
                     kv = planes.put_token(row, keys, values, self.slot, ring.len)
+                    self._fetched_read = None
                     if (self.retain and ring.len == ring.capacity
                             and not retained.start <= ring.origin_logical < retained.end):
-                        return evaluated_with(kv, self._take_ahead())  # copy_ahead's work
+                        kv = evaluated_with(kv, self._take_ahead())  # copy_ahead's work
+                    self._fetched = id(kv[0])
                     return kv
         return self._write(keys, values)
 
@@ -96,10 +99,16 @@ class SlidingKVCache(MuseKVCache):
         if out is None:
             rows = self.ring.capacity if plan.read is Read.RING else self.ring.len
             out = self.planes.prefix(rows, self.slot)
+            self._fetched_read = None
+        else:  # the shadow: the old live rows in logical order, then the chunk
+            self._fetched_read = KeyRead(0, plan.after.end, plan.rows, 0, plan.rows)
         if held is not None:
             out = evaluated_with(out, held)
         ahead = self.copy_ahead()
-        return out if ahead is None else evaluated_with(out, ahead)
+        if ahead is not None:
+            out = evaluated_with(out, ahead)
+        self._fetched = id(out[0])
+        return out
 
     def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:
         check_window(self.layer, self._window, window_size)

@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, cast
 import mlx.core as mx
 import numpy as np
 
+from muser_kv.core import attention
 from muser_kv.core.ring import Ring, Run
 
 #: The production encoding; bf16 planes serve models whose attention runs in bf16.
@@ -216,6 +217,12 @@ class ReferenceBackend:
             plane = mx.concatenate(pieces, axis=axis) if len(pieces) > 1 else mx.contiguous(pieces[0])
             out.append(plane)
         return out[0], out[1]
+
+
+    def attend(self, queries: mx.array, read: attention.DecodeRead, scale: float,
+               sinks: Optional[mx.array] = None) -> mx.array:
+        """Decode attention over ``read`` (``core.attention``): its reference."""
+        return attention.reference(queries, read, scale, sinks)
 
 
 # -- the kernel path -----------------------------------------------------------
