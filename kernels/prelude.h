@@ -31,3 +31,15 @@
 #define KIDX_GLOBAL_X ((uint32_t)(blockIdx.x * blockDim.x + threadIdx.x))
 #endif
 #define TO_PLANE(x) muser_kv_to_plane<P>(x)
+// Float helpers the attention bodies use, the same function on every backend:
+// MUSER_KV_EXP (f32 exp), MUSER_KV_NEG_INF (-infinity as f32).
+#if defined(__METAL_VERSION__)
+#define MUSER_KV_EXP(x) metal::exp(x)
+#define MUSER_KV_NEG_INF (-INFINITY)
+#elif defined(MUSER_KV_HOST)
+#define MUSER_KV_EXP(x) std::exp(x)
+#define MUSER_KV_NEG_INF (-INFINITY)
+#else
+#define MUSER_KV_EXP(x) expf(x)
+#define MUSER_KV_NEG_INF (-__int_as_float(0x7f800000))
+#endif

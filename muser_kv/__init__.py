@@ -15,6 +15,7 @@ from muser_kv.caches.cachelist import CacheList, CacheListMismatch, CacheOutOfSt
 from muser_kv.caches.factory import make_cache_for, make_prompt_cache
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.masks import causal_mask
+from muser_kv.caches.mlx_lm_attention import route as route_attention
 from muser_kv.caches.sliding import SlidingKVCache
 from muser_kv.caches.speculative import (
     DEFAULT_RETAIN,
@@ -23,6 +24,7 @@ from muser_kv.caches.speculative import (
     checkpoint,
 )
 from muser_kv.caches.writes import ContextOverflow
+from muser_kv.core.attention import decode_attention, set_decode_attention
 from muser_kv.core.geometry import (
     UNBOUNDED_CONTEXT,
     Footprint,
@@ -71,6 +73,7 @@ from muser_kv.sessions.temporaries import tidy_temporaries
 __version__ = "0.1.0"
 
 __all__ = [
+    "decode_attention", "set_decode_attention", "route_attention",
     # core: the layer plan, footprint, the ring
     "CacheDiscontinuity",
     "Footprint",

@@ -233,6 +233,8 @@ _KERNELS = {
     "stage": (["ring_key", "ring_value", "key", "value", "params"], ["shadow_key", "shadow_value"]),
     "gather": (["plane_key", "plane_value", "params"], ["out_key", "out_value"]),
     "install": (["rows_key", "rows_value", "params"], ["plane_key", "plane_value"]),
+    "attend": (["queries", "keys", "values", "scale", "params"], ["partials"]),
+    "attend_combine": (["partials", "sinks", "params"], ["out"]),
 }
 
 
@@ -355,6 +357,31 @@ class KernelBackend(ReferenceBackend):
             grid=_grid(rows * kv_dim), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[shape] * 2, output_dtypes=[rows_keys.dtype] * 2,
         ))
+
+
+    def attend(self, queries, read, scale, sinks=None):
+        """Decode attention over ``read`` (``core.attention``'s rule): the
+        chunks' partials (``attend``), then their combine (``attend_combine``).
+        The K/V views go as they lie (their strides with them): no copy."""
+        b, hq, n, d = attention.check_queries(queries, read)
+        hkv = read.keys.shape[1]
+        g = hq // hkv
+        chunks = read.max_chunks(n)
+        params = _params(b, hkv, g, n, d, attention.CHUNK, chunks, read.window or 0,
+                         int(sinks is not None),
+                         *attention.sequence_params(read.sequences, n, read.window))
+        partials = self.kernel("attend")(
+            inputs=[queries, read.keys, read.values, mx.array([scale], mx.float32), params],
+            template=[("T", queries.dtype), ("P", read.keys.dtype)],
+            grid=_grid(b * hkv * chunks * n * g * (-(-d // 32))), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(b, hkv, chunks, n * g, d + 2)], output_dtypes=[mx.float32],
+        )[0]
+        logits = mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
+        return self.kernel("attend_combine")(
+            inputs=[partials, logits, params], template=[("T", queries.dtype)],
+            grid=_grid(b * hq * n * d), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(b, hq, n, d)], output_dtypes=[queries.dtype],
+        )[0]
 
 
 # -- selection -------------------------------------------------------------------

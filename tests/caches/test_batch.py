@@ -23,6 +23,7 @@ from oracle import FullHistory, bits
 import muser_kv
 from muser_kv import LayerKind, MuseGeometry, make_cache_for
 from muser_kv.caches.batch import BatchKVCache
+from muser_kv.caches.masks import DecodeMask
 
 H, D = 2, 128
 WINDOW, CONTEXT = 8, 96
@@ -41,8 +42,16 @@ def rows(n, seed, batch=1):
     return k, v
 
 
-def as_mask(mask, b, n, rows_):
-    """Sequence ``b``'s ``[n, rows_]`` bool visibility from any form a batch hands."""
+def as_mask(mask, b, n, rows_, read=None):
+    """Sequence ``b``'s ``[n, rows_]`` bool visibility from any form a batch hands
+    (a ``DecodeMask``: from where the batch says sequence ``b``'s keys lie, ``read``)."""
+    if isinstance(mask, DecodeMask):
+        s = read.sequences[b]
+        assert n == 1 and s.slot == b
+        out = np.zeros((n, rows_), bool)
+        for p in range(s.first(n, read.window), s.end):
+            out[0, (s.origin + p - (s.end - s.held)) % s.wrap] = True
+        return out
     if mask is None:
         return np.ones((n, rows_), bool)
     if isinstance(mask, str):
@@ -90,6 +99,8 @@ def check_step(batch: BatchKVCache, seqs, n, real, seed):
     k, v = rows(n, seed, batch=len(seqs))
     before = [s.oracle.position for s in seqs]
     keys, values = batch.update_and_fetch(k, v)
+    read = batch.decode_read(keys, values)
+    assert (read is not None) == isinstance(mask, DecodeMask)
     if real is not None:
         batch.finalize()
     got_k = np.array(keys).transpose(0, 2, 1, 3)  # [B, rows, H, D]
@@ -98,7 +109,7 @@ def check_step(batch: BatchKVCache, seqs, n, real, seed):
     for b, s in enumerate(seqs):
         r = n if real is None else real[b]
         s.oracle.append(k[b:b + 1, :, :r], v[b:b + 1, :, :r])
-        full = as_mask(mask, b, n, keys.shape[2])
+        full = as_mask(mask, b, n, keys.shape[2], read)
         for i in range(r):
             vis = s.oracle.visible(before[b] + i)
             want_k = sorted(bits(s.oracle.keys[p]).tobytes() for p in vis)
@@ -188,8 +199,10 @@ def test_batch_decode_writes_the_planes_in_place():
 
 
 def form(mask):
-    """What attention is handed: "none", "causal", "additive" (in the planes'
-    float16) or "bool"."""
+    """What attention is handed: "lengths" (muser-kv's decode attention reads
+    them), "none", "causal", "additive" (in the planes' float16) or "bool"."""
+    if isinstance(mask, DecodeMask):
+        return "lengths"
     if mask is None or isinstance(mask, str):
         return mask or "none"
     if mask.dtype == mx.bool_:
@@ -198,11 +211,33 @@ def form(mask):
     return "additive"
 
 
+@pytest.fixture
+def mlx_attention():
+    """Decode attention left to MLX's (``MUSER_KV_ATTENTION=mlx``) for one test."""
+    before = muser_kv.decode_attention()
+    muser_kv.set_decode_attention("mlx")
+    yield
+    muser_kv.set_decode_attention(before)
+
+
 @pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
-def test_a_batch_hands_no_mask_where_every_sequence_sees_every_row(kind):
-    """Level sequences (a ring not full yet, a full one, a plane), or rings
-    that are all full at different positions: decode gets no mask, a chunk at
-    most "causal"; unequal ones the additive form, never the bool one."""
+def test_a_batch_decode_step_hands_attention_the_lengths_not_a_mask(kind):
+    """With muser-kv's decode attention, a batch's decode step at any lengths
+    gets a ``DecodeMask`` (never an array: the lengths go as integers), and
+    ``return_array`` callers still get the bool form."""
+    window = WINDOW if kind is LayerKind.SLIDING else None
+    for prefills in ((3, 3, 3), (5, 6), (0, 4), (9, 20, 31)):
+        batch = BatchKVCache.merge([Sequence(kind, p, seed=p).cache for p in prefills])
+        assert form(batch.make_mask(1, window_size=window)) == "lengths", prefills
+        assert form(batch.make_mask(1, window_size=window, return_array=True)) == "bool"
+
+
+@pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
+def test_a_batch_hands_no_mask_where_every_sequence_sees_every_row(kind, mlx_attention):
+    """With MLX's attention: level sequences (a ring not full yet, a full one,
+    a plane), or rings that are all full at different positions: decode gets no
+    mask, a chunk at most "causal"; unequal ones the additive form, never the
+    bool one."""
     window = WINDOW if kind is LayerKind.SLIDING else None
     cases = {(3, 3, 3): "none", (20, 20): "none", (5, 6): "additive", (0, 4): "additive"}
     if kind is LayerKind.SLIDING:
@@ -219,9 +254,20 @@ def test_a_batch_hands_no_mask_where_every_sequence_sees_every_row(kind):
     assert form(apart.make_mask(4, window_size=window)) == "additive"
 
 
-def test_a_batched_decode_step_hands_each_layer_kind_one_mask(model, monkeypatch):
-    """Through mlx-lm's model: equal lengths hand every layer no mask; unequal
-    ones hand one additive mask per layer kind, shared by its layers."""
+@pytest.mark.parametrize("attention", ["muser", "mlx"])
+def test_a_batched_decode_step_hands_each_layer_kind_one_mask(model, monkeypatch, attention):
+    """Through mlx-lm's model, with MLX's attention: equal lengths hand every
+    layer no mask; unequal ones hand one additive mask per layer kind, shared
+    by its layers. With muser-kv's, no layer reaches MLX's attention at all."""
+    before = muser_kv.decode_attention()
+    muser_kv.set_decode_attention(attention)
+    try:
+        _hands_masks(model, monkeypatch, attention)
+    finally:
+        muser_kv.set_decode_attention(before)
+
+
+def _hands_masks(model, monkeypatch, attention):
     handed = []
     sdpa = mx.fast.scaled_dot_product_attention
 
@@ -241,6 +287,9 @@ def test_a_batched_decode_step_hands_each_layer_kind_one_mask(model, monkeypatch
         handed.clear()
         mx.eval(model(mx.zeros((len(lengths), 1), mx.uint32), cache=batch))
         monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
+        if attention == "muser":
+            assert handed == [], lengths
+            continue
         assert len(handed) == len(batch)
         arrays = {id(m): m for m in handed if m is not None}
         assert len(arrays) == masks and all(form(m) != "bool" for m in arrays.values()), lengths
