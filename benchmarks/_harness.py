@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 import muser_kv
+from muser_kv.caches import mlx_lm_attention
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 MB = MIB = 1 << 20
@@ -374,8 +375,10 @@ def attend_layers(caches: List[Any], x: mx.array, args: argparse.Namespace) -> m
     h = x
     for i, c in enumerate(caches):
         k, v = c.update_and_fetch(mx.tanh(h[:, :kvh]), mx.tanh(h[:, kvh:2 * kvh]))
-        out = mx.fast.scaled_dot_product_attention(h, k, v, scale=scale,
-                                                   mask=masks[is_global(i, args.pattern)])
+        # as mlx-lm's models call it once muser-kv routed them: a muser-kv cache's
+        # decode step takes muser-kv's decode attention (set_decode_attention)
+        out = mlx_lm_attention.scaled_dot_product_attention(
+            h, k, v, cache=c, scale=scale, mask=masks[is_global(i, args.pattern)])
         h = (h + out.astype(h.dtype)) * 0.5
     return h
 

@@ -64,7 +64,7 @@ instead of Muse Glimmer at the geometry flags.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import _harness as H
 import mlx.core as mx
@@ -91,6 +91,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per block (default 16)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--fill-chunk", type=int, default=4096)
+    p.add_argument("--lengths-from", type=int, default=None, metavar="N",
+                   help="mixed lengths: sequence b of B holds N + (context - N) * b / (B - 1) "
+                        "tokens (as a server's chats do), each cell beside an equal-length batch "
+                        "holding the same total rows (their mean); muser-kv's batches prefill "
+                        "right-padded (prepare), mlx-lm's left-padded as its BatchGenerator does")
     p.add_argument("--sliding-layout", choices=["token_major", "head_major"], default="token_major",
                    help="the sliding rings' layout (default token_major; muser-kv serve: head_major)")
     p.add_argument("--floor-repeats", type=int, default=3,
@@ -142,27 +147,47 @@ def filled(context: int, decode: int, limit: int) -> int:
     return start
 
 
-def batch(model, system: str, fill: int, max_context: int, b: int, args) -> List[Any]:
-    """One batch per layer of ``b`` sequences, each filled to ``fill`` tokens of
-    the same random K/V through the batch's own ``update_and_fetch``."""
+def spread(fill: int, b: int, lengths_from: Optional[int]) -> List[int]:
+    """Each sequence's tokens: ``fill`` each, or spread from ``lengths_from`` to ``fill``."""
+    if lengths_from is None or b == 1:
+        return [fill] * b
+    lo = min(lengths_from, fill)
+    return [lo + (fill - lo) * i // (b - 1) for i in range(b)]
+
+
+def batch(model, system: str, fill: int, max_context: int, b: int, args,
+          lengths: Optional[List[int]] = None) -> List[Any]:
+    """One batch per layer of ``b`` sequences, each filled to ``fill`` tokens (or
+    to ``lengths[i]``) of the same random K/V through the batch's own
+    ``update_and_fetch``: muser-kv's right-padded (``prepare``), mlx-lm's
+    left-padded, as each system's BatchGenerator holds a batch of chats."""
+    lengths = lengths or [fill] * b
+    fill = max(lengths)
     if system == "muser-kv":
         single = muser_kv.make_prompt_cache(model, max_context=max_context,
                                             sliding_layout=args.sliding_layout)
         caches: List[Any] = [BatchKVCache.merge([c] * b, slots=b) for c in single]
         del single
     else:
-        caches = [BatchRotatingKVCache(c.max_size, [0] * b) if hasattr(c, "max_size")
-                  else LmBatchKVCache([0] * b) for c in model.make_cache()]
+        pad = [fill - n for n in lengths]
+        caches = [BatchRotatingKVCache(c.max_size, pad) if hasattr(c, "max_size")
+                  else LmBatchKVCache(pad) for c in model.make_cache()]
     a, dtype = model.args, H.DTYPES[args.dtype]
     block = mx.random.normal((1, a.num_key_value_heads, min(args.fill_chunk, fill), a.head_dim),
                              key=mx.random.key(args.seed)).astype(dtype)
     block = mx.broadcast_to(block, (b,) + block.shape[1:])
     mx.eval(block)
     done = 0
+    mixed = system == "muser-kv" and len(set(lengths)) > 1
     while done < fill:
         n = min(block.shape[2], fill - done)
+        real = [max(0, min(n, x - done)) for x in lengths]
         for c in caches:
+            if mixed:
+                c.prepare(lengths=real, right_padding=[n - r for r in real])
             c.update_and_fetch(block[:, :, :n], block[:, :, :n])
+            if mixed:
+                c.finalize()
         mx.eval([c.state for c in caches])
         done += n
     return caches
@@ -176,11 +201,16 @@ def footprint(model, max_context: int) -> int:
 
 
 def live_kv(caches: Sequence[BatchKVCache]) -> List[mx.array]:
-    """Every live K/V row of a muser-kv batch, as attention's views read them."""
+    """Every live K/V row of a muser-kv batch, as attention's views read them:
+    each sequence's own rows where lengths differ."""
     out: List[mx.array] = []
     for c in caches:
-        rows = max(s.ring.len for s in c.seqs)
-        out.extend(c.planes.prefix(rows, slots=len(c.seqs)))
+        lens = [s.ring.len for s in c.seqs]
+        if len(set(lens)) == 1:
+            out.extend(c.planes.prefix(lens[0], slots=len(c.seqs)))
+            continue
+        for b, n in enumerate(lens):
+            out.extend(c.planes.prefix(n, slot=b))
     return out
 
 
@@ -232,71 +262,81 @@ def decode_main(args, model) -> Dict[str, Any]:
     steps = args.warmup + args.blocks * args.steps
     systems = tuple(args.systems)
     rows, mem, results = [], [], []
+    cells = []
     for context in args.contexts:
         fill = filled(context, steps, limit)
-        slot = footprint(model, fill + steps)
         for b in args.batches:
-            caches: Dict[str, List[Any]] = {}
-            for s in H.order(b + context, systems):
-                caches[s] = batch(model, s, fill, fill + steps, b, args)
-                H.settle()
-                decode(model, caches[s], b, args.warmup)
+            lengths = spread(fill, b, args.lengths_from)
+            cells.append((context, fill, b, lengths))
+            if len(set(lengths)) > 1:  # beside it: the same total rows at equal lengths
+                mean = sum(lengths) // b
+                cells.append((context, fill, b, [mean] * b))
+    for context, fill, b, lengths in cells:
+        slot = footprint(model, fill + steps)
+        caches: Dict[str, List[Any]] = {}
+        for s in H.order(b + context, systems):
+            caches[s] = batch(model, s, fill, fill + steps, b, args, lengths)
             H.settle()
-            if "muser-kv" in caches:  # views made per pass: a view held would keep the
-                ours = caches["muser-kv"]  # planes from being updated in place
+            decode(model, caches[s], b, args.warmup)
+        H.settle()
+        if "muser-kv" in caches:  # views made per pass: a view held would keep the
+            ours = caches["muser-kv"]  # planes from being updated in place
 
-                def reads(ours=ours) -> List[mx.array]:
-                    return weights + live_kv(ours)
-            else:  # as many bytes as the live rows, in one buffer
-                rows_kv = [mx.zeros((max(1, b * _live_kv_bytes(model, fill) // 2),), mx.bfloat16)]
-                mx.eval(rows_kv)
+            def reads(ours=ours) -> List[mx.array]:
+                return weights + live_kv(ours)
+        else:  # as many bytes as the live rows, in one buffer
+            rows_kv = [mx.zeros((max(1, sum(_live_kv_bytes(model, n) for n in lengths) // 2),),
+                                mx.bfloat16)]
+            mx.eval(rows_kv)
 
-                def reads(rows_kv=rows_kv) -> List[mx.array]:
-                    return weights + rows_kv
-            kv_bytes = sum(x.nbytes for x in reads()) - weight_bytes
-            floor_pass(reads, 1)  # compiled and warm
+            def reads(rows_kv=rows_kv) -> List[mx.array]:
+                return weights + rows_kv
+        kv_bytes = sum(x.nbytes for x in reads()) - weight_bytes
+        floor_pass(reads, 1)  # compiled and warm
 
-            def run(s: str, i: int, c=caches, b=b, reads=reads) -> Dict[str, float]:
-                if s == FLOOR:
-                    return floor_pass(reads, args.floor_repeats)
-                return block(model, c, b, args, s, i)
+        def run(s: str, i: int, c=caches, b=b, reads=reads) -> Dict[str, float]:
+            if s == FLOOR:
+                return floor_pass(reads, args.floor_repeats)
+            return block(model, c, b, args, s, i)
 
-            blocks = H.alternate(args.blocks, run, systems=systems + (FLOOR,), first=b + context)
-            floor_ms = H.median([x["ms"] for x in blocks[FLOOR]])
-            cell: Dict[str, Any] = {}
-            for s in systems:
-                tok_s = H.median([x["tok_s"] for x in blocks[s]])
-                cell[s] = {"tok_s": tok_s, "block_tok_s": [x["tok_s"] for x in blocks[s]],
-                           "ms_per_step": 1e3 * b / tok_s, "of_floor": floor_ms * tok_s / (1e3 * b),
-                           "peak_bytes": max(x["peak"] for x in blocks[s]),
-                           "cache_bytes": sum(c.nbytes for c in caches[s])}
-            del caches
-            H.settle()
-            act = activations(model, b, fill + steps, H.DTYPES[args.dtype].size)
+        blocks = H.alternate(args.blocks, run, systems=systems + (FLOOR,), first=b + context)
+        floor_ms = H.median([x["ms"] for x in blocks[FLOOR]])
+        cell: Dict[str, Any] = {}
+        for s in systems:
+            tok_s = H.median([x["tok_s"] for x in blocks[s]])
+            cell[s] = {"tok_s": tok_s, "block_tok_s": [x["tok_s"] for x in blocks[s]],
+                       "ms_per_step": 1e3 * b / tok_s, "of_floor": floor_ms * tok_s / (1e3 * b),
+                       "peak_bytes": max(x["peak"] for x in blocks[s]),
+                       "cache_bytes": sum(c.nbytes for c in caches[s])}
+        del caches
+        H.settle()
+        act = activations(model, b, fill + steps, H.DTYPES[args.dtype].size)
 
-            def get(s: str, k: str, cell=cell) -> float:
-                return cell[s][k] if s in cell else float("nan")
-            bytes_ms = 1e3 * (weight_bytes + kv_bytes) / args.bandwidth
-            rows.append([context, fill, b, get("muser-kv", "tok_s"), get("mlx-lm", "tok_s"),
-                         get("muser-kv", "tok_s") / get("mlx-lm", "tok_s"),
-                         get("muser-kv", "ms_per_step"), get("mlx-lm", "ms_per_step"), floor_ms,
-                         get("muser-kv", "of_floor"), get("mlx-lm", "of_floor"), bytes_ms,
-                         bytes_ms / get("muser-kv", "ms_per_step"),
-                         bytes_ms / get("mlx-lm", "ms_per_step")])
-            bound = b * slot + act
-            peak = get("muser-kv", "peak_bytes")
-            mem.append([context, b, peak / H.GIB, b * slot / H.GIB, act / H.GIB, bound / H.GIB,
-                        "-" if peak != peak else ("yes" if peak <= bound else "NO"),
-                        get("mlx-lm", "peak_bytes") / H.GIB])
-            print("cell: " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x)
-                                        for x in rows[-1] + mem[-1][2:]), flush=True)
-            results.append({"context": context, "filled": fill, "batch": b, "systems": cell,
-                            "floor_ms": floor_ms, "floor_bytes": weight_bytes + kv_bytes,
-                            "bytes_floor_ms": bytes_ms, "bandwidth": args.bandwidth,
-                            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
-                            "footprint_bytes": b * slot, "activation_bytes": act})
+        def get(s: str, k: str, cell=cell) -> float:
+            return cell[s][k] if s in cell else float("nan")
+        bytes_ms = 1e3 * (weight_bytes + kv_bytes) / args.bandwidth
+        rows.append([context, "/".join(map(str, sorted(set(lengths)))) if len(set(lengths)) < 4
+                     else f"{min(lengths)}..{max(lengths)}", b, get("muser-kv", "tok_s"), get("mlx-lm", "tok_s"),
+                     get("muser-kv", "tok_s") / get("mlx-lm", "tok_s"),
+                     get("muser-kv", "ms_per_step"), get("mlx-lm", "ms_per_step"), floor_ms,
+                     get("muser-kv", "of_floor"), get("mlx-lm", "of_floor"), bytes_ms,
+                     bytes_ms / get("muser-kv", "ms_per_step"),
+                     bytes_ms / get("mlx-lm", "ms_per_step")])
+        bound = b * slot + act
+        peak = get("muser-kv", "peak_bytes")
+        mem.append([context, b, peak / H.GIB, b * slot / H.GIB, act / H.GIB, bound / H.GIB,
+                    "-" if peak != peak else ("yes" if peak <= bound else "NO"),
+                    get("mlx-lm", "peak_bytes") / H.GIB])
+        print("cell: " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x)
+                                    for x in rows[-1] + mem[-1][2:]), flush=True)
+        results.append({"context": context, "filled": fill, "lengths": lengths, "batch": b,
+                        "systems": cell,
+                        "floor_ms": floor_ms, "floor_bytes": weight_bytes + kv_bytes,
+                        "bytes_floor_ms": bytes_ms, "bandwidth": args.bandwidth,
+                        "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+                        "footprint_bytes": b * slot, "activation_bytes": act})
     print()
-    H.table(["context", "filled", "B", "muser-kv tok/s", "mlx-lm tok/s", "muser / mlx-lm",
+    H.table(["context", "lengths", "B", "muser-kv tok/s", "mlx-lm tok/s", "muser / mlx-lm",
              "muser ms/step", "mlx-lm ms/step", "pass ms", "muser of pass", "mlx-lm of pass",
              "bytes ms", "muser of bytes", "mlx-lm of bytes"],
             rows, note="tok/s: aggregate over the batch, median block; filled: where decode began "

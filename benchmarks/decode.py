@@ -12,6 +12,11 @@ plus the tokens decoded; sizes off a multiple of 256 too, where MLX CUDA's
 attention once hit a 10x cliff); mlx-lm's grow with the depth, measured again
 beside each.
 
+Three systems: muser-kv's caches with muser-kv's decode attention (the
+default), the same caches with MLX's attention (``muser-kv+mlx``: cuDNN's
+or MLX's own kernels, as ``MLX_CUDA_USE_CUDNN_SDPA`` says) and mlx-lm's
+caches (MLX's attention).
+
 Printed: ms/token and ``mlx-lm / muser-kv`` (> 1: muser-kv faster); host
 graph-build ms/token; the peak during the timed steps above what was active
 before (a transient plane copy would show here); the caches' bytes beside
@@ -25,12 +30,23 @@ before (a transient plane copy would show here); the caches' bytes beside
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List
 
 import _harness as H
 import mlx.core as mx
 
 import muser_kv
+
+#: muser-kv's caches with its decode attention, the same caches with MLX's, mlx-lm's caches
+SYSTEMS = ("muser-kv", "muser-kv+mlx", "mlx-lm")
+ATTENTION = {"muser-kv": "muser", "muser-kv+mlx": "mlx", "mlx-lm": "mlx"}
+
+
+def step(caches: List[Any], q0: mx.array, args, attention: str, h: mx.array) -> mx.array:
+    """One decode step of ``caches`` under ``attention`` (``set_decode_attention``)."""
+    muser_kv.set_decode_attention(attention)
+    return H.attend_layers(caches, (q0 + h) * 0.5, args)
 
 
 def parse_args(argv=None):
@@ -69,34 +85,38 @@ def main(argv=None) -> Dict[str, Any]:
                                if d + args.decoded <= m]:
         args.max_context = max_context
         slot = muser_kv.footprint(H.geometry(args), args.max_context).slot_bytes
-        caches = {s: H.fill(H.make_caches(s, args), depth, args.kv_heads, args.head_dim, dtype,
-                            args.fill_chunk, mx.random.key(args.seed + 1), H.SETTLE_TOKENS)
-                  for s in H.SYSTEMS}
-        sizes = {s: sum(c.nbytes for c in caches[s]) for s in H.SYSTEMS}
+        caches = {s: H.fill(H.make_caches(s.split("+")[0], args), depth, args.kv_heads,
+                            args.head_dim, dtype, args.fill_chunk, mx.random.key(args.seed + 1),
+                            H.SETTLE_TOKENS)
+                  for s in SYSTEMS}
+        sizes = {s: sum(c.nbytes for c in caches[s]) for s in SYSTEMS}
         H.settle()
         mem_rows.append([depth, max_context, sizes["muser-kv"] / H.MB, slot / H.MB,
                          sizes["mlx-lm"] / H.MB])
-        state = {s: q0 for s in H.SYSTEMS}  # the running hidden state per system
-        steppers = {s: lambda h, c=caches[s]: H.attend_layers(c, (q0 + h) * 0.5, args)
-                    for s in H.SYSTEMS}
+        state = {s: q0 for s in SYSTEMS}  # the running hidden state per system
+        steppers = {s: functools.partial(step, caches[s], q0, args, ATTENTION[s]) for s in SYSTEMS}
         for mode in args.modes:
             blocks = H.decode_blocks(steppers, state, args, mode == "pipelined")
-            cell = {s: {k: [b[k] for b in blocks[s]] for k in blocks[s][0]} for s in H.SYSTEMS}
-            ours, theirs = (H.median(cell[s]["ms_per_token"]) for s in H.SYSTEMS)
+            cell = {s: {k: [b[k] for b in blocks[s]] for k in blocks[s][0]} for s in SYSTEMS}
+            ours, mlx_attn, theirs = (H.median(cell[s]["ms_per_token"]) for s in SYSTEMS)
             results.append({"depth": depth, "max_context": max_context, "mode": mode,
                             "systems": cell, "cache_bytes": sizes,
-                            "ratio_mlx_lm_over_muser_kv": H.ratio(theirs, ours)})
-            time_rows.append([depth, max_context, mode, ours, theirs, H.ratio(theirs, ours)]
-                             + [H.median(cell[s]["build_ms_per_token"]) for s in H.SYSTEMS]
-                             + [max(cell[s]["peak_extra_bytes"]) / H.MB for s in H.SYSTEMS])
-        assert all(caches[s][0].offset == depth + args.decoded for s in H.SYSTEMS)
-        checks[f"{depth}@{max_context}"] = mx.abs(
-            state["muser-kv"].astype(mx.float32) - state["mlx-lm"].astype(mx.float32)).max().item()
+                            "ratio_mlx_lm_over_muser_kv": H.ratio(theirs, ours),
+                            "ratio_mlx_attention_over_muser_attention": H.ratio(mlx_attn, ours)})
+            time_rows.append([depth, max_context, mode, ours, mlx_attn, theirs,
+                              H.ratio(mlx_attn, ours), H.ratio(theirs, ours)]
+                             + [H.median(cell[s]["build_ms_per_token"]) for s in SYSTEMS]
+                             + [max(cell[s]["peak_extra_bytes"]) / H.MB for s in SYSTEMS])
+        assert all(caches[s][0].offset == depth + args.decoded for s in SYSTEMS)
+        checks[f"{depth}@{max_context}"] = max(mx.abs(
+            state[s].astype(mx.float32) - state["mlx-lm"].astype(mx.float32)).max().item()
+            for s in SYSTEMS[:2])
         del caches, state, steppers
         H.settle()
 
-    H.table(["depth", "max_context", "mode", "muser-kv ms/tok", "mlx-lm ms/tok", "mlx-lm / muser-kv",
-             "muser-kv build ms", "mlx-lm build ms", "muser-kv peak+ MiB", "mlx-lm peak+ MiB"],
+    H.table(["depth", "max_context", "mode", "muser-kv ms/tok", "muser-kv+mlx ms/tok",
+             "mlx-lm ms/tok", "muser-kv+mlx / muser-kv", "mlx-lm / muser-kv"]
+            + [f"{s} build ms" for s in SYSTEMS] + [f"{s} peak+ MiB" for s in SYSTEMS],
             time_rows, title="Decode time (median of blocks; build = host time spent building the "
             "step graph)", note="peak+ = max over blocks of (peak memory during the timed steps "
             "- memory active before them)")

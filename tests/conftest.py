@@ -75,6 +75,19 @@ def mlx_cuda_attention_switch():
         os.environ[CUDNN_SWITCH] = before
 
 
+@pytest.fixture
+def mlx_attention():
+    """Decode attention left to MLX's for one test (``MUSER_KV_ATTENTION=mlx``):
+    for a test of the caches against mlx-lm's own through the same attention
+    (bit for bit), or of what MLX's attention does with what a cache hands it."""
+    import muser_kv
+
+    before = muser_kv.decode_attention()
+    muser_kv.set_decode_attention("mlx")
+    yield
+    muser_kv.set_decode_attention(before)
+
+
 @pytest.fixture(scope="session")
 def emulator():
     """The Metal emulator (tests/metal_emulator.py). Without clang++ it skips on a

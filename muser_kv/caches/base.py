@@ -269,7 +269,8 @@ class MuseKVCache(ABC):
         if read is None:
             ring = self.ring
             read = KeyRead(0, ring.end, ring.len, ring.origin_physical, ring.capacity)
-        return DecodeRead(keys, values, (read,), self.window)
+        return DecodeRead(keys, values, (read,),
+                          self._window if self.kind is LayerKind.SLIDING else None)
 
     # -- masks --------------------------------------------------------------------------
 

@@ -169,13 +169,22 @@ def reference(queries: mx.array, read: DecodeRead, scale: float,
     return mx.stack(outs) if b > 1 else outs[0][None]
 
 
-def sequence_params(sequences: Sequence[KeyRead], queries: int,
-                    window: Optional[int]) -> List[int]:
-    """Five int32 per sequence for the kernels: slot, end, held, origin, wrap."""
+def kernel_params(sequences: Sequence[KeyRead], queries: int,
+                  window: Optional[int]) -> Tuple[List[int], int]:
+    """The kernels' per-sequence params (five int32 each: slot, end, held,
+    origin, wrap) and the most chunks any sequence has (``KeyRead.chunks``,
+    inline: every layer of every step asks, for every sequence)."""
     out: List[int] = []
+    most = 1
     for s in sequences:
-        out += [s.slot, s.end, s.held, s.origin, s.wrap]
-    return out
+        end, held = s.end, s.held
+        lo = end - held
+        if window is not None and end - queries - window + 1 > lo:
+            lo = end - queries - window + 1
+        if lo < end and (end - 1) // CHUNK - lo // CHUNK + 1 > most:
+            most = (end - 1) // CHUNK - lo // CHUNK + 1
+        out += [s.slot, end, held, s.origin, s.wrap]
+    return out, most
 
 
 #: ``MUSER_KV_ATTENTION``: ``muser`` (the default) gives every muser-kv cache's

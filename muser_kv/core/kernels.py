@@ -366,10 +366,9 @@ class KernelBackend(ReferenceBackend):
         b, hq, n, d = attention.check_queries(queries, read)
         hkv = read.keys.shape[1]
         g = hq // hkv
-        chunks = read.max_chunks(n)
+        sequences, chunks = attention.kernel_params(read.sequences, n, read.window)
         params = _params(b, hkv, g, n, d, attention.CHUNK, chunks, read.window or 0,
-                         int(sinks is not None),
-                         *attention.sequence_params(read.sequences, n, read.window))
+                         int(sinks is not None), *sequences)
         partials = self.kernel("attend")(
             inputs=[queries, read.keys, read.values, mx.array([scale], mx.float32), params],
             template=[("T", queries.dtype), ("P", read.keys.dtype)],

@@ -211,15 +211,6 @@ def form(mask):
     return "additive"
 
 
-@pytest.fixture
-def mlx_attention():
-    """Decode attention left to MLX's (``MUSER_KV_ATTENTION=mlx``) for one test."""
-    before = muser_kv.decode_attention()
-    muser_kv.set_decode_attention("mlx")
-    yield
-    muser_kv.set_decode_attention(before)
-
-
 @pytest.mark.parametrize("kind", [LayerKind.SLIDING, LayerKind.GLOBAL])
 def test_a_batch_decode_step_hands_attention_the_lengths_not_a_mask(kind):
     """With muser-kv's decode attention, a batch's decode step at any lengths

@@ -121,12 +121,15 @@ def test_a_saved_session_keeps_every_buffer(model, tmp_path, monkeypatch, places
     assert_stores_keep_buffers(model, live, 20)
 
 
-def test_decode_right_after_a_restore_copies_no_ring():
+def test_decode_right_after_a_restore_copies_no_ring(mlx_attention):
     """After an install (a restored session) the rings hold no copies of the rows
     their next tokens overwrite; taking them in the same graph as the first
     store would make MLX copy every ring once. They are taken and settled at
-    the first update instead. Head-major rings keep CPU attention's temporaries
-    out of the measurement; a ring here is 2,048 x 256 f16 = 1 MiB per plane."""
+    the first update instead. Head-major rings and MLX's attention keep the
+    CPU attention's temporaries out of the measurement (the CPU reference of
+    muser-kv's decode attention gathers the window it reads in f32: a
+    transient of its own, not a copy of the ring); a ring here is 2,048 x
+    256 f16 = 1 MiB per plane."""
     model = tiny_model(mx.float16, sliding_window=2048, max_position_embeddings=4096,
                        num_hidden_layers=4, num_attention_heads=2)
     cache = muser_kv.make_prompt_cache(model, sliding_layout="head_major")

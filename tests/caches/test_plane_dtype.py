@@ -157,7 +157,7 @@ def cpu() -> bool:
 
 @pytest.mark.parametrize("name", ["bf16", "bf16-q4"])
 @pytest.mark.parametrize("prompt_len,chunk", [(6, 2048), (50, 7)], ids=["one-chunk", "chunked"])
-def test_generate_step_equals_mlx_lm_past_the_wrap(models, name, prompt_len, chunk):
+def test_generate_step_equals_mlx_lm_past_the_wrap(models, name, prompt_len, chunk, mlx_attention):
     model = models[name]
     window = model.args.sliding_window
     p = prompt(prompt_len, seed=prompt_len)
@@ -174,7 +174,7 @@ def test_generate_step_equals_mlx_lm_past_the_wrap(models, name, prompt_len, chu
 
 
 @pytest.mark.parametrize("name", ["bf16", "bf16-q4"])
-def test_stream_generate_equals_mlx_lm(models, name, monkeypatch):
+def test_stream_generate_equals_mlx_lm(models, name, monkeypatch, mlx_attention):
     """mlx-lm's stream_generate builds its cache with the model's make_cache:
     installing ours there is the drop-in."""
     model = models[name]
@@ -203,7 +203,7 @@ def test_stream_generate_equals_mlx_lm(models, name, monkeypatch):
         assert first >= model.args.sliding_window - 9  # equal at least until the wrap
 
 
-def test_speculative_decoding_with_bf16_planes(models):
+def test_speculative_decoding_with_bf16_planes(models, mlx_attention):
     """mlx-lm's speculative_generate_step over bf16 planes yields the greedy
     tokens past the wrap (draft: a noisy copy, so blocks are both kept and undone)."""
     target = models["bf16"]

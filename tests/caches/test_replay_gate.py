@@ -87,10 +87,23 @@ def test_replay_gate_real_window_in_a_new_process(tmp_path):
                                       err_msg=f"new-process restore at {g} did not replay bitwise")
 
 
-def test_restore_packed_at_origin_zero_does_not_replay(tmp_path):
-    """The negative control: the same rows, installed from physical row 0
-    instead of at rotation origin_logical % capacity, change the logits' bits
-    once the ring has wrapped -- the rotation is part of the data."""
+@pytest.mark.parametrize("attention", ["muser", "mlx"])
+def test_restore_packed_at_origin_zero(tmp_path, attention):
+    """The same rows, installed from physical row 0 instead of at rotation
+    origin_logical % capacity, once the ring has wrapped: with MLX's
+    attention (a negative control) the logits' bits change -- the rotation is
+    part of its data; with muser-kv's decode attention they do not, since it
+    reads the ring in logical order (the restore still installs the rotation,
+    so either attention replays)."""
+    before = muser_kv.decode_attention()
+    muser_kv.set_decode_attention(attention)
+    try:
+        _packed_at_origin_zero(tmp_path, attention)
+    finally:
+        muser_kv.set_decode_attention(before)
+
+
+def _packed_at_origin_zero(tmp_path, attention):
     # 128 rows: enough that a GPU attention kernel's per-thread partial sums
     # each cover several rows, so the rotation changes what is summed with what
     model = tiny_model(mx.float16, sliding_window=128, max_position_embeddings=256)
@@ -113,5 +126,8 @@ def test_restore_packed_at_origin_zero_does_not_replay(tmp_path):
         cache[i] = muser_kv.MuseKVCache.from_state((pk, pv), tuple(meta))
     muser_kv.caches.cachelist.bind(cache)  # the new caches form the list
     got = continue_logits(model, cache, prompt[g:g + CONTINUE].tolist())
+    if attention == "muser":
+        np.testing.assert_array_equal(got.view(np.uint32), expect.view(np.uint32))
+        return
     assert not np.array_equal(got.view(np.uint32), expect.view(np.uint32))
     np.testing.assert_allclose(got, expect, atol=0.1)  # same numbers, other summation order
