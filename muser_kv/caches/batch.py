@@ -43,7 +43,7 @@ anything changes.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 
@@ -327,6 +327,11 @@ class BatchKVCache:
                   return_array: bool = False) -> Mask:
         """The mask for the rows the next ``update_and_fetch(N tokens)`` returns.
 
+        A decode step (``N == 1``) under muser-kv's decode attention gets
+        ``DECODE_MASK``: no array, since that attention reads each sequence's
+        keys as integers (``decode_read``), at any lengths. Otherwise (MLX's
+        attention, ``return_array``, a chunk):
+
         ``None`` (or ``"causal"`` for a chunk) wherever every sequence sees the
         same rows as the others -- equal lengths, every ring full -- since MLX's
         CUDA attention reads at the bandwidth limit only without an array mask
@@ -345,8 +350,8 @@ class BatchKVCache:
         if N == 1 and self._remaining is None:
             if not return_array and decode_attention() == "muser":
                 return DECODE_MASK  # the lengths go to attention as integers (decode_read)
-            mask: Mask = batch_decode_mask(self.kind, [s.ring for s in self.seqs], self.active,
-                                           window_size, return_array)
+            mask: Union[None, str, mx.array] = batch_decode_mask(
+                self.kind, [s.ring for s in self.seqs], self.active, window_size, return_array)
         else:
             mask = batch_chunk_mask(self.kind, [s.ring.len for s in self.seqs], N, window_size,
                                     self._window, self.planes.limit, return_array)
