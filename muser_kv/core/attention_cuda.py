@@ -1,0 +1,135 @@
+"""Decode attention's first pass on NVIDIA tensor cores (``mma.sync`` m16n8k16).
+
+``attend_partials_mma`` runs ``kernels/attend_mma.cu`` (body) with
+``kernels/attend_mma.h`` (device helpers) through ``mx.fast.cuda_kernel``: one
+threadblock of ``THREADS`` threads per (sequence, K/V head, chunk, M tile of 16
+query rows). It writes the per-chunk partials that ``core.attention``'s
+combine consumes:
+
+``partials[b, h, c, r, :]`` (float32, ``D + 2`` wide) for query row
+``r = i * G + g`` (token ``i``, head ``g`` of K/V head ``h``'s group) and chunk
+``c`` (positions ``(first + c) * CHUNK ..``): ``0..D-1`` the sum of
+``exp(s_j - m) * v_j``, ``D`` the max score ``m``, ``D + 1`` the sum ``l`` of
+``exp(s_j - m)``; a row that sees no key of the chunk (or ``c >= count``) gets
+``m = -inf``, ``l = 0``, ``o = 0``.
+
+``params`` (int32): ``B, Hkv, G, n, D, CHUNK, max_chunks, window`` then, per
+sequence, ``slot, end, held, origin, wrap`` (``attention.sequence_params``).
+Within a chunk the arithmetic is fixed by position: four warps each take a
+quarter of the chunk's keys (tiles of 16, ascending), each with its own online
+softmax, combined warp 0..3 in order; P is rounded to the element type for the
+P.V product and ``l`` sums exactly the rounded weights.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Dict, Sequence, Union, cast
+
+import mlx.core as mx
+
+#: Threads per block (4 warps); must match muser_attend::THREADS.
+THREADS = 128
+#: Query rows per block (mma's M).
+ROWS = 16
+#: Head dims the kernel is built for (a template value: registers hold o).
+HEAD_DIMS = (64, 128, 256)
+INPUT_NAMES = ["queries", "keys", "values", "scale", "params"]
+OUTPUT_NAMES = ["partials"]
+_WARPS, _TK, _STAGES = 4, 16, 2
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory per block (muser_attend::smem_bytes): the Q tile,
+    each warp's 2-stage K/V ring of 16-key tiles (rows padded to D + 8 halves),
+    the combine's weights."""
+    pitch = head_dim + 8
+    return ROWS * pitch * 2 + _WARPS * _STAGES * 2 * _TK * pitch * 2 + ROWS * 8 * 4
+
+
+def _text(name: str) -> str:
+    try:
+        return resources.files("muser_kv.kernel_sources").joinpath(name).read_text()
+    except (FileNotFoundError, ModuleNotFoundError):  # pragma: no cover - a wheel without .cu
+        return (Path(__file__).resolve().parents[2] / "kernels" / name).read_text()
+
+
+def kernel_source() -> str:
+    return _text("attend_mma.cu")
+
+
+def kernel_header() -> str:
+    return _text("attend_mma.h")
+
+
+def kernel_name(head_dim: int) -> str:
+    return f"muser_kv_attend_mma_d{head_dim}"
+
+
+_built: Dict[int, Callable] = {}
+
+
+def _kernel(head_dim: int) -> Callable:
+    """One kernel object per head_dim: its shared memory is fixed at build time."""
+    if head_dim not in _built:
+        _built[head_dim] = cast(Callable, mx.fast.cuda_kernel(
+            name=kernel_name(head_dim), input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
+            source=kernel_source(), header=kernel_header(), ensure_row_contiguous=False,
+            shared_memory=shared_bytes(head_dim)))
+    return _built[head_dim]
+
+
+def launch_geometry(batch: int, kv_heads: int, max_chunks: int, n_g: int):
+    """``(grid, threadgroup, blocks)``: MLX's grid counts threads."""
+    blocks = batch * kv_heads * max_chunks * (-(-n_g // ROWS))
+    return (THREADS * blocks, 1, 1), (THREADS, 1, 1), blocks
+
+
+def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
+                        params: Union[mx.array, Sequence[int]], scale: Union[float, mx.array],
+                        max_chunks: int, n_g: int) -> mx.array:
+    """The first pass: ``[B, Hkv, max_chunks, n_g, D + 2]`` float32 partials.
+
+    ``queries`` ``[B, Hq, n, D]`` (any strides), ``keys``/``values``
+    ``[S, Hkv, R, D]`` views of the queries' dtype (f16 or bf16, any strides),
+    ``params`` int32 as described in the module docstring (its D, n, G,
+    max_chunks must agree with the shapes and arguments), ``scale`` a float
+    or a float32 ``[1]`` array, ``n_g = n * G``."""
+    b, hq, n, d = queries.shape
+    kv_heads = keys.shape[1]
+    if queries.dtype not in (mx.float16, mx.bfloat16):
+        raise ValueError(f"attend_partials_mma: f16 or bf16 only, got {queries.dtype}")
+    if keys.dtype != queries.dtype or values.dtype != queries.dtype:
+        raise ValueError("attend_partials_mma: keys and values must have the queries' dtype")
+    if d not in HEAD_DIMS or keys.shape[3] != d or values.shape[3] != d:
+        raise ValueError(f"attend_partials_mma: head_dim {d} (keys {keys.shape[3]}), "
+                         f"supported {HEAD_DIMS}")
+    if hq % kv_heads or n_g != n * (hq // kv_heads) or max_chunks < 1:
+        raise ValueError(f"attend_partials_mma: n_g {n_g} != n * G for queries "
+                         f"{tuple(queries.shape)} and {kv_heads} K/V heads")
+    if not isinstance(params, mx.array):
+        params = mx.array(list(params), dtype=mx.int32)
+    if params.dtype != mx.int32:
+        params = params.astype(mx.int32)
+    if not isinstance(scale, mx.array):
+        scale = mx.array([scale], dtype=mx.float32)
+    elif scale.dtype != mx.float32 or scale.size != 1:
+        scale = scale.astype(mx.float32).reshape(1)
+    grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g)
+    return _kernel(d)(
+        inputs=[queries, keys, values, scale, params],
+        template=[("P", queries.dtype), ("HD", d)],
+        grid=grid, threadgroup=threadgroup,
+        output_shapes=[(b, kv_heads, max_chunks, n_g, d + 2)],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim: int,
+                  chunk: int, max_chunks: int, window: int, sequences) -> mx.array:
+    """The params array for ``sequences`` (``KeyRead``s); ``window`` 0: none."""
+    out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window]
+    for s in sequences:
+        out += [s.slot, s.end, s.held, s.origin, s.wrap]
+    return mx.array(out, dtype=mx.int32)
