@@ -25,9 +25,11 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Dict, Sequence, Union, cast
+from typing import Callable, Dict, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
+
+from muser_kv.core.attention import KeyRead
 
 #: Threads per block (4 warps); must match muser_attend::THREADS.
 THREADS = 128
@@ -80,7 +82,8 @@ def _kernel(head_dim: int) -> Callable:
     return _built[head_dim]
 
 
-def launch_geometry(batch: int, kv_heads: int, max_chunks: int, n_g: int):
+def launch_geometry(batch: int, kv_heads: int, max_chunks: int,
+                    n_g: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int], int]:
     """``(grid, threadgroup, blocks)``: MLX's grid counts threads."""
     blocks = batch * kv_heads * max_chunks * (-(-n_g // ROWS))
     return (THREADS * blocks, 1, 1), (THREADS, 1, 1), blocks
@@ -127,9 +130,26 @@ def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
 
 
 def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim: int,
-                  chunk: int, max_chunks: int, window: int, sequences) -> mx.array:
+                  chunk: int, max_chunks: int, window: int,
+                  sequences: Sequence[KeyRead]) -> mx.array:
     """The params array for ``sequences`` (``KeyRead``s); ``window`` 0: none."""
     out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window]
     for s in sequences:
         out += [s.slot, s.end, s.held, s.origin, s.wrap]
     return mx.array(out, dtype=mx.int32)
+
+
+def combine_partials(partials: mx.array, queries: int, group: int, dtype: mx.Dtype) -> mx.array:
+    """The second pass in plain MLX ops, for checking the first: partials
+    ``[B, Hkv, C, n*G, D + 2]`` -> ``[B, Hkv*G, n, D]`` (``dtype``), chunks
+    combined against their common max (a row that saw nothing gives 0)."""
+    b, hkv, _, ng, w = partials.shape
+    d = w - 2
+    o, m, sums = partials[..., :d], partials[..., d], partials[..., d + 1]
+    top = m.max(axis=2, keepdims=True)
+    weight = mx.where(m == -mx.inf, 0.0, mx.exp(m - mx.where(top == -mx.inf, 0.0, top)))
+    total = (weight * sums).sum(axis=2)
+    out = (weight[..., None] * o).sum(axis=2)
+    out = mx.where(total[..., None] > 0, out / mx.where(total > 0, total, 1.0)[..., None], 0.0)
+    out = out.reshape(b, hkv, queries, group, d).transpose(0, 1, 3, 2, 4)
+    return out.reshape(b, hkv * group, queries, d).astype(dtype)
