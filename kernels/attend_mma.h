@@ -26,7 +26,7 @@ constexpr int WARPS = 4;     // warps per block; each owns CHUNK / 4 keys
 constexpr int THREADS = 32 * WARPS;
 constexpr int ROWS = 16;     // query rows per M tile (mma's M)
 constexpr int TK = 16;       // keys per tile (two n8 tiles for S, one k16 step for PV)
-constexpr int STAGES = 2;    // cp.async ring depth per warp
+constexpr int STAGES = 2;    // cp.async ring depth per warp (attention_cuda._STAGES)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -162,6 +162,10 @@ __device__ __forceinline__ void attend_partials(
   const int rows_out = min(ROWS, nG - ROWS * mt);
   float* out = partials + ((static_cast<int64_t>(b * Hkv + h) * max_chunks + c) * nG + ROWS * mt) * OUTW;
 
+  if (CHUNK <= 0 || CHUNK % (WARPS * TK) != 0) {  // not a tiling of the chunk: say so loudly
+    for (int e = tid; e < rows_out * OUTW; e += THREADS) out[e] = __int_as_float(0x7fc00000);
+    return;
+  }
   if (c >= count) {  // no key here: m = -inf, l = 0, o = 0 (block-uniform exit)
     for (int e = tid; e < rows_out * OUTW; e += THREADS) {
       out[e] = (e % OUTW == HD) ? neg_inf() : 0.0f;
@@ -268,10 +272,13 @@ __device__ __forceinline__ void attend_partials(
 
   __syncthreads();  // q_s written
 
-  issue(0);
-  cp_async_commit();
-  if (tiles > 1) issue(1);
-  cp_async_commit();
+  // Prologue: the first STAGES tiles in flight, one commit group each (empty
+  // groups included, so that group t is always tile t).
+#pragma unroll
+  for (int st = 0; st < STAGES; ++st) {
+    if (st < tiles) issue(st);
+    cp_async_commit();
+  }
 
   for (int tile = 0; tile < tiles; ++tile) {
     cp_async_wait<STAGES - 1>();  // this lane's copies of `tile` have landed

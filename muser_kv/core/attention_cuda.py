@@ -133,6 +133,8 @@ def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim:
                   chunk: int, max_chunks: int, window: int,
                   sequences: Sequence[KeyRead]) -> mx.array:
     """The params array for ``sequences`` (``KeyRead``s); ``window`` 0: none."""
+    if chunk <= 0 or chunk % (_WARPS * _TK):
+        raise ValueError(f"attend_partials_mma: CHUNK {chunk} is not a multiple of {_WARPS * _TK}")
     out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window]
     for s in sequences:
         out += [s.slot, s.end, s.held, s.origin, s.wrap]

@@ -24,7 +24,8 @@ import pytest
 from muser_kv.core import attention, attention_cuda
 from muser_kv.core.attention import DecodeRead, KeyRead
 
-WARPS, THREADS, ROWS, TK, STAGES = 4, 128, 16, 16, 2
+WARPS, THREADS, ROWS, TK = 4, 128, 16, 16
+STAGES = attention_cuda._STAGES  # the kernel's muser_attend::STAGES (the NVRTC test pins it)
 NEG_INF = np.float32(-np.inf)
 LANE = np.arange(32)
 LG, LT = LANE // 4, LANE % 4     # g = lane / 4, t = lane % 4
@@ -149,6 +150,9 @@ def emulate_block(block: int, HD: int, kind: str, q: Global, qs, k: Global, ks, 
     rows_out = min(ROWS, nG - ROWS * mt)
     out0 = ((b * Hkv + h) * max_chunks + c) * nG + ROWS * mt  # row index into partials
 
+    if CHUNK <= 0 or CHUNK % (WARPS * TK):
+        partials[out0: out0 + rows_out] = np.nan
+        return
     if c >= count:
         for e in range(rows_out * OUTW):
             partials[out0 + e // OUTW, e % OUTW] = NEG_INF if e % OUTW == HD else 0.0
@@ -211,9 +215,9 @@ def emulate_block(block: int, HD: int, kind: str, q: Global, qs, k: Global, ks, 
         k_off = (R8 + 8 * (SEL >> 1)) * PITCH + 8 * (SEL & 1)
         v_off = (R8 + 8 * (SEL & 1)) * PITCH + 8 * (SEL >> 1)
 
-        issue(0)
-        if tiles > 1:
-            issue(1)
+        for st in range(STAGES):
+            if st < tiles:
+                issue(st)
         for tile in range(tiles):
             if tile_live(tile):
                 p0 = warp_pos + tile * TK
@@ -465,6 +469,19 @@ CASES = [
 
 @pytest.mark.parametrize("spec", CASES, ids=lambda s: "-".join(map(str, s)))
 def test_partials_match_the_contract(spec):
+    check_case(spec)
+
+
+@pytest.mark.parametrize("stages", [3, 4])  # 1 would not hold the combine (a static_assert)
+def test_other_ring_depths(stages, monkeypatch):
+    """STAGES is a tuning knob: the pipeline's indexing holds for other depths
+    (CHUNK 256: four tiles a warp)."""
+    monkeypatch.setattr(attention_cuda, "_STAGES", stages)  # shared_bytes
+    monkeypatch.setitem(globals(), "STAGES", stages)          # the model
+    check_case(("bf16", 2, 2, 8, 1, 32, 0, 256, "token", 8))
+
+
+def check_case(spec):
     kind, B, n, G, hkv, D, window, chunk, layout, pad = spec
     rng = np.random.default_rng(sum(map(hash, map(str, spec))) % 2**32)
     case = make_case(rng, kind, B, n, G, hkv, D, window, layout, pad)
