@@ -155,8 +155,6 @@ __device__ __forceinline__ void attend_partials(
   const int slot = seq[0], end = seq[1], held = seq[2], origin = seq[3], wrap = seq[4];
   const int start = end - held;  // first position held
   const int lo = window > 0 ? max(start, end - n - window + 1) : start;  // first position seen
-  const int first = lo / CHUNK;
-  const int count = lo >= end ? 0 : (end - 1) / CHUNK - first + 1;
 
   const int tid = threadIdx.x;
   const int rows_out = min(ROWS, nG - ROWS * mt);
@@ -166,6 +164,8 @@ __device__ __forceinline__ void attend_partials(
     for (int e = tid; e < rows_out * OUTW; e += THREADS) out[e] = __int_as_float(0x7fc00000);
     return;
   }
+  const int first = lo / CHUNK;
+  const int count = lo >= end ? 0 : (end - 1) / CHUNK - first + 1;
   if (c >= count) {  // no key here: m = -inf, l = 0, o = 0 (block-uniform exit)
     for (int e = tid; e < rows_out * OUTW; e += THREADS) {
       out[e] = (e % OUTW == HD) ? neg_inf() : 0.0f;

@@ -145,14 +145,14 @@ def emulate_block(block: int, HD: int, kind: str, q: Global, qs, k: Global, ks, 
     slot, end, held, origin, wrap = params[8 + 5 * b: 13 + 5 * b]
     start = end - held
     lo = max(start, end - n - window + 1) if window > 0 else start
-    first = lo // CHUNK
-    count = 0 if lo >= end else (end - 1) // CHUNK - first + 1
     rows_out = min(ROWS, nG - ROWS * mt)
     out0 = ((b * Hkv + h) * max_chunks + c) * nG + ROWS * mt  # row index into partials
 
     if CHUNK <= 0 or CHUNK % (WARPS * TK):
         partials[out0: out0 + rows_out] = np.nan
         return
+    first = lo // CHUNK
+    count = 0 if lo >= end else (end - 1) // CHUNK - first + 1
     if c >= count:
         for e in range(rows_out * OUTW):
             partials[out0 + e // OUTW, e % OUTW] = NEG_INF if e % OUTW == HD else 0.0
