@@ -173,19 +173,6 @@ __device__ __forceinline__ void attend_partials(
     return;
   }
 
-  // Q tile [16][HD] as raw 16-bit patterns; rows past n*G are +0.
-  const unsigned short* qraw = reinterpret_cast<const unsigned short*>(queries);
-  for (int e = tid; e < ROWS * HD; e += THREADS) {
-    const int r = e / HD, d = e % HD;
-    const int R = ROWS * mt + r;
-    unsigned short v = 0;
-    if (R < nG) {
-      const int i = R / G, hg = h * G + R % G;
-      v = qraw[b * qs0 + hg * qs1 + i * qs2 + d * qs3];
-    }
-    q_s[r * PITCH + d] = v;
-  }
-
   const int warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int tiles = CHUNK / (WARPS * TK);  // per warp
@@ -255,6 +242,30 @@ __device__ __forceinline__ void attend_partials(
     }
   };
 
+  // Prologue: the first STAGES tiles in flight, one commit group each (empty
+  // groups included, so that group t is always tile t); the Q tile is read
+  // while they fly.
+#pragma unroll
+  for (int st = 0; st < STAGES; ++st) {
+    if (st < tiles) issue(st);
+    cp_async_commit();
+  }
+
+  // Q tile [16][HD] as raw 16-bit patterns; rows past n*G are +0.
+  const unsigned short* qraw = reinterpret_cast<const unsigned short*>(queries);
+  for (int e = tid; e < ROWS * HD; e += THREADS) {
+    const int r = e / HD, d = e % HD;
+    const int R = ROWS * mt + r;
+    unsigned short v = 0;
+    if (R < nG) {
+      const int i = R / G, hg = h * G + R % G;
+      v = qraw[b * qs0 + hg * qs1 + i * qs2 + d * qs3];
+    }
+    q_s[r * PITCH + d] = v;
+  }
+
+  __syncthreads();  // q_s written
+
   float o[HD / 8][4];
 #pragma unroll
   for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -269,16 +280,6 @@ __device__ __forceinline__ void attend_partials(
   const uint32_t q_lane = smem_addr(q_s + (r8 + 8 * (sel & 1)) * PITCH + 8 * (sel >> 1));
   const int k_off = (r8 + 8 * (sel >> 1)) * PITCH + 8 * (sel & 1);
   const int v_off = (r8 + 8 * (sel & 1)) * PITCH + 8 * (sel >> 1);
-
-  __syncthreads();  // q_s written
-
-  // Prologue: the first STAGES tiles in flight, one commit group each (empty
-  // groups included, so that group t is always tile t).
-#pragma unroll
-  for (int st = 0; st < STAGES; ++st) {
-    if (st < tiles) issue(st);
-    cp_async_commit();
-  }
 
   for (int tile = 0; tile < tiles; ++tile) {
     cp_async_wait<STAGES - 1>();  // this lane's copies of `tile` have landed
