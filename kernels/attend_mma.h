@@ -26,7 +26,7 @@ constexpr int WARPS = 4;     // warps per block; each owns CHUNK / 4 keys
 constexpr int THREADS = 32 * WARPS;
 constexpr int ROWS = 16;     // query rows per M tile (mma's M)
 constexpr int TK = 16;       // keys per tile (two n8 tiles for S, one k16 step for PV)
-constexpr int STAGES = 2;    // cp.async ring depth per warp (attention_cuda._STAGES)
+constexpr int STAGES = 2;    // cp.async ring depth per warp (attention_cuda.STAGES)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 

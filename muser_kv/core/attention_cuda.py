@@ -39,7 +39,8 @@ ROWS = 16
 HEAD_DIMS = (64, 128, 256)
 INPUT_NAMES = ["queries", "keys", "values", "scale", "params"]
 OUTPUT_NAMES = ["partials"]
-_WARPS, _TK, _STAGES = 4, 16, 2
+#: Warps per block, keys per tile, cp.async ring depth (muser_attend::WARPS, TK, STAGES).
+WARPS, TILE_KEYS, STAGES = 4, 16, 2
 
 
 def shared_bytes(head_dim: int) -> int:
@@ -47,7 +48,7 @@ def shared_bytes(head_dim: int) -> int:
     each warp's 2-stage K/V ring of 16-key tiles (rows padded to D + 8 halves),
     the combine's weights."""
     pitch = head_dim + 8
-    return ROWS * pitch * 2 + _WARPS * _STAGES * 2 * _TK * pitch * 2 + ROWS * 8 * 4
+    return ROWS * pitch * 2 + WARPS * STAGES * 2 * TILE_KEYS * pitch * 2 + ROWS * 8 * 4
 
 
 def _text(name: str) -> str:
@@ -133,8 +134,8 @@ def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim:
                   chunk: int, max_chunks: int, window: int,
                   sequences: Sequence[KeyRead]) -> mx.array:
     """The params array for ``sequences`` (``KeyRead``s); ``window`` 0: none."""
-    if chunk <= 0 or chunk % (_WARPS * _TK):
-        raise ValueError(f"attend_partials_mma: CHUNK {chunk} is not a multiple of {_WARPS * _TK}")
+    if chunk <= 0 or chunk % (WARPS * TILE_KEYS):
+        raise ValueError(f"attend_partials_mma: CHUNK {chunk} is not a multiple of {WARPS * TILE_KEYS}")
     out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window]
     for s in sequences:
         out += [s.slot, s.end, s.held, s.origin, s.wrap]

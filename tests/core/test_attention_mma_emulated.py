@@ -25,7 +25,7 @@ from muser_kv.core import attention, attention_cuda
 from muser_kv.core.attention import DecodeRead, KeyRead
 
 WARPS, THREADS, ROWS, TK = 4, 128, 16, 16
-STAGES = attention_cuda._STAGES  # the kernel's muser_attend::STAGES (the NVRTC test pins it)
+STAGES = attention_cuda.STAGES  # the kernel's muser_attend::STAGES (the NVRTC test pins it)
 NEG_INF = np.float32(-np.inf)
 LANE = np.arange(32)
 LG, LT = LANE // 4, LANE % 4     # g = lane / 4, t = lane % 4
@@ -476,7 +476,7 @@ def test_partials_match_the_contract(spec):
 def test_other_ring_depths(stages, monkeypatch):
     """STAGES is a tuning knob: the pipeline's indexing holds for other depths
     (CHUNK 256: four tiles a warp)."""
-    monkeypatch.setattr(attention_cuda, "_STAGES", stages)  # shared_bytes
+    monkeypatch.setattr(attention_cuda, "STAGES", stages)  # shared_bytes
     monkeypatch.setitem(globals(), "STAGES", stages)          # the model
     check_case(("bf16", 2, 2, 8, 1, 32, 0, 256, "token", 8))
 

@@ -214,7 +214,9 @@ def test_shared_bytes_match_header(nvrtc, calls):
         f"\"smem {d}\");\n" for d in attention_cuda.HEAD_DIMS)
     checks += f"static_assert(muser_attend::THREADS == {attention_cuda.THREADS}, \"threads\");\n"
     checks += f"static_assert(muser_attend::ROWS == {attention_cuda.ROWS}, \"rows\");\n"
-    checks += f"static_assert(muser_attend::STAGES == {attention_cuda._STAGES}, \"stages\");\n"
+    checks += f"static_assert(muser_attend::STAGES == {attention_cuda.STAGES}, \"stages\");\n"
+    checks += f"static_assert(muser_attend::WARPS == {attention_cuda.WARPS}, \"warps\");\n"
+    checks += f"static_assert(muser_attend::TK == {attention_cuda.TILE_KEYS}, \"tile keys\");\n"
     source = "#include <cuda/std/cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
     result = nvrtc.compile(source + header + checks, arch=ARCH)
     assert result.ok, result.log
