@@ -133,10 +133,13 @@ def correctness(rng) -> bool:
                                    (4, None, ("slot_offset", "token")),
                                    (1, 512, ("head_sliced", "misaligned")),
                                    (4, 512, ("misaligned", "slot_offset"))):
-            cases.append((dt, 128, 2, 16, n, window, layouts))
-        cases.append((dt, 64, 1, 5, 4, None, ("token", "token")))       # 20 rows: two M tiles
-        cases.append((dt, 256, 2, 8, 3, 300, ("head_sliced", "token")))
-    for dt, d, hkv, g, n, window, (klayout, vlayout) in cases:
+            cases.append((dt, dt, 128, 2, 16, n, window, layouts))
+        cases.append((dt, dt, 64, 1, 5, 4, None, ("token", "token")))       # 20 rows: two M tiles
+        cases.append((dt, dt, 256, 2, 8, 3, 300, ("head_sliced", "token")))
+    # queries of another type than the planes (rounded to the planes' for the mma)
+    cases.append(("bfloat16", "float32", 128, 2, 16, 1, None, ("token", "head_sliced")))
+    cases.append(("float16", "bfloat16", 128, 2, 16, 4, 512, ("slot_offset", "token")))
+    for dt, qt, d, hkv, g, n, window, (klayout, vlayout) in cases:
         dtype = DTYPES[dt]
         specs = sequences(rng, window)
         slots = [2, 0, 3, 1][: len(specs)]
@@ -147,7 +150,8 @@ def correctness(rng) -> bool:
         vf = np.array(mx.array(vf).astype(dtype).astype(mx.float32))
         seqs = [KeyRead(slot, s["end"], s["held"], s["origin"], s["wrap"]) for s, slot in zip(specs, slots)]
         B = len(seqs)
-        q = mx.array(rng.standard_normal((B, n, hkv * g, d)).astype(np.float32)).astype(dtype)
+        q = mx.array(rng.standard_normal((B, n, hkv * g, d)).astype(np.float32))
+        q = q.astype(DTYPES.get(qt, mx.float32))
         q = q.transpose(0, 2, 1, 3)  # mlx-lm's layout: strided for n > 1
         scale = 1.0 / np.sqrt(d)
         partials, read = run_first_pass(q, keys, values, seqs, window, scale)
@@ -156,7 +160,7 @@ def correctness(rng) -> bool:
         want = attention.reference(q, read, scale).astype(mx.float32)
         mx.eval(partials, again, out, want)
         p = np.array(partials)
-        label = f"{dt} D={d} Hkv={hkv} G={g} n={n} window={window} K {klayout} V {vlayout}"
+        label = f"K/V {dt}, queries {qt}, D={d} Hkv={hkv} G={g} n={n} window={window} K {klayout} V {vlayout}"
         print(label)
         err = float(np.abs(np.array(out) - np.array(want)).max())
         good &= check("combined partials match attention.reference", err <= TOL[dt], f"max |err| {err:.2e}")
@@ -166,7 +170,7 @@ def correctness(rng) -> bool:
                       bool((p[empty][:, :d] == 0).all() and (p[empty][:, d + 1] == 0).all()))
         good &= check("the same call twice: the same bits",
                       np.array_equal(p.view(np.uint32), np.array(again).view(np.uint32)))
-        if dt == "bfloat16" and n == 4 and window:
+        if dt == qt == "bfloat16" and n == 4 and window:
             want_p = contract_partials(np.array(q.astype(mx.float32)), kf, vf, seqs, n, g, window,
                                        scale, p.shape[2])
             live = ~empty

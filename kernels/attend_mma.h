@@ -80,6 +80,9 @@ struct Mma<__nv_bfloat16> {
   }
   // Round (lo, hi) to P (nearest even) as one A register; lo/hi become the
   // rounded values, so that l sums exactly the weights the mma applies.
+  static __device__ __forceinline__ unsigned short bits(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
   static __device__ __forceinline__ uint32_t pack(float& lo, float& hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     lo = __low2float(v);
@@ -97,6 +100,9 @@ struct Mma<__half> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+  static __device__ __forceinline__ unsigned short bits(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+  }
   static __device__ __forceinline__ uint32_t pack(float& lo, float& hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     lo = __low2float(v);
@@ -104,6 +110,26 @@ struct Mma<__half> {
     return *reinterpret_cast<uint32_t*>(&v);
   }
 };
+
+template <typename A, typename B>
+struct Same {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct Same<A, A> {
+  static constexpr bool value = true;
+};
+
+// A query element as P's bits: a copy when the queries are of type P already,
+// else one round to nearest even (through f32, exact for f32, f16, bf16).
+template <typename T, typename P>
+__device__ __forceinline__ unsigned short query_bits(const T* q, int64_t at) {
+  if constexpr (Same<T, P>::value) {
+    return reinterpret_cast<const unsigned short*>(q)[at];
+  } else {
+    return Mma<P>::bits(static_cast<float>(q[at]));
+  }
+}
 
 // Dynamic shared memory the kernel needs for head_dim HD (the launcher's
 // shared_memory): Q tile, each warp's K/V ring, the combine's weights.
@@ -117,14 +143,17 @@ __host__ __device__ constexpr int smem_bytes(int hd) {
 
 // The first pass for one block; see the top of this file and
 // muser_kv/core/attention_cuda.py for the layout of params and partials.
-// Strides are in elements. Needs blockDim.x == THREADS and smem_bytes(HD)
-// bytes of dynamic shared memory.
-template <typename P, int HD>
+// Queries of type T (f32, f16 or bf16: rounded to P for the mma), K/V of type
+// P (f16 or bf16). Strides are in elements. params_len: params' length, whose
+// header is 8 ints (B .. window) or 9 (the combine's sinks flag at [8]): the
+// sequences' five ints each end it. Needs blockDim.x == THREADS and
+// smem_bytes(HD) bytes of dynamic shared memory.
+template <typename T, typename P, int HD>
 __device__ __forceinline__ void attend_partials(
-    const P* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
+    const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
     const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
     const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
-    const float* scale_in, const int32_t* params, float* partials) {
+    const float* scale_in, const int32_t* params, int params_len, float* partials) {
   static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
   constexpr int PITCH = pitch(HD);
   constexpr int VPR = HD / 8;  // 16-byte vectors per K/V row
@@ -151,7 +180,7 @@ __device__ __forceinline__ void attend_partials(
   const int b = static_cast<int>(blk / Hkv);
   if (b >= B) return;
 
-  const int32_t* seq = params + 8 + 5 * b;
+  const int32_t* seq = params + (params_len - 5 * B) + 5 * b;
   const int slot = seq[0], end = seq[1], held = seq[2], origin = seq[3], wrap = seq[4];
   const int start = end - held;  // first position held
   const int lo = window > 0 ? max(start, end - n - window + 1) : start;  // first position seen
@@ -251,15 +280,14 @@ __device__ __forceinline__ void attend_partials(
     cp_async_commit();
   }
 
-  // Q tile [16][HD] as raw 16-bit patterns; rows past n*G are +0.
-  const unsigned short* qraw = reinterpret_cast<const unsigned short*>(queries);
+  // Q tile [16][HD] as P's 16-bit patterns; rows past n*G are +0.
   for (int e = tid; e < ROWS * HD; e += THREADS) {
     const int r = e / HD, d = e % HD;
     const int R = ROWS * mt + r;
     unsigned short v = 0;
     if (R < nG) {
       const int i = R / G, hg = h * G + R % G;
-      v = qraw[b * qs0 + hg * qs1 + i * qs2 + d * qs3];
+      v = query_bits<T, P>(queries, b * qs0 + hg * qs1 + i * qs2 + d * qs3);
     }
     q_s[r * PITCH + d] = v;
   }

@@ -13,8 +13,11 @@ combine consumes:
 ``exp(s_j - m)``; a row that sees no key of the chunk (or ``c >= count``) gets
 ``m = -inf``, ``l = 0``, ``o = 0``.
 
-``params`` (int32): ``B, Hkv, G, n, D, CHUNK, max_chunks, window`` then, per
-sequence, ``slot, end, held, origin, wrap`` (``attention.sequence_params``).
+``params`` (int32): ``B, Hkv, G, n, D, CHUNK, max_chunks, window``, optionally
+the combine's ``sinks`` flag (``KernelBackend.attend``'s layout: the kernel
+finds the sequences at ``len(params) - 5 * B``), then per sequence ``slot,
+end, held, origin, wrap``. Queries may be f32, f16 or bf16 (``T``: rounded to
+the K/V type for the mma, a copy when they are of it already); K/V f16 or bf16.
 Within a chunk the arithmetic is fixed by position: four warps each take a
 quarter of the chunk's keys (tiles of 16, ascending), each with its own online
 softmax, combined warp 0..3 in order; P is rounded to the element type for the
@@ -95,17 +98,19 @@ def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
                         max_chunks: int, n_g: int) -> mx.array:
     """The first pass: ``[B, Hkv, max_chunks, n_g, D + 2]`` float32 partials.
 
-    ``queries`` ``[B, Hq, n, D]`` (any strides), ``keys``/``values``
-    ``[S, Hkv, R, D]`` views of the queries' dtype (f16 or bf16, any strides),
-    ``params`` int32 as described in the module docstring (its D, n, G,
-    max_chunks must agree with the shapes and arguments), ``scale`` a float
-    or a float32 ``[1]`` array, ``n_g = n * G``."""
+    ``queries`` ``[B, Hq, n, D]`` (f32, f16 or bf16, any strides),
+    ``keys``/``values`` ``[S, Hkv, R, D]`` views of one type (f16 or bf16, any
+    strides), ``params`` int32 as described in the module docstring (its D,
+    n, G, max_chunks must agree with the shapes and arguments; ``max_chunks``
+    at least every sequence's count), ``scale`` a float or a float32 ``[1]``
+    array, ``n_g = n * G``."""
     b, hq, n, d = queries.shape
     kv_heads = keys.shape[1]
-    if queries.dtype not in (mx.float16, mx.bfloat16):
-        raise ValueError(f"attend_partials_mma: f16 or bf16 only, got {queries.dtype}")
-    if keys.dtype != queries.dtype or values.dtype != queries.dtype:
-        raise ValueError("attend_partials_mma: keys and values must have the queries' dtype")
+    if queries.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(f"attend_partials_mma: queries f32, f16 or bf16, got {queries.dtype}")
+    if keys.dtype not in (mx.float16, mx.bfloat16) or values.dtype != keys.dtype:
+        raise ValueError(f"attend_partials_mma: keys and values f16 or bf16 of one type, got "
+                         f"{keys.dtype} and {values.dtype}")
     if d not in HEAD_DIMS or keys.shape[3] != d or values.shape[3] != d:
         raise ValueError(f"attend_partials_mma: head_dim {d} (keys {keys.shape[3]}), "
                          f"supported {HEAD_DIMS}")
@@ -116,6 +121,9 @@ def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
         params = mx.array(list(params), dtype=mx.int32)
     if params.dtype != mx.int32:
         params = params.astype(mx.int32)
+    if params.ndim != 1 or params.size - 5 * b not in (8, 9):
+        raise ValueError(f"attend_partials_mma: params of {params.size} ints for {b} sequences: "
+                         f"a header of 8 or 9, then 5 per sequence")
     if not isinstance(scale, mx.array):
         scale = mx.array([scale], dtype=mx.float32)
     elif scale.dtype != mx.float32 or scale.size != 1:
@@ -123,7 +131,7 @@ def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
     grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g)
     return _kernel(d)(
         inputs=[queries, keys, values, scale, params],
-        template=[("P", queries.dtype), ("HD", d)],
+        template=[("T", queries.dtype), ("P", keys.dtype), ("HD", d)],
         grid=grid, threadgroup=threadgroup,
         output_shapes=[(b, kv_heads, max_chunks, n_g, d + 2)],
         output_dtypes=[mx.float32],
@@ -132,11 +140,13 @@ def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
 
 def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim: int,
                   chunk: int, max_chunks: int, window: int,
-                  sequences: Sequence[KeyRead]) -> mx.array:
-    """The params array for ``sequences`` (``KeyRead``s); ``window`` 0: none."""
+                  sequences: Sequence[KeyRead], sinks: int = 0) -> mx.array:
+    """The params array for ``sequences`` (``KeyRead``s), in
+    ``KernelBackend.attend``'s layout (9-int header, ``sinks`` at [8]);
+    ``window`` 0: none."""
     if chunk <= 0 or chunk % (WARPS * TILE_KEYS):
         raise ValueError(f"attend_partials_mma: CHUNK {chunk} is not a multiple of {WARPS * TILE_KEYS}")
-    out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window]
+    out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window, sinks]
     for s in sequences:
         out += [s.slot, s.end, s.held, s.origin, s.wrap]
     return mx.array(out, dtype=mx.int32)

@@ -15,6 +15,7 @@ whatever its slot, its ring's rotation, its strides or the batch around it.
 
 from __future__ import annotations
 
+import zlib
 from typing import List
 
 import mlx.core as mx
@@ -119,8 +120,8 @@ def smem_bytes(hd):
 
 # -- the kernel, statement by statement ------------------------------------------------
 
-def emulate_block(block: int, HD: int, kind: str, q: Global, qs, k: Global, ks, v: Global, vs,
-                  scale: float, params: List[int], partials: np.ndarray) -> None:
+def emulate_block(block: int, HD: int, kind: str, q_kind: str, q: Global, qs, k: Global, ks,
+                  v: Global, vs, scale: float, params: List[int], partials: np.ndarray) -> None:
     PITCH, VPR, OUTW, OPITCH = HD + 8, HD // 8, HD + 2, HD + 8
     q_bytes = ROWS * PITCH * 2
     warp_bytes = STAGES * 2 * TK * PITCH * 2
@@ -142,7 +143,8 @@ def emulate_block(block: int, HD: int, kind: str, q: Global, qs, k: Global, ks, 
     b = blk // Hkv
     if b >= B:
         return
-    slot, end, held, origin, wrap = params[8 + 5 * b: 13 + 5 * b]
+    seq0 = len(params) - 5 * B + 5 * b  # a header of 8 or 9 ints
+    slot, end, held, origin, wrap = params[seq0: seq0 + 5]
     start = end - held
     lo = max(start, end - n - window + 1) if window > 0 else start
     rows_out = min(ROWS, nG - ROWS * mt)
@@ -165,6 +167,8 @@ def emulate_block(block: int, HD: int, kind: str, q: Global, qs, k: Global, ks, 
         if R < nG:
             i, hg = R // G, h * G + R % G
             val = q[b * qs[0] + hg * qs[1] + i * qs[2] + d * qs[3]]
+            if q_kind != kind:  # query_bits: one round to P through f32
+                val = to_bits(val if q_kind == "f32" else from_bits(val, q_kind), kind)
         h16[r * PITCH + d] = val
 
     tiles = CHUNK // (WARPS * TK)
@@ -298,14 +302,14 @@ def emulate_block(block: int, HD: int, kind: str, q: Global, qs, k: Global, ks, 
         partials[out0 + r, col] = acc
 
 
-def emulate(HD, kind, q, qs, k, ks, v, vs, scale, params, shape_q, max_chunks):
+def emulate(HD, kind, q_kind, q, qs, k, ks, v, vs, scale, params, shape_q, max_chunks):
     B, hq, n, _ = shape_q
     hkv, G = params[1], params[2]
     (grid, threadgroup, blocks) = attention_cuda.launch_geometry(B, hkv, max_chunks, n * G)
     assert threadgroup == (THREADS, 1, 1) and grid[0] == THREADS * blocks
     partials = np.full((B * hkv * max_chunks * n * G, HD + 2), np.nan, np.float32)
     for block in range(blocks):
-        emulate_block(block, HD, kind, q, qs, k, ks, v, vs, scale, params, partials)
+        emulate_block(block, HD, kind, q_kind, q, qs, k, ks, v, vs, scale, params, partials)
     return partials.reshape(B, hkv, max_chunks, n * G, HD + 2)
 
 
@@ -348,7 +352,8 @@ def contract_partials(qf, kf, vf, seqs: List[KeyRead], n, G, window, scale, chun
 
 # -- cases ---------------------------------------------------------------------------
 
-def make_case(rng, kind, B, n, G, hkv, D, window, k_layout="token", pad=8, lengths=None):
+def make_case(rng, kind, B, n, G, hkv, D, window, k_layout="token", pad=8, lengths=None,
+              q_kind=None):
     """Random queries and K/V in flat buffers behind strided views; rows a
     sequence does not hold are NaN. Returns a dict of everything."""
     seqs = []
@@ -391,12 +396,18 @@ def make_case(rng, kind, B, n, G, hkv, D, window, k_layout="token", pad=8, lengt
     kbits, ks, kf, koff = kv_buffer(k_layout)
     vbits, vs, vf, voff = kv_buffer("head" if k_layout == "token" else "token")
     hq = hkv * G
-    qf = round_p(rng.standard_normal((B, hq, n, D)).astype(np.float32), kind)
+    q_kind = q_kind or kind
+    qf = rng.standard_normal((B, hq, n, D)).astype(np.float32)
+    if q_kind != "f32":
+        qf = round_p(qf, q_kind)
     # queries as mlx-lm hands them: [B, n, Hq, D] transposed (strided for n > 1)
-    qbits = to_bits(qf.transpose(0, 2, 1, 3).copy(), kind).reshape(-1)
+    qbits = qf.transpose(0, 2, 1, 3).copy().reshape(-1)
+    if q_kind != "f32":
+        qbits = to_bits(qbits, q_kind)
     qs = (n * hq * D, D, hq * D, 1)
     return dict(seqs=seqs, k=kbits, ks=ks, kf=kf, koff=koff, v=vbits, vs=vs, vf=vf, voff=voff,
-                q=Global(qbits), qs=qs, qf=qf, window=window, n=n, G=G, D=D, B=B, hkv=hkv)
+                q=Global(qbits), qs=qs, qf=qf, window=window, n=n, G=G, D=D, B=B, hkv=hkv,
+                q_kind=q_kind)
 
 
 def chunks(s: KeyRead, n: int, window: int, chunk: int):
@@ -408,10 +419,10 @@ def chunks(s: KeyRead, n: int, window: int, chunk: int):
     return lo // chunk, (s.end - 1) // chunk - lo // chunk + 1
 
 
-def run_case(case, kind, chunk, scale=0.3):
+def run_case(case, kind, chunk, scale=0.3, header=9):
     seqs, n, G, D, window = case["seqs"], case["n"], case["G"], case["D"], case["window"]
     max_chunks = max([chunks(s, n, window, chunk)[1] for s in seqs] + [1])
-    params = [case["B"], case["hkv"], G, n, D, chunk, max_chunks, window]
+    params = [case["B"], case["hkv"], G, n, D, chunk, max_chunks, window] + [0] * (header - 8)
     for s in seqs:
         params += [s.slot, s.end, s.held, s.origin, s.wrap]
 
@@ -422,7 +433,7 @@ def run_case(case, kind, chunk, scale=0.3):
         def __getitem__(self, i):
             return self.g[self.off + i]
 
-    got = emulate(D, kind, case["q"], case["qs"], Shifted(case["k"], case["koff"]), case["ks"],
+    got = emulate(D, kind, case["q_kind"], case["q"], case["qs"], Shifted(case["k"], case["koff"]), case["ks"],
                   Shifted(case["v"], case["voff"]), case["vs"], scale, params,
                   case["qf"].shape, max_chunks)
     return got, params, max_chunks
@@ -459,11 +470,11 @@ def check_partials(got, want, D, kind):
 
 
 CASES = [
-    # kind, B, n, G, Hkv, D, window, chunk, k layout, pad
-    ("bf16", 3, 1, 16, 2, 64, 0, 128, "token", 8),
-    ("f16", 2, 4, 5, 1, 64, 0, 64, "head", 8),      # 20 rows: two M tiles, the 2nd partial
-    ("bf16", 2, 4, 16, 1, 64, 100, 128, "token", 3),  # misaligned rows: the element copy
-    ("f16", 2, 3, 6, 2, 32, 70, 64, "token", 8),      # 18 rows; HD 32 (a template value)
+    # P, queries T, B, n, G, Hkv, D, window, chunk, k layout, pad, params header
+    ("bf16", "bf16", 3, 1, 16, 2, 64, 0, 128, "token", 8, 9),
+    ("f16", "f16", 2, 4, 5, 1, 64, 0, 64, "head", 8, 8),       # 20 rows: two M tiles, the 2nd partial
+    ("bf16", "f32", 2, 4, 16, 1, 64, 100, 128, "token", 3, 9),  # misaligned rows: the element copy
+    ("f16", "bf16", 2, 3, 6, 2, 32, 70, 64, "token", 8, 9),     # 18 rows; HD 32 (a template value)
 ]
 
 
@@ -478,16 +489,17 @@ def test_other_ring_depths(stages, monkeypatch):
     (CHUNK 256: four tiles a warp)."""
     monkeypatch.setattr(attention_cuda, "STAGES", stages)  # shared_bytes
     monkeypatch.setitem(globals(), "STAGES", stages)          # the model
-    check_case(("bf16", 2, 2, 8, 1, 32, 0, 256, "token", 8))
+    check_case(("bf16", "bf16", 2, 2, 8, 1, 32, 0, 256, "token", 8, 9))
 
 
 def check_case(spec):
-    kind, B, n, G, hkv, D, window, chunk, layout, pad = spec
-    rng = np.random.default_rng(sum(map(hash, map(str, spec))) % 2**32)
-    case = make_case(rng, kind, B, n, G, hkv, D, window, layout, pad)
-    got, params, max_chunks = run_case(case, kind, chunk)
-    want = contract_partials(case["qf"], case["kf"], case["vf"], case["seqs"], n, G, window,
-                             0.3, chunk, max_chunks)
+    kind, q_kind, B, n, G, hkv, D, window, chunk, layout, pad, header = spec
+    rng = np.random.default_rng(zlib.crc32(repr(spec).encode()))
+    case = make_case(rng, kind, B, n, G, hkv, D, window, layout, pad, q_kind=q_kind)
+    got, params, max_chunks = run_case(case, kind, chunk, header=header)
+    # the mma takes queries in P: the contract of queries rounded to P (by design)
+    want = contract_partials(round_p(case["qf"], kind), case["kf"], case["vf"], case["seqs"], n, G,
+                             window, 0.3, chunk, max_chunks)
     check_partials(got, want, D, kind)
     for which in ("k", "v"):
         stray = case[which].read & ~held_elements(case, which)

@@ -4,7 +4,7 @@ compiles with NVRTC for sm_90a, exactly as MLX 0.32 wraps it, no GPU needed.
 ``attention_cuda.attend_partials_mma`` is driven with ``mx.fast.cuda_kernel``
 replaced by a recorder, so what gets compiled is what the launcher hands MLX:
 the body, the header, the input and output names, the dtypes and the template
-values (P, HD). Each (P, HD) is compiled for sm_90a (H100/H200, what MLX
+values (T, P, HD). Each (T, P, HD) is compiled for sm_90a (H100/H200, what MLX
 targets there) with MLX's flags: the log must be clean, the PTX and CUBIN must
 hold the kernel MLX looks up, and the PTX must use the tensor-core path
 (mma.sync m16n8k16 with f32 accumulation, ldmatrix, cp.async). A second
@@ -26,20 +26,23 @@ import pytest
 from nvrtc import FULL_HEADER, KernelCall, Nvrtc, NvrtcUnavailable, recording_cuda_kernel
 
 from muser_kv.core import attention_cuda
+from muser_kv.core.attention import KeyRead
 
 ARCH = "sm_90a"
 CI_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
 REQUIRED = os.environ.get("MUSER_KV_REQUIRE_NVRTC") == "1"
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+PLANES = ("bfloat16", "float16")
 PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
-CASES = [(p, d) for p in DTYPES for d in attention_cuda.HEAD_DIMS]
+# (queries T, K/V P, head_dim): every instantiation the launcher can ask for
+CASES = [(t, p, d) for t in DTYPES for p in PLANES for d in attention_cuda.HEAD_DIMS]
 
 pytestmark = pytest.mark.skipif(not CI_PLATFORM and not REQUIRED,
                                 reason="the nvrtc extra installs NVRTC on Linux x86-64 only")
 
 
 def case_id(case):
-    return f"{case[0]}-d{case[1]}"
+    return f"{case[0]}-{case[1]}-d{case[2]}"
 
 
 @pytest.fixture(scope="module")
@@ -81,21 +84,22 @@ def recorded():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mx.fast, "cuda_kernel", rec)
         mp.setattr(attention_cuda, "_built", {})
-        for p, d in CASES:
-            dtype = DTYPES[p]
+        for t, p, d in CASES:
             # Muse Glimmer's group (16 query heads per K/V head), 4 tokens, strided K/V
-            q = mx.zeros((2, 32, 4, d), dtype)
-            plane = mx.zeros((3, 10, 2, d), dtype)  # token-major: [S, R, H, D]
+            q = mx.zeros((2, 32, 4, d), DTYPES[t])
+            plane = mx.zeros((3, 10, 2, d), DTYPES[p])  # token-major: [S, R, H, D]
             kv = plane.transpose(0, 2, 1, 3)
-            params = attention_cuda.kernel_params(2, 2, 16, 4, d, 256, 3, 0, [])
+            seqs = [KeyRead(0, 700, 600, 3, 10), KeyRead(2, 9, 9, 0, 10)]
+            params = attention_cuda.kernel_params(2, 2, 16, 4, d, 256, 3, 0, seqs)
             attention_cuda.attend_partials_mma(q, kv, kv, params, 0.125, 3, 64)
     return rec
 
 
 @pytest.fixture(scope="module")
 def calls(recorded):
-    return {(next(k for k, v in DTYPES.items() if v == dict(c.template)["P"]),
-             dict(c.template)["HD"]): c for c in recorded.calls}
+    names = {v: k for k, v in DTYPES.items()}
+    return {(names[dict(c.template)["T"]], names[dict(c.template)["P"]], dict(c.template)["HD"]): c
+            for c in recorded.calls}
 
 
 def _check_compiled(result, call: KernelCall) -> None:
@@ -112,7 +116,7 @@ def test_launcher_geometry(recorded):
     """One block of 128 threads per (sequence, K/V head, chunk, 16-row M tile),
     the header's shared memory, strided inputs passed as they are."""
     assert len(recorded.launches) == len(CASES)
-    for launch, (_, d) in zip(recorded.launches, CASES):
+    for launch, (_, _, d) in zip(recorded.launches, CASES):
         blocks = 2 * 2 * 3 * 4  # B, Hkv, max_chunks, ceil(64 / 16)
         assert launch["grid"] == (128 * blocks, 1, 1)
         assert launch["threadgroup"] == (128, 1, 1)
@@ -125,10 +129,10 @@ def test_launcher_geometry(recorded):
 
 
 def test_signature_and_template(calls):
-    call = calls[("bfloat16", 128)]
+    call = calls[("bfloat16", "bfloat16", 128)]
     source = call.cuda_source(default_header="")
     assert (
-        "__global__ void custom_kernel_muser_kv_attend_mma_d128_bfloat16_t_128(\n"
+        "__global__ void custom_kernel_muser_kv_attend_mma_d128_bfloat16_t_bfloat16_t_128(\n"
         "    const __nv_bfloat16* queries,\n"
         "    const __grid_constant__ Strides queries_strides,\n"
         "    const __nv_bfloat16* keys,\n"
@@ -137,7 +141,9 @@ def test_signature_and_template(calls):
         "    const __grid_constant__ Strides values_strides,\n"
         "    const float* scale,\n"
         "    const int32_t* params,\n"
+        "    const __grid_constant__ Shape params_shape,\n"
         "    float* partials) {\n"
+        "  using T = __nv_bfloat16;\n"
         "  using P = __nv_bfloat16;\n"
         "  constexpr int HD = 128;\n"
     ) in source
@@ -149,7 +155,7 @@ def test_compiles_for_sm90a(nvrtc, calls, case):
     result = nvrtc.compile(call.cuda_source(), arch=ARCH, name_expressions=[call.name_expression])
     _check_compiled(result, call)
     ptx = result.ptx
-    t = PTX_TYPE[case[0]]
+    t = PTX_TYPE[case[1]]
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
@@ -194,12 +200,13 @@ def _ptxas_verbose(nvrtc, source: str) -> str:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "bfloat16"], ids=case_id)
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == c[1] == "bfloat16" or c[2] == 128],
+                         ids=case_id)
 def test_registers_and_spills(nvrtc, calls, case):
     log = _ptxas_verbose(nvrtc, calls[case].cuda_source())
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    d = case[1]
+    d = case[2]
     print(f"{case}: {regs} registers, {spills.group(0)}")
     if d <= 128:
         assert regs <= 168, log  # 3 blocks x 128 threads per SM
@@ -208,7 +215,7 @@ def test_registers_and_spills(nvrtc, calls, case):
 
 def test_shared_bytes_match_header(nvrtc, calls):
     """The launcher's shared memory is the header's smem_bytes(HD)."""
-    header = calls[("bfloat16", 128)].header
+    header = calls[("bfloat16", "bfloat16", 128)].header
     checks = "".join(
         f"static_assert(muser_attend::smem_bytes({d}) == {attention_cuda.shared_bytes(d)}, "
         f"\"smem {d}\");\n" for d in attention_cuda.HEAD_DIMS)
@@ -224,7 +231,7 @@ def test_shared_bytes_match_header(nvrtc, calls):
 
 def test_broken_body_fails(nvrtc, calls):
     """Negative control: the same pipeline rejects a body that is not valid CUDA."""
-    call = calls[("float16", 128)]
+    call = calls[("float16", "float16", 128)]
     result = nvrtc.compile(call.cuda_source(source=call.source + "\nmuser_undeclared += 1;\n"),
                            arch=ARCH, name_expressions=[call.name_expression])
     assert not result.ok
