@@ -22,6 +22,12 @@ Within a chunk the arithmetic is fixed by position: four warps each take a
 quarter of the chunk's keys (tiles of 16, ascending), each with its own online
 softmax, combined warp 0..3 in order; P is rounded to the element type for the
 P.V product and ``l`` sums exactly the rounded weights.
+
+Launch: ``grid = (128 * B * Hkv * max_chunks * ceil(n*G / 16), 1, 1)`` (MLX
+counts threads), ``threadgroup = (128, 1, 1)``, ``shared_bytes(D)`` of dynamic
+shared memory (74,496 at D = 128: three blocks per H100/H200 SM; 128
+registers a thread, no spills, NVRTC sm_90a). The kernel text ships as
+``*.cu``/``*.h`` in ``kernels/``: a wheel needs ``*.cu`` in the package data.
 """
 
 from __future__ import annotations
