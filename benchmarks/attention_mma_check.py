@@ -1,0 +1,277 @@
+"""Is the tensor-core first pass (core.attention_cuda) right on the GPU, and how close to the HBM floor is it?
+
+Run on an NVIDIA machine with mlx-cuda (nothing here runs elsewhere):
+
+    python benchmarks/attention_mma_check.py [--bandwidth 4.8e12] [--depth 131072] [--batches 1,4]
+
+1. **Correctness**: random queries and K/V, bf16 and f16, head_dim 128 (and
+   64, 256), n = 1 and 4 query tokens, global and windowed layers, three or
+   four sequences of mixed lengths in one batch: a full ring wrapped at a
+   random origin, a ring part full and rotated, a plane (no wrap), a short
+   one; K/V as strided views (token-major planes transposed, head-major planes
+   sliced, a slot-offset view, and a misaligned view that takes the kernel's
+   element-copy path); queries strided as mlx-lm hands them. Rows a sequence
+   does not hold are NaN. The partials, combined (``combine_partials``),
+   must match ``attention.reference``; one case's partials must match the
+   contract computed in float64 chunk by chunk; partials hold no NaN, a row
+   that sees nothing is ``(o, m, l) = (0, -inf, 0)``; the same call twice, and
+   a sequence alone against the same sequence in a batch at another slot and
+   rotation, give the same bits.
+2. **Timing**: one global layer of Muse Glimmer (Hkv = 2, G = 16, D = 128,
+   bf16) at ``--depth`` keys, n = 1, batches ``--batches``: the first pass
+   alone, against the K/V bytes at ``--bandwidth`` (the floor) and against
+   ``mx.fast.scaled_dot_product_attention`` on the same plane.
+
+Prints PASS or FAIL (exit status 1) for section 1, then the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from muser_kv.core import attention, attention_cuda
+from muser_kv.core.attention import CHUNK, DecodeRead, KeyRead
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
+TOL = {"bfloat16": 2.5e-2, "float16": 5e-3}
+
+
+def sequences(rng, window: Optional[int]) -> List[dict]:
+    """Mixed lengths: (wrap, held, end, origin)."""
+    w = window or 0
+    return [
+        dict(wrap=1024 + w, held=1024 + w, end=5000 + w, origin=int(rng.integers(0, 1024 + w))),
+        dict(wrap=900, held=600, end=2000, origin=700),   # rows 700..899, then 0..399
+        dict(wrap=3000, held=3000, end=3000, origin=0),   # a plane
+        dict(wrap=64, held=37, end=37, origin=0),         # short, less than a chunk
+    ]
+
+
+def kv_views(rng, specs, slots, hkv, d, dtype, layout):
+    """keys or values ``[S, Hkv, R, D]`` as a strided view of a larger buffer;
+    rows not held are NaN."""
+    S = max(slots) + 2
+    R = max(s["wrap"] for s in specs) + 5
+    vals = np.full((S, hkv, R, d), np.nan, np.float32)
+    for s, slot in zip(specs, slots):
+        rows = (s["origin"] + np.arange(s["held"])) % s["wrap"]
+        vals[slot][:, rows] = rng.standard_normal((hkv, s["held"], d)).astype(np.float32)
+    if layout == "token":  # [S, R, H, D] transposed
+        base = mx.array(vals.transpose(0, 2, 1, 3).copy()).astype(dtype)
+        view = base.transpose(0, 2, 1, 3)
+    elif layout == "head_sliced":  # [S, H, R + 40, D] sliced to R rows
+        padded = np.full((S, hkv, R + 40, d), np.nan, np.float32)
+        padded[:, :, :R] = vals
+        view = mx.array(padded).astype(dtype)[:, :, :R, :]
+    elif layout == "slot_offset":  # one slot more in front: a view with an offset
+        padded = np.concatenate([np.full((1, hkv, R, d), np.nan, np.float32), vals])
+        view = mx.array(padded).astype(dtype)[1:]
+    elif layout == "misaligned":  # D + 3 columns, the last D: no 16-byte rows
+        padded = np.full((S, hkv, R, d + 3), np.nan, np.float32)
+        padded[..., 3:] = vals
+        view = mx.array(padded).astype(dtype)[..., 3:]
+    else:
+        raise ValueError(layout)
+    mx.eval(view)
+    return view, vals
+
+
+def run_first_pass(q, keys, values, seqs, window, scale):
+    b, hq, n, d = q.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
+    read = DecodeRead(keys, values, tuple(seqs), window)
+    max_chunks = read.max_chunks(n)
+    params = attention_cuda.kernel_params(b, hkv, g, n, d, CHUNK, max_chunks, window or 0, seqs)
+    return attention_cuda.attend_partials_mma(q, keys, values, params, scale, max_chunks, n * g), read
+
+
+def contract_partials(qf, kf, vf, seqs, n, g, window, scale, max_chunks):
+    """float64 partials straight from the contract."""
+    B, hq, _, d = qf.shape
+    hkv = kf.shape[1]
+    out = np.zeros((B, hkv, max_chunks, n * g, d + 2))
+    out[..., d] = -np.inf
+    for b, s in enumerate(seqs):
+        first, count = s.chunks(n, window)
+        start = s.end - s.held
+        for c in range(count):
+            pos = np.arange((first + c) * CHUNK, (first + c + 1) * CHUNK)
+            for r in range(n * g):
+                i, j = divmod(r, g)
+                qpos = s.end - n + i
+                rlo = max(start, qpos - window + 1) if window else start
+                seen = pos[(pos >= rlo) & (pos <= qpos)]
+                if seen.size == 0:
+                    continue
+                rows = (s.origin + seen - start) % s.wrap
+                for h in range(hkv):
+                    sc = scale * (kf[s.slot, h, rows].astype(np.float64) @ qf[b, h * g + j, i])
+                    m = sc.max()
+                    e = np.exp(sc - m)
+                    out[b, h, c, r, :d] = e @ vf[s.slot, h, rows]
+                    out[b, h, c, r, d], out[b, h, c, r, d + 1] = m, e.sum()
+    return out
+
+
+def check(name, ok, detail=""):
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail else ""))
+    return ok
+
+
+def correctness(rng) -> bool:
+    good = True
+    cases = []
+    for dt in DTYPES:
+        for n, window, layouts in ((1, None, ("token", "head_sliced")),
+                                   (4, None, ("slot_offset", "token")),
+                                   (1, 512, ("head_sliced", "misaligned")),
+                                   (4, 512, ("misaligned", "slot_offset"))):
+            cases.append((dt, dt, 128, 2, 16, n, window, layouts))
+        cases.append((dt, dt, 64, 1, 5, 4, None, ("token", "token")))       # 20 rows: two M tiles
+        cases.append((dt, dt, 256, 2, 8, 3, 300, ("head_sliced", "token")))
+    # queries of another type than the planes (rounded to the planes' for the mma)
+    cases.append(("bfloat16", "float32", 128, 2, 16, 1, None, ("token", "head_sliced")))
+    cases.append(("float16", "bfloat16", 128, 2, 16, 4, 512, ("slot_offset", "token")))
+    for dt, qt, d, hkv, g, n, window, (klayout, vlayout) in cases:
+        dtype = DTYPES[dt]
+        specs = sequences(rng, window)
+        slots = [2, 0, 3, 1][: len(specs)]
+        keys, kf = kv_views(rng, specs, slots, hkv, d, dtype, klayout)
+        values, vf = kv_views(rng, specs, slots, hkv, d, dtype, vlayout)
+        # the views' values as the kernel sees them (rounded to dtype)
+        kf = np.array(mx.array(kf).astype(dtype).astype(mx.float32))
+        vf = np.array(mx.array(vf).astype(dtype).astype(mx.float32))
+        seqs = [KeyRead(slot, s["end"], s["held"], s["origin"], s["wrap"]) for s, slot in zip(specs, slots)]
+        B = len(seqs)
+        q = mx.array(rng.standard_normal((B, n, hkv * g, d)).astype(np.float32))
+        q = q.astype(DTYPES.get(qt, mx.float32))
+        q = q.transpose(0, 2, 1, 3)  # mlx-lm's layout: strided for n > 1
+        scale = 1.0 / np.sqrt(d)
+        partials, read = run_first_pass(q, keys, values, seqs, window, scale)
+        again, _ = run_first_pass(q, keys, values, seqs, window, scale)
+        out = attention_cuda.combine_partials(partials, n, g, mx.float32)
+        want = attention.reference(q, read, scale).astype(mx.float32)
+        mx.eval(partials, again, out, want)
+        p = np.array(partials)
+        label = f"K/V {dt}, queries {qt}, D={d} Hkv={hkv} G={g} n={n} window={window} K {klayout} V {vlayout}"
+        print(label)
+        err = float(np.abs(np.array(out) - np.array(want)).max())
+        good &= check("combined partials match attention.reference", err <= TOL[dt], f"max |err| {err:.2e}")
+        good &= check("no NaN in the partials", not np.isnan(p).any())
+        empty = p[..., d] == -np.inf
+        good &= check("a row that sees nothing is (0, -inf, 0)",
+                      bool((p[empty][:, :d] == 0).all() and (p[empty][:, d + 1] == 0).all()))
+        good &= check("the same call twice: the same bits",
+                      np.array_equal(p.view(np.uint32), np.array(again).view(np.uint32)))
+        if dt == qt == "bfloat16" and n == 4 and window:
+            want_p = contract_partials(np.array(q.astype(mx.float32)), kf, vf, seqs, n, g, window,
+                                       scale, p.shape[2])
+            live = ~empty
+            m_err = float(np.abs(p[..., d][live] - want_p[..., d][live]).max())
+            l_rel = float(np.abs(p[..., d + 1][live] / want_p[..., d + 1][live] - 1).max())
+            o_err = float(np.abs(p[..., :d][live] / p[..., d + 1][live][:, None]
+                                 - want_p[..., :d][live] / want_p[..., d + 1][live][:, None]).max())
+            good &= check("partials match the contract (float64)",
+                          np.array_equal(empty, want_p[..., d] == -np.inf) and m_err < 1e-3
+                          and l_rel < 1e-2 and o_err < TOL[dt],
+                          f"m {m_err:.1e}, l rel {l_rel:.1e}, o/l {o_err:.1e}")
+        # a sequence alone, at another slot and rotation, in another layout: the same bits
+        s0, spec0 = seqs[1], specs[1]
+        alone_spec = dict(spec0, origin=(spec0["origin"] + 123) % spec0["wrap"])
+        ka, _ = kv_views(rng, [alone_spec], [1], hkv, d, dtype, vlayout)
+        va, _ = kv_views(rng, [alone_spec], [1], hkv, d, dtype, klayout)
+        rows_b = (s0.origin + np.arange(s0.held)) % s0.wrap
+        rows_a = (alone_spec["origin"] + np.arange(s0.held)) % s0.wrap
+        ka_np = np.array(ka.astype(mx.float32))
+        va_np = np.array(va.astype(mx.float32))
+        ka_np[1][:, rows_a] = kf[s0.slot][:, rows_b]
+        va_np[1][:, rows_a] = vf[s0.slot][:, rows_b]
+        ka = mx.array(ka_np).astype(dtype)
+        va = mx.array(va_np).astype(dtype)
+        alone = KeyRead(1, s0.end, s0.held, alone_spec["origin"], s0.wrap)
+        pa, _ = run_first_pass(q[1:2], ka, va, [alone], window, scale)
+        pa = np.array(pa)
+        c = pa.shape[2]
+        good &= check("a sequence alone and in a batch: the same bits",
+                      np.array_equal(pa[0].view(np.uint32), p[1, :, :c].view(np.uint32))
+                      and bool((p[1, :, c:, :, d] == -np.inf).all()))
+    return good
+
+
+def time_calls(make, reps: int, trials: int = 3) -> float:
+    """Seconds per call: ``reps`` independent calls in one graph, best of ``trials``."""
+    mx.eval(make(0))
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        mx.eval([make(i) for i in range(reps)])
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def time_batch(b: int, depth: int, bandwidth: float, reps: int) -> None:
+    hkv, g, d, n = 2, 16, 128, 1
+    dtype = mx.bfloat16
+    keys = mx.random.normal((b, hkv, depth, d)).astype(dtype)
+    values = mx.random.normal((b, hkv, depth, d)).astype(dtype)
+    q = mx.random.normal((b, hkv * g, n, d)).astype(dtype)
+    mx.eval(keys, values, q)
+    seqs = [KeyRead(i, depth, depth, 0, depth) for i in range(b)]
+    read = DecodeRead(keys, values, tuple(seqs), None)
+    max_chunks = read.max_chunks(n)
+    params = attention_cuda.kernel_params(b, hkv, g, n, d, CHUNK, max_chunks, 0, seqs)
+    scales = [mx.array([0.088 + 1e-6 * i], dtype=mx.float32) for i in range(reps)]
+    mx.eval(params, scales)
+
+    def first(i):
+        return attention_cuda.attend_partials_mma(q, keys, values, params, scales[i % reps],
+                                                  max_chunks, n * g)
+
+    def sdpa(i):
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.088 + 1e-6 * i)
+
+    kv_bytes = 2 * b * hkv * depth * d * 2
+    out_bytes = b * hkv * max_chunks * n * g * (d + 2) * 4
+    floor = (kv_bytes + out_bytes) / bandwidth
+    t_first = time_calls(first, reps)
+    t_sdpa = time_calls(sdpa, reps)
+    _, _, blocks = attention_cuda.launch_geometry(b, hkv, max_chunks, n * g)
+    print(f"  B={b:>2}: first pass {t_first * 1e6:8.1f} us "
+          f"({(kv_bytes + out_bytes) / t_first / 1e12:5.2f} TB/s, floor {floor * 1e6:6.1f} us "
+          f"= {kv_bytes / 1e6:,.0f} MB K/V + {out_bytes / 1e6:,.1f} MB partials at "
+          f"{bandwidth / 1e12:.1f} TB/s, {floor / t_first:4.0%} of it; {blocks} blocks); "
+          f"mx.fast SDPA {t_sdpa * 1e6:8.1f} us")
+
+
+def timing(depth: int, batches: List[int], bandwidth: float, reps: int) -> None:
+    print(f"\nTiming: one global layer, Hkv=2 G=16 D=128 bf16, {depth:,} keys, n=1")
+    for b in batches:
+        time_batch(b, depth, bandwidth, reps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (H200 4.8e12, H100 3.35e12)")
+    p.add_argument("--depth", type=int, default=131072)
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(f"device: {mx.default_device()}")
+    ok = correctness(np.random.default_rng(args.seed))
+    print("PASS" if ok else "FAIL")
+    if not args.skip_timing:
+        timing(args.depth, [int(x) for x in args.batches.split(",")], args.bandwidth, args.reps)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

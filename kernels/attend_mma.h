@@ -1,0 +1,447 @@
+// muser-kv decode attention, first pass, CUDA tensor-core form (header: file scope).
+//
+// One threadblock (4 warps, 128 threads) per (sequence b, K/V head h, chunk c,
+// M tile mt): the M tile is 16 query rows r = i*G + g (token i, head g of the
+// group) of the n*G rows that share K/V head h. The chunk's CHUNK keys (by
+// logical position) are split into tiles of 16; warp w owns the CHUNK/64
+// consecutive tiles starting at key w*CHUNK/4 of the chunk and runs its own
+// online softmax over them in ascending position; the 4 warps' (m, l, o) are
+// then combined in warp order 0..3 through shared memory. Every sum is thus a
+// fixed function of the chunk's keys and positions: not of the grid, B, the
+// slot, the strides, the ring's origin or max_chunks.
+//
+// Data path per warp: cp.async (16 bytes a lane, coalesced rows) of a tile's
+// K and V rows into a 2-stage shared ring, padded rows (D + 8 halves) so that
+// ldmatrix reads are free of bank conflicts. S = Q K^T and O += P V run on
+// mma.sync m16n8k16 (P in, f32 accumulate): Q's A fragments and K's B
+// fragments by ldmatrix, P's A fragments straight from the S accumulators
+// (FlashAttention-2's register reuse), V's B fragments by ldmatrix.trans.
+//
+// Positions a sequence does not hold, and positions before the first any of
+// its queries sees, are never read: their shared rows are zeroed instead, and
+// their scores are -inf whatever the row holds (a select, never a multiply).
+namespace muser_attend {
+
+constexpr int WARPS = 4;     // warps per block; each owns CHUNK / 4 keys
+constexpr int THREADS = 32 * WARPS;
+constexpr int ROWS = 16;     // query rows per M tile (mma's M)
+constexpr int TK = 16;       // keys per tile (two n8 tiles for S, one k16 step for PV)
+constexpr int STAGES = 2;    // cp.async ring depth per warp (attention_cuda.STAGES)
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 b16 matrices; lanes 8j..8j+7 give the row addresses of matrix j.
+// Register j of lane (g = lane/4, t = lane%4) receives matrix j's row g,
+// columns 2t, 2t+1 (.trans: rows 2t, 2t+1 of column g), lower index in the
+// lower half.
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// d += a * b, m16n8k16, row.col, f32 accumulate. Fragments (lane = 4g + t):
+// a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..];
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g];
+// d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][2t..2t+1].
+template <typename P>
+struct Mma;
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // Round (lo, hi) to P (nearest even) as one A register; lo/hi become the
+  // rounded values, so that l sums exactly the weights the mma applies.
+  static __device__ __forceinline__ unsigned short bits(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+  static __device__ __forceinline__ uint32_t pack(float& lo, float& hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    lo = __low2float(v);
+    hi = __high2float(v);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned short bits(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+  static __device__ __forceinline__ uint32_t pack(float& lo, float& hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    lo = __low2float(v);
+    hi = __high2float(v);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+template <typename A, typename B>
+struct Same {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct Same<A, A> {
+  static constexpr bool value = true;
+};
+
+// A query element as P's bits: a copy when the queries are of type P already,
+// else one round to nearest even (through f32, exact for f32, f16, bf16).
+template <typename T, typename P>
+__device__ __forceinline__ unsigned short query_bits(const T* q, int64_t at) {
+  if constexpr (Same<T, P>::value) {
+    return reinterpret_cast<const unsigned short*>(q)[at];
+  } else {
+    return Mma<P>::bits(static_cast<float>(q[at]));
+  }
+}
+
+// Dynamic shared memory the kernel needs for head_dim HD (the launcher's
+// shared_memory): Q tile, each warp's K/V ring, the combine's weights.
+__host__ __device__ constexpr int pitch(int hd) { return hd + 8; }  // halves per shared row
+__host__ __device__ constexpr int q_bytes(int hd) { return ROWS * pitch(hd) * 2; }
+__host__ __device__ constexpr int warp_bytes(int hd) { return STAGES * 2 * TK * pitch(hd) * 2; }
+__host__ __device__ constexpr int comb_bytes() { return ROWS * 8 * 4; }
+__host__ __device__ constexpr int smem_bytes(int hd) {
+  return q_bytes(hd) + WARPS * warp_bytes(hd) + comb_bytes();
+}
+
+// The first pass for one block; see the top of this file and
+// muser_kv/core/attention_cuda.py for the layout of params and partials.
+// Queries of type T (f32, f16 or bf16: rounded to P for the mma), K/V of type
+// P (f16 or bf16). Strides are in elements. params_len: params' length, whose
+// header is 8 ints (B .. window) or 9 (the combine's sinks flag at [8]): the
+// sequences' five ints each end it. Needs blockDim.x == THREADS and
+// smem_bytes(HD) bytes of dynamic shared memory.
+template <typename T, typename P, int HD>
+__device__ __forceinline__ void attend_partials(
+    const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
+    const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
+    const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
+    const float* scale_in, const int32_t* params, int params_len, float* partials) {
+  static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
+  constexpr int PITCH = pitch(HD);
+  constexpr int VPR = HD / 8;  // 16-byte vectors per K/V row
+  constexpr int OUTW = HD + 2; // o, m, l
+  constexpr int OPITCH = HD + 8;  // floats per row of a warp's o in the combine
+  static_assert(4 * (2 * ROWS + ROWS * OPITCH) <= warp_bytes(HD), "combine scratch fits a warp's ring");
+
+  extern __shared__ __align__(16) unsigned char muser_attend_smem[];
+  unsigned short* q_s = reinterpret_cast<unsigned short*>(muser_attend_smem);
+  unsigned char* rings = muser_attend_smem + q_bytes(HD);
+  float* comb = reinterpret_cast<float*>(rings + WARPS * warp_bytes(HD));
+
+  const int B = params[0], Hkv = params[1], G = params[2], n = params[3];
+  const int CHUNK = params[5], max_chunks = params[6], window = params[7];
+  const int nG = n * G;
+  const int MT = (nG + ROWS - 1) / ROWS;
+
+  int64_t blk = blockIdx.x;
+  const int mt = static_cast<int>(blk % MT);
+  blk /= MT;
+  const int c = static_cast<int>(blk % max_chunks);
+  blk /= max_chunks;
+  const int h = static_cast<int>(blk % Hkv);
+  const int b = static_cast<int>(blk / Hkv);
+  if (b >= B) return;
+
+  const int32_t* seq = params + (params_len - 5 * B) + 5 * b;
+  const int slot = seq[0], end = seq[1], held = seq[2], origin = seq[3], wrap = seq[4];
+  const int start = end - held;  // first position held
+  const int lo = window > 0 ? max(start, end - n - window + 1) : start;  // first position seen
+
+  const int tid = threadIdx.x;
+  const int rows_out = min(ROWS, nG - ROWS * mt);
+  float* out = partials + ((static_cast<int64_t>(b * Hkv + h) * max_chunks + c) * nG + ROWS * mt) * OUTW;
+
+  if (CHUNK <= 0 || CHUNK % (WARPS * TK) != 0) {  // not a tiling of the chunk: say so loudly
+    for (int e = tid; e < rows_out * OUTW; e += THREADS) out[e] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const int first = lo / CHUNK;
+  const int count = lo >= end ? 0 : (end - 1) / CHUNK - first + 1;
+  if (c >= count) {  // no key here: m = -inf, l = 0, o = 0 (block-uniform exit)
+    for (int e = tid; e < rows_out * OUTW; e += THREADS) {
+      out[e] = (e % OUTW == HD) ? neg_inf() : 0.0f;
+    }
+    return;
+  }
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int tiles = CHUNK / (WARPS * TK);  // per warp
+  const int warp_pos = (first + c) * CHUNK + warp * tiles * TK;
+  unsigned char* ring = rings + warp * warp_bytes(HD);
+
+  // Positions each of this lane's two rows (g, g + 8) sees: [rlo, rhi].
+  int rlo[2], rhi[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int R = ROWS * mt + g + 8 * k;
+    if (R < nG) {
+      const int qpos = end - n + R / G;
+      rlo[k] = window > 0 ? max(start, qpos - window + 1) : start;
+      rhi[k] = qpos;
+    } else {
+      rlo[k] = 1;
+      rhi[k] = 0;  // sees nothing
+    }
+  }
+
+  // 16-byte copies need 16-byte aligned rows; otherwise copy element by element
+  // (slower, the same bits in shared memory).
+  const bool vec16 =
+      ((reinterpret_cast<unsigned long long>(keys) | reinterpret_cast<unsigned long long>(values)) &
+       15) == 0 &&
+      ks3 == 1 && vs3 == 1 && ((ks0 | ks1 | ks2 | vs0 | vs1 | vs2) & 7) == 0;
+  const unsigned short* kraw = reinterpret_cast<const unsigned short*>(keys);
+  const unsigned short* vraw = reinterpret_cast<const unsigned short*>(values);
+  const int64_t kbase = static_cast<int64_t>(slot) * ks0 + static_cast<int64_t>(h) * ks1;
+  const int64_t vbase = static_cast<int64_t>(slot) * vs0 + static_cast<int64_t>(h) * vs1;
+
+  // A tile is loaded and computed iff it holds a position in [lo, end).
+  auto tile_live = [&](int tile) {
+    const int p0 = warp_pos + tile * TK;
+    return p0 + TK > lo && p0 < end;
+  };
+  auto issue = [&](int tile) {
+    if (!tile_live(tile)) return;
+    const int p0 = warp_pos + tile * TK;
+    unsigned short* k_s = reinterpret_cast<unsigned short*>(ring + (tile % STAGES) * 2 * TK * PITCH * 2);
+    unsigned short* v_s = k_s + TK * PITCH;
+    for (int e = lane; e < TK * VPR; e += 32) {
+      const int key = e / VPR, col = (e % VPR) * 8;
+      const int p = p0 + key;
+      unsigned short* kd = k_s + key * PITCH + col;
+      unsigned short* vd = v_s + key * PITCH + col;
+      if (p >= lo && p < end) {
+        // the ring's row of position p (p >= lo >= start: the offset is >= 0)
+        const int64_t row = (static_cast<unsigned>(origin) + static_cast<unsigned>(p - start)) %
+                            static_cast<unsigned>(wrap);
+        const int64_t ko = kbase + row * ks2, vo = vbase + row * vs2;
+        if (vec16) {
+          cp_async16(smem_addr(kd), kraw + ko + col);
+          cp_async16(smem_addr(vd), vraw + vo + col);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            kd[j] = kraw[ko + (col + j) * ks3];
+            vd[j] = vraw[vo + (col + j) * vs3];
+          }
+        }
+      } else {
+        *reinterpret_cast<uint4*>(kd) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(vd) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
+  // Prologue: the first STAGES tiles in flight, one commit group each (empty
+  // groups included, so that group t is always tile t); the Q tile is read
+  // while they fly.
+#pragma unroll
+  for (int st = 0; st < STAGES; ++st) {
+    if (st < tiles) issue(st);
+    cp_async_commit();
+  }
+
+  // Q tile [16][HD] as P's 16-bit patterns; rows past n*G are +0.
+  for (int e = tid; e < ROWS * HD; e += THREADS) {
+    const int r = e / HD, d = e % HD;
+    const int R = ROWS * mt + r;
+    unsigned short v = 0;
+    if (R < nG) {
+      const int i = R / G, hg = h * G + R % G;
+      v = query_bits<T, P>(queries, b * qs0 + hg * qs1 + i * qs2 + d * qs3);
+    }
+    q_s[r * PITCH + d] = v;
+  }
+
+  __syncthreads();  // q_s written
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {neg_inf(), neg_inf()};
+  float l[2] = {0.0f, 0.0f};  // this lane's share; the quad's sum at the end
+  const float scale = scale_in[0];
+
+  // ldmatrix row addresses of this lane (see ldsm_x4): Q as A (matrices: rows
+  // 0-7|8-15 x cols 0-7, then cols 8-15), K as B of two n8 tiles (keys 0-7 x
+  // d 0-7|8-15, then keys 8-15), V as B (keys 0-7|8-15 x d 0-7, then d 8-15).
+  const int sel = lane / 8, r8 = lane % 8;
+  const uint32_t q_lane = smem_addr(q_s + (r8 + 8 * (sel & 1)) * PITCH + 8 * (sel >> 1));
+  const int k_off = (r8 + 8 * (sel >> 1)) * PITCH + 8 * (sel & 1);
+  const int v_off = (r8 + 8 * (sel & 1)) * PITCH + 8 * (sel >> 1);
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    cp_async_wait<STAGES - 1>();  // this lane's copies of `tile` have landed
+    __syncwarp();                 // ... and every lane's, visibly
+    if (tile_live(tile)) {
+      const int p0 = warp_pos + tile * TK;
+      const unsigned short* k_s =
+          reinterpret_cast<const unsigned short*>(ring + (tile % STAGES) * 2 * TK * PITCH * 2);
+      const uint32_t k_lane = smem_addr(k_s + k_off);
+      const uint32_t v_lane = smem_addr(k_s + TK * PITCH + v_off);
+
+      // S = Q K^T: s[nt] holds keys 8nt + 2t, +1 of rows g (0, 1) and g + 8 (2, 3).
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int ks = 0; ks < HD / 16; ++ks) {
+        uint32_t a[4], kb[4];
+        ldsm_x4(q_lane + ks * 32, a);
+        ldsm_x4(k_lane + ks * 32, kb);
+        Mma<P>::run(s[0], a, kb[0], kb[1]);
+        Mma<P>::run(s[1], a, kb[2], kb[3]);
+      }
+
+      // Scale; -inf where the row does not see the key.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int p = p0 + 8 * nt + 2 * t + (j & 1);
+          const int k = j >> 1;
+          s[nt][j] = (p >= rlo[k] && p <= rhi[k]) ? s[nt][j] * scale : neg_inf();
+        }
+      }
+
+      // Online softmax, row by row (k = 0: row g, k = 1: row g + 8).
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        float top = fmaxf(fmaxf(s[0][2 * k], s[0][2 * k + 1]), fmaxf(s[1][2 * k], s[1][2 * k + 1]));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        const float m_new = fmaxf(m[k], top);
+        const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // a row that saw nothing yet
+        const float alpha = expf(m[k] - m_use);                   // 0 from -inf
+        m[k] = m_new;
+        s[0][2 * k] = expf(s[0][2 * k] - m_use);
+        s[0][2 * k + 1] = expf(s[0][2 * k + 1] - m_use);
+        s[1][2 * k] = expf(s[1][2 * k] - m_use);
+        s[1][2 * k + 1] = expf(s[1][2 * k + 1] - m_use);
+        l[k] *= alpha;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+          o[j][2 * k] *= alpha;
+          o[j][2 * k + 1] *= alpha;
+        }
+      }
+
+      // P as the A operand of one k16 step (keys 0-15 of the tile), rounded to P.
+      uint32_t pa[4];
+      pa[0] = Mma<P>::pack(s[0][0], s[0][1]);
+      pa[1] = Mma<P>::pack(s[0][2], s[0][3]);
+      pa[2] = Mma<P>::pack(s[1][0], s[1][1]);
+      pa[3] = Mma<P>::pack(s[1][2], s[1][3]);
+      l[0] += (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
+      l[1] += (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+
+      // O += P V, two n8 tiles of d per ldmatrix.trans.
+#pragma unroll
+      for (int jj = 0; jj < HD / 16; ++jj) {
+        uint32_t vb[4];
+        ldsm_x4_trans(v_lane + jj * 32, vb);
+        Mma<P>::run(o[2 * jj], pa, vb[0], vb[1]);
+        Mma<P>::run(o[2 * jj + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncwarp();  // every lane is done reading this stage before it is refilled
+    if (tile + STAGES < tiles) issue(tile + STAGES);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    l[k] += __shfl_xor_sync(0xffffffffu, l[k], 1);
+    l[k] += __shfl_xor_sync(0xffffffffu, l[k], 2);
+  }
+
+  // This warp's (m, l, o) into its own ring (the ring is no longer read).
+  float* ms = reinterpret_cast<float*>(ring);
+  float* ls = ms + ROWS;
+  float* os = ls + ROWS;  // [ROWS][OPITCH]
+  if (t == 0) {
+    ms[g] = m[0];
+    ms[g + 8] = m[1];
+    ls[g] = l[0];
+    ls[g + 8] = l[1];
+  }
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) {
+    *reinterpret_cast<float2*>(os + g * OPITCH + 8 * j + 2 * t) = make_float2(o[j][0], o[j][1]);
+    *reinterpret_cast<float2*>(os + (g + 8) * OPITCH + 8 * j + 2 * t) = make_float2(o[j][2], o[j][3]);
+  }
+  __syncthreads();
+
+  // Combine warps 0..3 in order against their common max.
+  if (tid < ROWS) {
+    float top = neg_inf();
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      top = fmaxf(top, reinterpret_cast<const float*>(rings + w * warp_bytes(HD))[tid]);
+    }
+    comb[tid * 8] = top;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float mw = reinterpret_cast<const float*>(rings + w * warp_bytes(HD))[tid];
+      comb[tid * 8 + 1 + w] = mw == neg_inf() ? 0.0f : expf(mw - top);
+    }
+  }
+  __syncthreads();
+
+  for (int e = tid; e < rows_out * OUTW; e += THREADS) {
+    const int r = e / OUTW, col = e % OUTW;
+    float acc;
+    if (col == HD) {
+      acc = comb[r * 8];
+    } else {
+      const int at = col < HD ? 2 * ROWS + r * OPITCH + col : ROWS + r;  // o or l
+      acc = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        acc += comb[r * 8 + 1 + w] * reinterpret_cast<const float*>(rings + w * warp_bytes(HD))[at];
+      }
+    }
+    out[e] = acc;
+  }
+}
+
+}  // namespace muser_attend

@@ -1,0 +1,174 @@
+"""Decode attention's first pass on NVIDIA tensor cores (``mma.sync`` m16n8k16).
+
+``attend_partials_mma`` runs ``kernels/attend_mma.cu`` (body) with
+``kernels/attend_mma.h`` (device helpers) through ``mx.fast.cuda_kernel``: one
+threadblock of ``THREADS`` threads per (sequence, K/V head, chunk, M tile of 16
+query rows). It writes the per-chunk partials that ``core.attention``'s
+combine consumes:
+
+``partials[b, h, c, r, :]`` (float32, ``D + 2`` wide) for query row
+``r = i * G + g`` (token ``i``, head ``g`` of K/V head ``h``'s group) and chunk
+``c`` (positions ``(first + c) * CHUNK ..``): ``0..D-1`` the sum of
+``exp(s_j - m) * v_j``, ``D`` the max score ``m``, ``D + 1`` the sum ``l`` of
+``exp(s_j - m)``; a row that sees no key of the chunk (or ``c >= count``) gets
+``m = -inf``, ``l = 0``, ``o = 0``.
+
+``params`` (int32): ``B, Hkv, G, n, D, CHUNK, max_chunks, window``, optionally
+the combine's ``sinks`` flag (``KernelBackend.attend``'s layout: the kernel
+finds the sequences at ``len(params) - 5 * B``), then per sequence ``slot,
+end, held, origin, wrap``. Queries may be f32, f16 or bf16 (``T``: rounded to
+the K/V type for the mma, a copy when they are of it already); K/V f16 or bf16.
+Within a chunk the arithmetic is fixed by position: four warps each take a
+quarter of the chunk's keys (tiles of 16, ascending), each with its own online
+softmax, combined warp 0..3 in order; P is rounded to the element type for the
+P.V product and ``l`` sums exactly the rounded weights.
+
+Launch: ``grid = (128 * B * Hkv * max_chunks * ceil(n*G / 16), 1, 1)`` (MLX
+counts threads), ``threadgroup = (128, 1, 1)``, ``shared_bytes(D)`` of dynamic
+shared memory (74,496 at D = 128: three blocks per H100/H200 SM; 128
+registers a thread, no spills, NVRTC sm_90a). The kernel text ships as
+``*.cu``/``*.h`` in ``kernels/``: a wheel needs ``*.cu`` in the package data.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Dict, Sequence, Tuple, Union, cast
+
+import mlx.core as mx
+
+from muser_kv.core.attention import KeyRead
+
+#: Threads per block (4 warps); must match muser_attend::THREADS.
+THREADS = 128
+#: Query rows per block (mma's M).
+ROWS = 16
+#: Head dims the kernel is built for (a template value: registers hold o).
+HEAD_DIMS = (64, 128, 256)
+INPUT_NAMES = ["queries", "keys", "values", "scale", "params"]
+OUTPUT_NAMES = ["partials"]
+#: Warps per block, keys per tile, cp.async ring depth (muser_attend::WARPS, TK, STAGES).
+WARPS, TILE_KEYS, STAGES = 4, 16, 2
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory per block (muser_attend::smem_bytes): the Q tile,
+    each warp's 2-stage K/V ring of 16-key tiles (rows padded to D + 8 halves),
+    the combine's weights."""
+    pitch = head_dim + 8
+    return ROWS * pitch * 2 + WARPS * STAGES * 2 * TILE_KEYS * pitch * 2 + ROWS * 8 * 4
+
+
+def _text(name: str) -> str:
+    try:
+        return resources.files("muser_kv.kernel_sources").joinpath(name).read_text()
+    except (FileNotFoundError, ModuleNotFoundError):  # pragma: no cover - a wheel without .cu
+        return (Path(__file__).resolve().parents[2] / "kernels" / name).read_text()
+
+
+def kernel_source() -> str:
+    return _text("attend_mma.cu")
+
+
+def kernel_header() -> str:
+    return _text("attend_mma.h")
+
+
+def kernel_name(head_dim: int) -> str:
+    return f"muser_kv_attend_mma_d{head_dim}"
+
+
+_built: Dict[int, Callable] = {}
+
+
+def _kernel(head_dim: int) -> Callable:
+    """One kernel object per head_dim: its shared memory is fixed at build time."""
+    if head_dim not in _built:
+        _built[head_dim] = cast(Callable, mx.fast.cuda_kernel(
+            name=kernel_name(head_dim), input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
+            source=kernel_source(), header=kernel_header(), ensure_row_contiguous=False,
+            shared_memory=shared_bytes(head_dim)))
+    return _built[head_dim]
+
+
+def launch_geometry(batch: int, kv_heads: int, max_chunks: int,
+                    n_g: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int], int]:
+    """``(grid, threadgroup, blocks)``: MLX's grid counts threads."""
+    blocks = batch * kv_heads * max_chunks * (-(-n_g // ROWS))
+    return (THREADS * blocks, 1, 1), (THREADS, 1, 1), blocks
+
+
+def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
+                        params: Union[mx.array, Sequence[int]], scale: Union[float, mx.array],
+                        max_chunks: int, n_g: int) -> mx.array:
+    """The first pass: ``[B, Hkv, max_chunks, n_g, D + 2]`` float32 partials.
+
+    ``queries`` ``[B, Hq, n, D]`` (f32, f16 or bf16, any strides),
+    ``keys``/``values`` ``[S, Hkv, R, D]`` views of one type (f16 or bf16, any
+    strides), ``params`` int32 as described in the module docstring (its D,
+    n, G, max_chunks must agree with the shapes and arguments; ``max_chunks``
+    at least every sequence's count), ``scale`` a float or a float32 ``[1]``
+    array, ``n_g = n * G``."""
+    b, hq, n, d = queries.shape
+    kv_heads = keys.shape[1]
+    if queries.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(f"attend_partials_mma: queries f32, f16 or bf16, got {queries.dtype}")
+    if keys.dtype not in (mx.float16, mx.bfloat16) or values.dtype != keys.dtype:
+        raise ValueError(f"attend_partials_mma: keys and values f16 or bf16 of one type, got "
+                         f"{keys.dtype} and {values.dtype}")
+    if d not in HEAD_DIMS or keys.shape[3] != d or values.shape[3] != d:
+        raise ValueError(f"attend_partials_mma: head_dim {d} (keys {keys.shape[3]}), "
+                         f"supported {HEAD_DIMS}")
+    if hq % kv_heads or n_g != n * (hq // kv_heads) or max_chunks < 1:
+        raise ValueError(f"attend_partials_mma: n_g {n_g} != n * G for queries "
+                         f"{tuple(queries.shape)} and {kv_heads} K/V heads")
+    if not isinstance(params, mx.array):
+        params = mx.array(list(params), dtype=mx.int32)
+    if params.dtype != mx.int32:
+        params = params.astype(mx.int32)
+    if params.ndim != 1 or params.size - 5 * b not in (8, 9):
+        raise ValueError(f"attend_partials_mma: params of {params.size} ints for {b} sequences: "
+                         f"a header of 8 or 9, then 5 per sequence")
+    if not isinstance(scale, mx.array):
+        scale = mx.array([scale], dtype=mx.float32)
+    elif scale.dtype != mx.float32 or scale.size != 1:
+        scale = scale.astype(mx.float32).reshape(1)
+    grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g)
+    return _kernel(d)(
+        inputs=[queries, keys, values, scale, params],
+        template=[("T", queries.dtype), ("P", keys.dtype), ("HD", d)],
+        grid=grid, threadgroup=threadgroup,
+        output_shapes=[(b, kv_heads, max_chunks, n_g, d + 2)],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim: int,
+                  chunk: int, max_chunks: int, window: int,
+                  sequences: Sequence[KeyRead], sinks: int = 0) -> mx.array:
+    """The params array for ``sequences`` (``KeyRead``s), in
+    ``KernelBackend.attend``'s layout (9-int header, ``sinks`` at [8]);
+    ``window`` 0: none."""
+    if chunk <= 0 or chunk % (WARPS * TILE_KEYS):
+        raise ValueError(f"attend_partials_mma: CHUNK {chunk} is not a multiple of {WARPS * TILE_KEYS}")
+    out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window, sinks]
+    for s in sequences:
+        out += [s.slot, s.end, s.held, s.origin, s.wrap]
+    return mx.array(out, dtype=mx.int32)
+
+
+def combine_partials(partials: mx.array, queries: int, group: int, dtype: mx.Dtype) -> mx.array:
+    """The second pass in plain MLX ops, for checking the first: partials
+    ``[B, Hkv, C, n*G, D + 2]`` -> ``[B, Hkv*G, n, D]`` (``dtype``), chunks
+    combined against their common max (a row that saw nothing gives 0)."""
+    b, hkv, _, ng, w = partials.shape
+    d = w - 2
+    o, m, sums = partials[..., :d], partials[..., d], partials[..., d + 1]
+    top = m.max(axis=2, keepdims=True)
+    weight = mx.where(m == -mx.inf, 0.0, mx.exp(m - mx.where(top == -mx.inf, 0.0, top)))
+    total = (weight * sums).sum(axis=2)
+    out = (weight[..., None] * o).sum(axis=2)
+    out = mx.where(total[..., None] > 0, out / mx.where(total > 0, total, 1.0)[..., None], 0.0)
+    out = out.reshape(b, hkv, queries, group, d).transpose(0, 1, 3, 2, 4)
+    return out.reshape(b, hkv * group, queries, d).astype(dtype)

@@ -1,0 +1,238 @@
+"""The tensor-core first pass of decode attention (kernels/attend_mma.{cu,h})
+compiles with NVRTC for sm_90a, exactly as MLX 0.32 wraps it, no GPU needed.
+
+``attention_cuda.attend_partials_mma`` is driven with ``mx.fast.cuda_kernel``
+replaced by a recorder, so what gets compiled is what the launcher hands MLX:
+the body, the header, the input and output names, the dtypes and the template
+values (T, P, HD). Each (T, P, HD) is compiled for sm_90a (H100/H200, what MLX
+targets there) with MLX's flags: the log must be clean, the PTX and CUBIN must
+hold the kernel MLX looks up, and the PTX must use the tensor-core path
+(mma.sync m16n8k16 with f32 accumulation, ldmatrix, cp.async). A second
+compile with ``--ptxas-options=-v`` checks registers and spills: the occupancy
+the launcher's shared memory is sized for (3 blocks of 128 threads per SM at
+D = 128) needs at most 168 registers, and no spills at D <= 128.
+
+Skips like the other NVRTC tests when the wheels are missing (required in CI
+with ``MUSER_KV_REQUIRE_NVRTC=1``).
+"""
+
+import ctypes
+import os
+import platform
+import re
+
+import mlx.core as mx
+import pytest
+from nvrtc import FULL_HEADER, KernelCall, Nvrtc, NvrtcUnavailable, recording_cuda_kernel
+
+from muser_kv.core import attention_cuda
+from muser_kv.core.attention import KeyRead
+
+ARCH = "sm_90a"
+CI_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
+REQUIRED = os.environ.get("MUSER_KV_REQUIRE_NVRTC") == "1"
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+PLANES = ("bfloat16", "float16")
+PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
+# (queries T, K/V P, head_dim): every instantiation the launcher can ask for
+CASES = [(t, p, d) for t in DTYPES for p in PLANES for d in attention_cuda.HEAD_DIMS]
+
+pytestmark = pytest.mark.skipif(not CI_PLATFORM and not REQUIRED,
+                                reason="the nvrtc extra installs NVRTC on Linux x86-64 only")
+
+
+def case_id(case):
+    return f"{case[0]}-{case[1]}-d{case[2]}"
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    try:
+        return Nvrtc()
+    except NvrtcUnavailable as e:
+        if REQUIRED:
+            pytest.fail(f"{e} (MUSER_KV_REQUIRE_NVRTC=1: CI requires these tests)", pytrace=False)
+        pytest.skip(f"{e} (optional outside CI; .ci/run installs it and requires these tests)")
+
+
+class Recorder:
+    """``mx.fast.cuda_kernel`` stand-in that also keeps the factory's shared
+    memory and each launch's grid and threadgroup."""
+
+    def __init__(self):
+        self.calls = []
+        self.launches = []
+        self._inner = recording_cuda_kernel(self.calls)
+
+    def __call__(self, name, input_names, output_names, source, header="",
+                 ensure_row_contiguous=True, shared_memory=0):
+        kernel = self._inner(name, input_names, output_names, source, header,
+                             ensure_row_contiguous, shared_memory)
+
+        def launch(**kwargs):
+            self.launches.append(dict(name=name, shared_memory=shared_memory,
+                                      ensure_row_contiguous=ensure_row_contiguous,
+                                      grid=kwargs["grid"], threadgroup=kwargs["threadgroup"],
+                                      output_shapes=kwargs["output_shapes"]))
+            return kernel(**kwargs)
+        return launch
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    rec = Recorder()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", rec)
+        mp.setattr(attention_cuda, "_built", {})
+        for t, p, d in CASES:
+            # Muse Glimmer's group (16 query heads per K/V head), 4 tokens, strided K/V
+            q = mx.zeros((2, 32, 4, d), DTYPES[t])
+            plane = mx.zeros((3, 10, 2, d), DTYPES[p])  # token-major: [S, R, H, D]
+            kv = plane.transpose(0, 2, 1, 3)
+            seqs = [KeyRead(0, 700, 600, 3, 10), KeyRead(2, 9, 9, 0, 10)]
+            params = attention_cuda.kernel_params(2, 2, 16, 4, d, 256, 3, 0, seqs)
+            attention_cuda.attend_partials_mma(q, kv, kv, params, 0.125, 3, 64)
+    return rec
+
+
+@pytest.fixture(scope="module")
+def calls(recorded):
+    names = {v: k for k, v in DTYPES.items()}
+    return {(names[dict(c.template)["T"]], names[dict(c.template)["P"]], dict(c.template)["HD"]): c
+            for c in recorded.calls}
+
+
+def _check_compiled(result, call: KernelCall) -> None:
+    assert result.ok, f"{call.func_name}: {result.error}\n{result.log}"
+    assert result.log.strip() == "", f"{call.func_name}: NVRTC log is not clean:\n{result.log}"
+    lowered = result.lowered[call.name_expression]
+    assert lowered.startswith("_ZN3mlx4core2cu") and call.func_name in lowered, lowered
+    assert f".target {ARCH}" in result.ptx
+    assert f".entry {lowered}(" in result.ptx, f"no entry {lowered} in the PTX"
+    assert result.cubin[:4] == b"\x7fELF" and lowered.encode() in result.cubin
+
+
+def test_launcher_geometry(recorded):
+    """One block of 128 threads per (sequence, K/V head, chunk, 16-row M tile),
+    the header's shared memory, strided inputs passed as they are."""
+    assert len(recorded.launches) == len(CASES)
+    for launch, (_, _, d) in zip(recorded.launches, CASES):
+        blocks = 2 * 2 * 3 * 4  # B, Hkv, max_chunks, ceil(64 / 16)
+        assert launch["grid"] == (128 * blocks, 1, 1)
+        assert launch["threadgroup"] == (128, 1, 1)
+        assert launch["shared_memory"] == attention_cuda.shared_bytes(d)
+        assert launch["ensure_row_contiguous"] is False
+        assert list(launch["output_shapes"][0]) == [2, 2, 3, 64, d + 2]
+        assert launch["name"] == attention_cuda.kernel_name(d)
+    assert attention_cuda.shared_bytes(128) == 74_496  # 3 blocks per SM on H100/H200
+    assert attention_cuda.shared_bytes(256) <= 227 * 1024
+
+
+def test_signature_and_template(calls):
+    call = calls[("bfloat16", "bfloat16", 128)]
+    source = call.cuda_source(default_header="")
+    assert (
+        "__global__ void custom_kernel_muser_kv_attend_mma_d128_bfloat16_t_bfloat16_t_128(\n"
+        "    const __nv_bfloat16* queries,\n"
+        "    const __grid_constant__ Strides queries_strides,\n"
+        "    const __nv_bfloat16* keys,\n"
+        "    const __grid_constant__ Strides keys_strides,\n"
+        "    const __nv_bfloat16* values,\n"
+        "    const __grid_constant__ Strides values_strides,\n"
+        "    const float* scale,\n"
+        "    const int32_t* params,\n"
+        "    const __grid_constant__ Shape params_shape,\n"
+        "    float* partials) {\n"
+        "  using T = __nv_bfloat16;\n"
+        "  using P = __nv_bfloat16;\n"
+        "  constexpr int HD = 128;\n"
+    ) in source
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_compiles_for_sm90a(nvrtc, calls, case):
+    call = calls[case]
+    result = nvrtc.compile(call.cuda_source(), arch=ARCH, name_expressions=[call.name_expression])
+    _check_compiled(result, call)
+    ptx = result.ptx
+    t = PTX_TYPE[case[1]]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    # no float atomics anywhere
+    assert not re.search(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, re.M)
+
+
+def test_compiles_with_mlx_default_includes(nvrtc, calls):
+    """Every instantiation in one program, behind MLX's real include set."""
+    source = FULL_HEADER + "\n".join(
+        # the header is file scope and guarded by nothing: include it once
+        c.cuda_source(default_header="").replace(c.header, "", 1) if i else
+        c.cuda_source(default_header="")
+        for i, c in enumerate(calls.values()))
+    result = nvrtc.compile(source, arch=ARCH,
+                           name_expressions=[c.name_expression for c in calls.values()])
+    for call in calls.values():
+        _check_compiled(result, call)
+
+
+def _ptxas_verbose(nvrtc, source: str) -> str:
+    """Compile as MLX does, plus ``--ptxas-options=-v``; the log."""
+    lib = nvrtc.lib
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"attend_mma.cu",
+                                  0, None, None) == 0
+    try:
+        opts = ["--device-as-default-execution-space", f"--gpu-architecture={ARCH}",
+                "--ptxas-options=-v"]
+        opts += [f"--include-path={d}" for d in nvrtc.toolkit.include_dirs]
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        code = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+        assert code == 0, log
+        return log
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == c[1] == "bfloat16" or c[2] == 128],
+                         ids=case_id)
+def test_registers_and_spills(nvrtc, calls, case):
+    log = _ptxas_verbose(nvrtc, calls[case].cuda_source())
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    d = case[2]
+    print(f"{case}: {regs} registers, {spills.group(0)}")
+    if d <= 128:
+        assert regs <= 168, log  # 3 blocks x 128 threads per SM
+        assert spills.group(1) == "0" and spills.group(2) == "0", log
+
+
+def test_shared_bytes_match_header(nvrtc, calls):
+    """The launcher's shared memory is the header's smem_bytes(HD)."""
+    header = calls[("bfloat16", "bfloat16", 128)].header
+    checks = "".join(
+        f"static_assert(muser_attend::smem_bytes({d}) == {attention_cuda.shared_bytes(d)}, "
+        f"\"smem {d}\");\n" for d in attention_cuda.HEAD_DIMS)
+    checks += f"static_assert(muser_attend::THREADS == {attention_cuda.THREADS}, \"threads\");\n"
+    checks += f"static_assert(muser_attend::ROWS == {attention_cuda.ROWS}, \"rows\");\n"
+    checks += f"static_assert(muser_attend::STAGES == {attention_cuda.STAGES}, \"stages\");\n"
+    checks += f"static_assert(muser_attend::WARPS == {attention_cuda.WARPS}, \"warps\");\n"
+    checks += f"static_assert(muser_attend::TK == {attention_cuda.TILE_KEYS}, \"tile keys\");\n"
+    source = "#include <cuda/std/cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+    result = nvrtc.compile(source + header + checks, arch=ARCH)
+    assert result.ok, result.log
+
+
+def test_broken_body_fails(nvrtc, calls):
+    """Negative control: the same pipeline rejects a body that is not valid CUDA."""
+    call = calls[("float16", "float16", 128)]
+    result = nvrtc.compile(call.cuda_source(source=call.source + "\nmuser_undeclared += 1;\n"),
+                           arch=ARCH, name_expressions=[call.name_expression])
+    assert not result.ok
+    assert 'identifier "muser_undeclared" is undefined' in result.log, result.log
