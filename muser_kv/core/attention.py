@@ -13,7 +13,9 @@ logical position:
   function of the allocation, the batch, the ring's origin or the device;
 * each chunk's partial softmax (its max, its sum, its weighted values) is
   computed in f32, every key of the chunk in ascending position;
-* the partials are combined in ascending chunk order against their common max;
+* the partials are combined in ascending chunk order against their common max
+  (the kernels first fold them ``FOLD`` at a time, in ascending order, then
+  the folds in ascending order: a sequence's grouping is its own);
 * a query sees a key iff it is at or before the query's position and (on a
   sliding layer) inside its window, and a row outside the keys a sequence
   holds is never read: a stale NaN there cannot reach the output.
@@ -35,6 +37,9 @@ import numpy as np
 
 #: Keys per chunk, in logical positions: the one constant the bits depend on.
 CHUNK = 256
+#: Chunks folded into one partial, in ascending order, before the partials of
+#: a sequence are combined (so the combine's loops stay short at any depth).
+FOLD = 16
 #: The most query tokens per sequence decode attention takes (a decode token,
 #: or a speculative block under verification); longer chunks are prefill.
 MAX_QUERIES = 16

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, cast
 import mlx.core as mx
 import numpy as np
 
-from muser_kv.core import attention
+from muser_kv.core import attention, attention_cuda
 from muser_kv.core.ring import Ring, Run
 
 #: The production encoding; bf16 planes serve models whose attention runs in bf16.
@@ -234,7 +234,8 @@ _KERNELS = {
     "gather": (["plane_key", "plane_value", "params"], ["out_key", "out_value"]),
     "install": (["rows_key", "rows_value", "params"], ["plane_key", "plane_value"]),
     "attend": (["queries", "keys", "values", "scale", "params"], ["partials"]),
-    "attend_combine": (["partials", "sinks", "params"], ["out"]),
+    "attend_merge": (["partials", "params", "fold"], ["merged"]),
+    "attend_combine": (["partials", "sinks", "params", "fold"], ["out"]),
 }
 
 
@@ -277,6 +278,7 @@ class KernelBackend(ReferenceBackend):
             raise ValueError(f"no kernel backend {name!r}")
         self.name = name
         self._built: Dict[str, Callable] = {}
+        self._constants: Dict[tuple, mx.array] = {}
 
     def kernel(self, name: str) -> Callable:
         if name not in self._built:
@@ -361,26 +363,58 @@ class KernelBackend(ReferenceBackend):
 
     def attend(self, queries, read, scale, sinks=None):
         """Decode attention over ``read`` (``core.attention``'s rule): the
-        chunks' partials (``attend``), then their combine (``attend_combine``).
-        The K/V views go as they lie (their strides with them): no copy."""
+        chunks' partials (``attend``; on CUDA ``attention_cuda``'s, on the
+        tensor cores), folded ``attention.FOLD`` at a time when a sequence has
+        more (``attend_merge``), then combined (``attend_combine``). The K/V
+        views go as they lie (their strides with them): no copy."""
         b, hq, n, d = attention.check_queries(queries, read)
         hkv = read.keys.shape[1]
         g = hq // hkv
         sequences, chunks = attention.kernel_params(read.sequences, n, read.window)
-        params = _params(b, hkv, g, n, d, attention.CHUNK, chunks, read.window or 0,
-                         int(sinks is not None), *sequences)
-        partials = self.kernel("attend")(
-            inputs=[queries, read.keys, read.values, mx.array([scale], mx.float32), params],
-            template=[("T", queries.dtype), ("P", read.keys.dtype)],
-            grid=_grid(b * hkv * chunks * n * g * (-(-d // 32))), threadgroup=(THREADGROUP, 1, 1),
-            output_shapes=[(b, hkv, chunks, n * g, d + 2)], output_dtypes=[mx.float32],
-        )[0]
-        logits = mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
+        params = self._small((b, hkv, g, n, d, attention.CHUNK, chunks, read.window or 0,
+                              int(sinks is not None), *sequences))
+        scale_ = self._small(float(scale))
+        if self.name == "cuda" and d in attention_cuda.HEAD_DIMS:  # on the tensor cores
+            partials = attention_cuda.attend_partials_mma(
+                queries, read.keys, read.values, params, scale_, chunks, n * g)
+        else:
+            partials = self.kernel("attend")(
+                inputs=[queries, read.keys, read.values, scale_, params],
+                template=[("T", queries.dtype), ("P", read.keys.dtype)],
+                grid=_grid(b * hkv * chunks * n * g * (-(-d // 32))),
+                threadgroup=(THREADGROUP, 1, 1),
+                output_shapes=[(b, hkv, chunks, n * g, d + 2)], output_dtypes=[mx.float32],
+            )[0]
+        fold = attention.FOLD
+        layout = self._small((1, chunks, 0))
+        if chunks > fold:
+            groups = -(-chunks // fold)
+            partials = self.kernel("attend_merge")(
+                inputs=[partials, params, self._small((fold, groups, chunks))],
+                grid=_grid(b * hkv * groups * n * g * (d + 2)), threadgroup=(THREADGROUP, 1, 1),
+                output_shapes=[(b, hkv, groups, n * g, d + 2)], output_dtypes=[mx.float32],
+            )[0]
+            layout = self._small((fold, groups, 0))
+        logits = self._small(0.0) if sinks is None else sinks.astype(mx.float32)
         return self.kernel("attend_combine")(
-            inputs=[partials, logits, params], template=[("T", queries.dtype)],
+            inputs=[partials, logits, params, layout], template=[("T", queries.dtype)],
             grid=_grid(b * hq * n * d), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[(b, hq, n, d)], output_dtypes=[queries.dtype],
         )[0]
+
+    def _small(self, values) -> mx.array:
+        """A small constant input (int32 params, or one f32), made once per value
+        and reused: every layer of a kind in a step hands the same params, and
+        each array made from a list is a copy to the device."""
+        key = values if isinstance(values, tuple) else (values,)
+        arrays = self._constants
+        found = arrays.get(key)
+        if found is None:
+            if len(arrays) >= 64:  # the last few steps' values: older ones are done
+                arrays.clear()
+            found = arrays[key] = (mx.array([values], mx.float32) if isinstance(values, float)
+                                   else mx.array(values, mx.int32))
+        return found
 
 
 # -- selection -------------------------------------------------------------------

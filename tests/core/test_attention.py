@@ -68,6 +68,7 @@ def sdpa_oracle(q, k, v, end, n, window):
 CASES = [  # (end, held, n, window)
     (1, 1, 1, None), (300, 300, 1, None), (1000, 1000, 1, None), (777, 777, 4, None),
     (4100, 64, 1, 64), (5000, 256, 1, 256), (600, 259, 4, 256), (90, 90, 16, 2048),
+    (4500, 4500, 2, None),  # more than FOLD chunks: the kernels fold them first
 ]
 
 
@@ -156,7 +157,8 @@ def test_a_sink_joins_the_denominator():
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     want = np.einsum("hgnk,hkd->hgnd", p[..., :-1], np.array(v)).reshape(1, H * G, n, D)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+    # f32 throughout, but a GPU's f32 matmul may round its inputs (TF32)
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-3)
 
 
 def test_queries_that_do_not_fit_are_refused():
@@ -174,7 +176,7 @@ def metal(emulator, monkeypatch):
     return KernelBackend("metal")
 
 
-@pytest.mark.parametrize("end,held,n,window", [c for c in CASES if c[0] <= 1000])
+@pytest.mark.parametrize("end,held,n,window", [c for c in CASES if c[0] <= 1000 or c[1] > 4000])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_the_metal_kernels_keep_the_rule_and_agree_with_the_reference(metal, end, held, n, window,
                                                                      dtype):
@@ -199,9 +201,10 @@ def test_the_metal_combine_takes_the_sinks(metal):
 
 
 def test_the_cuda_kernels_compile_with_nvrtc(monkeypatch):
-    """Every instantiation the CUDA backend asks for (queries of each input
-    type over planes of each type; the combine by output type), compiled by
-    NVRTC for the H200 as MLX would, with a clean log: 6 + 3 programs."""
+    """Every instantiation the CUDA backend asks for (the first pass for queries
+    of each input type over planes of each type, the fold, the combine by
+    output type), compiled by NVRTC for the H200 as MLX would, with a clean
+    log: 6 + 1 + 3 programs."""
     import os
 
     from nvrtc import Nvrtc, NvrtcUnavailable, recording_cuda_kernel
@@ -218,10 +221,14 @@ def test_the_cuda_kernels_compile_with_nvrtc(monkeypatch):
     for plane in (mx.float16, mx.bfloat16):
         k, v = logical_rows(300, 0, plane)
         read = DecodeRead(*lay_out(k, v, 512, 3, token_major=True), (KeyRead(0, 300, 300, 3, 512),), 256)
+        deep = DecodeRead(*lay_out(*logical_rows(4500, 1, plane), 4608, 0),
+                          (KeyRead(0, 4500, 4500, 0, 4608),), None)
         for dtype in (mx.float32, mx.float16, mx.bfloat16):
             backend.attend(queries(1, 2, 0, dtype), read, SCALE, mx.zeros((H * G,)))
+            backend.attend(queries(1, 1, 0, dtype), deep, SCALE)
     programs = {(c.func_name, c.cuda_source()): c for c in calls}
-    assert len(programs) == 9, sorted(name for name, _ in programs)
+    # the first pass on the tensor cores (T x P), the fold, the combine (T)
+    assert len(programs) == 6 + 1 + 3, sorted(name for name, _ in programs)
     for call in programs.values():
         result = nvrtc.compile(call.cuda_source(), arch="sm_90", name_expressions=[call.name_expression])
         assert result.ok, f"{call.func_name}: {result.error}\n{result.log}"
