@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from importlib import resources
-from typing import Callable, Dict, Optional, Sequence, Tuple, cast
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 import numpy as np
@@ -402,7 +402,7 @@ class KernelBackend(ReferenceBackend):
             output_shapes=[(b, hq, n, d)], output_dtypes=[queries.dtype],
         )[0]
 
-    def _small(self, values) -> mx.array:
+    def _small(self, values: Union[float, Tuple[int, ...]]) -> mx.array:
         """A small constant input (int32 params, or one f32), made once per value
         and reused: every layer of a kind in a step hands the same params, and
         each array made from a list is a copy to the device."""
