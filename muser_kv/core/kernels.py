@@ -406,7 +406,7 @@ class KernelBackend(ReferenceBackend):
         """A small constant input (int32 params, or one f32), made once per value
         and reused: every layer of a kind in a step hands the same params, and
         each array made from a list is a copy to the device."""
-        key = values if isinstance(values, tuple) else (values,)
+        key = values if isinstance(values, tuple) else ("f32", values)
         arrays = self._constants
         found = arrays.get(key)
         if found is None:
