@@ -95,7 +95,10 @@ class BatchKVCache:
         #: out keeps its state, and its query (a placeholder) sees its own rows
         self.active: Optional[List[bool]] = None
         self.backend = first.backend
-        self._fetched = 0  # the id of the keys the last decode step returned (decode_read)
+        #: the id of the keys the last step returned (decode_read), and for a
+        #: chunk of at most MAX_QUERIES tokens where each sequence's keys lie
+        self._fetched = 0
+        self._chunk_reads: Optional[Tuple[KeyRead, ...]] = None
 
     # -- building ---------------------------------------------------------------------
 
@@ -262,17 +265,22 @@ class BatchKVCache:
         for h in held:
             out = evaluated_with(out, h)
         self._fetched = id(out[0])
+        self._chunk_reads = None
         return out
 
     def decode_read(self, keys: mx.array, values: mx.array) -> Optional[DecodeRead]:
-        """Where each sequence's keys lie in what the last decode step returned
-        (``core.attention``), when ``keys`` are those: slot ``b`` of the first
-        ``B``, as sequence ``b``'s ring says (a placeholder's rows as it holds
-        them). ``None`` otherwise (a chunk: MLX's attention, with its mask)."""
+        """Where each sequence's keys lie in what the last step returned
+        (``core.attention``), when ``keys`` are those: after a decode step, slot
+        ``b`` of the first ``B`` as sequence ``b``'s ring says (a placeholder's
+        rows as it holds them); after a chunk, as ``_chunk`` placed them (the
+        wrapper decides whether a chunk takes this attention: every one on the
+        CPU, none longer than ``MAX_QUERIES`` tokens on a GPU). ``None`` when
+        the keys are not those (or a chunk ran past the planes' limit)."""
         if id(keys) != self._fetched:
             return None
-        reads = tuple([KeyRead(b, r.end, r.len, r.origin_physical, r.capacity)
-                       for b, r in enumerate([s.ring for s in self.seqs])])
+        reads = self._chunk_reads or tuple([
+            KeyRead(b, r.end, r.len, r.origin_physical, r.capacity)
+            for b, r in enumerate([s.ring for s in self.seqs])])
         window = self._window if self.kind is LayerKind.SLIDING else None
         return DecodeRead(keys, values, reads, window)
 
@@ -281,6 +289,7 @@ class BatchKVCache:
         n = keys.shape[2]
         held: List[mx.array] = []
         self._fetched = 0
+        before = [s.ring.end for s in self.seqs]
         if self.kind is LayerKind.GLOBAL:
             rows = min(max(s.ring.len for s in self.seqs) + n, self.planes.limit)
             self.planes.settle(rows)  # the rows the read spans, padding included
@@ -289,9 +298,16 @@ class BatchKVCache:
                     plan = s.ring.write(s.ring.end, r)
                     s.store(keys[b:b + 1, :, :r], values[b:b + 1, :, :r], plan)
                     s.ring.assign(plan.after)
-            return self.planes.prefix(rows, slots=len(self.seqs))
+            kv = self.planes.prefix(rows, slots=len(self.seqs))
+            # each sequence's chunk as if whole: a real query (i < real[b]) sees
+            # only rows its sequence wrote; a padding one's answer is never read
+            if max(before) + n <= rows:
+                self._fetch(kv, tuple([KeyRead(b, e + n, e + n, 0, rows)
+                                       for b, e in enumerate(before)]))
+            return kv
         # sliding: the staging shadow of every sequence, right-aligned
-        width = max(s.ring.len for s in self.seqs)
+        old = [s.ring.len for s in self.seqs]
+        width = max(old)
         dtype = self.planes.dtype
         shadows_k, shadows_v = [], []
         for b, (s, r) in enumerate(zip(_rings(self.seqs), real)):
@@ -321,7 +337,15 @@ class BatchKVCache:
         out = (shadow_k, shadow_v)
         for x in held:
             out = evaluated_with(out, x)
+        # sequence b: its old rows right-aligned to width, then the chunk
+        self._fetch(out, tuple([KeyRead(b, e + n, m + n, width - m, width + n)
+                                for b, (e, m) in enumerate(zip(before, old))]))
         return out
+
+    def _fetch(self, kv: Pair, reads: Tuple[KeyRead, ...]) -> None:
+        """Record a chunk's keys for ``decode_read``."""
+        self._fetched = id(kv[0])
+        self._chunk_reads = reads
 
     def make_mask(self, N: int, window_size: Optional[int] = None,
                   return_array: bool = False) -> Mask:

@@ -5,9 +5,11 @@ keys, values, cache=..., scale=..., mask=...)``, which each model module
 imports from ``mlx_lm.models.base`` (``REPLACED``). ``route(model)``
 replaces that name in the modules the model's layers come from with
 ``scaled_dot_product_attention`` below, once: a decode step (1 to
-``MAX_QUERIES`` tokens) whose keys and values are what a muser-kv cache just
+``MAX_QUERIES`` tokens; the backend's ``max_queries``) whose keys and values are what a muser-kv cache just
 returned goes to ``core.attention`` through the cache's backend (lengths as
-integers, no mask); every other call (a prefill chunk, another cache, no
+integers, no mask), and so does every chunk on the CPU (the reference backend
+takes any length: a token's bits there never depend on how its request was
+chunked); every other call (a prefill chunk on a GPU, another cache, no
 cache) goes to mlx-lm's function unchanged. ``make_prompt_cache`` routes the
 model it builds caches for, so ``generate``, ``chat``, ``BatchGenerator``,
 ``serve`` and a user's own ``generate_step`` all take it.
@@ -20,18 +22,23 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import mlx.core as mx
 
 from muser_kv.caches.masks import DecodeMask
-from muser_kv.core.attention import MAX_QUERIES, decode_attention
+from muser_kv.core.attention import decode_attention
 
 #: the mlx-lm function replaced, and its parameters as mlx-lm's models call it
 REPLACED = ("mlx_lm.models.base", "scaled_dot_product_attention")
 PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
 _original: list = []
+#: the cache whose fetch returned the keys of the given id (the last few): a
+#: layer handed another layer's K/V and no cache (Gemma 4's KV-shared layers)
+#: attends as that layer did. The cache answers only while those keys are
+#: the last it returned (``decode_read``): no array is held here.
+_fetched_by: Dict[int, Any] = {}
 
 
 def original() -> Callable[..., mx.array]:
@@ -54,15 +61,21 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
                                  cache: Any, scale: float, mask: Any,
                                  sinks: Optional[mx.array] = None) -> mx.array:
     """mlx-lm's function, with a muser-kv cache's decode step (the keys and
-    values it just returned, at most ``MAX_QUERIES`` query tokens) answered by
+    values it just returned, at most the backend's ``max_queries`` tokens) answered by
     muser-kv's decode attention, which ignores ``mask``: the cache describes
     each sequence's keys (``decode_read``). A ``DecodeMask`` (a batch's decode
     step) must be answered so: anything else raises rather than attend
     without the sequences' lengths."""
+    if cache is None:  # a layer sharing an earlier layer's K/V (Gemma 4): that cache's read
+        cache = _fetched_by.get(id(keys))
     reader = getattr(cache, "decode_read", None)
-    if reader is not None and queries.shape[2] <= MAX_QUERIES and decode_attention() == "muser":
+    if reader is not None and queries.shape[2] <= cache.backend.max_queries \
+            and decode_attention() == "muser":
         read = reader(keys, values)
         if read is not None:
+            if len(_fetched_by) > 256:
+                _fetched_by.clear()
+            _fetched_by[id(keys)] = cache
             return cache.backend.attend(queries, read, scale, sinks)
     if isinstance(mask, DecodeMask):
         raise RuntimeError(

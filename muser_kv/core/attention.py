@@ -93,19 +93,21 @@ class DecodeRead:
         return max([s.chunks(queries, self.window)[1] for s in self.sequences] + [1])
 
 
-def check_queries(queries: mx.array, read: DecodeRead) -> Tuple[int, int, int, int]:
+def check_queries(queries: mx.array, read: DecodeRead,
+                  most: int = MAX_QUERIES) -> Tuple[int, int, int, int]:
     """``(B, query heads, tokens, head_dim)`` of ``queries``, refused unless they
-    fit ``read`` (one row per sequence, whole GQA groups, the same head_dim)."""
+    fit ``read`` (one row per sequence, whole GQA groups, the same head_dim, at
+    most ``most`` tokens)."""
     if queries.ndim != 4:
         raise ValueError(f"decode attention: queries must be [B, heads, tokens, head_dim], "
                          f"got shape {tuple(queries.shape)}")
     b, hq, n, d = queries.shape
     _, hkv, _, dk = read.keys.shape
-    if b != len(read.sequences) or d != dk or hq % hkv or not 1 <= n <= MAX_QUERIES:
+    if b != len(read.sequences) or d != dk or hq % hkv or not 1 <= n <= most:
         raise ValueError(
             f"decode attention: queries {tuple(queries.shape)} do not fit keys "
             f"{tuple(read.keys.shape)} for {len(read.sequences)} sequences "
-            f"(1 to {MAX_QUERIES} tokens, query heads a multiple of {hkv}, head_dim {dk})")
+            f"(1 to {most} tokens, query heads a multiple of {hkv}, head_dim {dk})")
     return b, hq, n, d
 
 
@@ -165,12 +167,20 @@ def reference(queries: mx.array, read: DecodeRead, scale: float,
     """Decode attention in plain MLX ops, sequence by sequence (so a sequence's
     work has the same shapes whatever the batch): ``queries`` ``[B, Hq, n, D]``
     -> ``[B, Hq, n, D]`` in the queries' dtype. ``sinks``: GPT-OSS's
-    per-head logit that joins every softmax's denominator."""
-    b, _, _, _ = check_queries(queries, read)
+    per-head logit that joins every softmax's denominator. Any number of
+    tokens, ``MAX_QUERIES`` at a time: each token's answer is its own, so a
+    prefill chunk's is the same bits as its tokens' one at a time."""
+    b, _, n, _ = check_queries(queries, read, most=1 << 30)
     outs: List[mx.array] = []
     for i, s in enumerate(read.sequences):
-        outs.append(_reference_one(queries[i], read.keys[s.slot], read.values[s.slot], s,
-                                   read.window, scale, sinks, queries.dtype))
+        parts = []
+        for lo in range(0, n, MAX_QUERIES):  # the block's keys end at its last token
+            hi = min(n, lo + MAX_QUERIES)
+            block = KeyRead(s.slot, s.end - (n - hi), s.held - (n - hi), s.origin, s.wrap)
+            parts.append(_reference_one(queries[i, :, lo:hi], read.keys[s.slot],
+                                        read.values[s.slot], block, read.window, scale, sinks,
+                                        queries.dtype))
+        outs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1))
     return mx.stack(outs) if b > 1 else outs[0][None]
 
 

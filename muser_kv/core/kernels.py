@@ -127,6 +127,10 @@ class ReferenceBackend:
     """Plain MLX ops. Same outputs, bit for bit, as the kernels."""
 
     name = "reference"
+    #: the most query tokens per sequence ``attend`` takes: any, on the CPU
+    #: (where a token's bits must not depend on how its request was chunked);
+    #: ``MAX_QUERIES`` on a GPU, where a prefill chunk keeps MLX's attention
+    max_queries = 1 << 30
 
     def store(self, keys: mx.array, values: mx.array, layout: str, first: int, count: int,
               ring: Optional[Ring] = None, start: int = 0, dtype: mx.Dtype = PLANE_DTYPE) -> Pair:
@@ -272,6 +276,8 @@ class KernelBackend(ReferenceBackend):
     program per kernel and type pair, whatever the geometry, layout or shape
     (Metal's text also varies with which inputs have fewer than 8 elements:
     MLX passes those in ``constant`` memory)."""
+
+    max_queries = attention.MAX_QUERIES
 
     def __init__(self, name: str):
         if name not in ("metal", "cuda"):

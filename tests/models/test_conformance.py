@@ -16,6 +16,7 @@ batches equal solo runs; the footprint is the planes' bytes, per layer kind.
 from __future__ import annotations
 
 import os
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -108,7 +109,7 @@ def test_the_list_is_the_models_own_entry_for_entry(model):
     assert {c.dtype for c in cache} == {o.keys.dtype for o in own}
 
 
-def test_greedy_before_the_wrap_equals_mlx_lms_caches_bitwise(model):
+def test_greedy_before_the_wrap_equals_mlx_lms_caches_bitwise(model, mlx_attention):
     """Every position inside the window: the same rows in the same order as
     mlx-lm's caches, so the same logits, bit for bit."""
     prompt = PROMPT[:3]
@@ -123,7 +124,7 @@ def test_greedy_before_the_wrap_equals_mlx_lms_caches_bitwise(model):
 
 
 @pytest.mark.parametrize("prompt", [PROMPT[:5], PROMPT], ids=["short-prompt", "wrapping-prompt"])
-def test_greedy_past_the_wrap_gives_mlx_lms_tokens(model, prompt):
+def test_greedy_past_the_wrap_gives_mlx_lms_tokens(model, prompt, mlx_attention):
     """Past the wrap the rings hold the same rows as mlx-lm's, but mlx-lm's
     RotatingKVCache keeps them in another physical order (after a prefill longer
     than its window, and as it rotates), and attention sums rows in physical
@@ -358,9 +359,40 @@ def test_a_model_that_names_no_context_gets_a_list_without_a_preset_bound(name, 
         muser_kv.MuseGeometry.from_model(model, MAX_CONTEXT), MAX_CONTEXT).slot_bytes
 
 
+def test_muser_kv_attention_answers_each_layer_as_mlx_attention_does(model, monkeypatch):
+    """The tests above compare the caches with mlx-lm's through MLX's attention
+    (``mlx_attention``). With muser-kv's own (the default), every attention call
+    of a generation past the wrap -- prefill chunks and decode steps, every
+    layer, with whatever mask the model built -- answers as MLX's attention
+    does over the same keys, values and mask, within rounding (MLX's CPU
+    attention rounds its scores to the model's type; muser-kv's keeps them in
+    f32). Compared per call, because a model's logits amplify any rounding
+    (a mixture of experts' routing flips at a near tie)."""
+    from muser_kv.caches import mlx_lm_attention
+
+    cache = ours(model)  # routes the model's attention
+    seen = []
+    wrapper = mlx_lm_attention.scaled_dot_product_attention
+
+    def both(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+        got = wrapper(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if getattr(cache, "decode_read", None) is not None:
+            want = mlx_lm_attention.original()(queries, keys, values, cache, scale=scale, mask=mask,
+                                               sinks=sinks)
+            a, b = (np.array(x.astype(mx.float32)) for x in (got, want))
+            seen.append(float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-3))
+        return got
+
+    for module in {type(m).__module__ for m in model.modules()}:
+        if getattr(sys.modules[module], "scaled_dot_product_attention", None) is wrapper:
+            monkeypatch.setattr(sys.modules[module], "scaled_dot_product_attention", both)
+    greedy(model, cache, PROMPT, n=WINDOW + 4)
+    assert seen and max(seen) < 0.05, f"{len(seen)} calls, worst relative difference {max(seen)}"
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("name", ["gpt_oss", "cohere2"])
-def test_install_then_mlx_lm_generate_works_as_on_mlx_lms_caches(name, dtype):
+def test_install_then_mlx_lm_generate_works_as_on_mlx_lms_caches(name, dtype, mlx_attention):
     """install(model) refused GPT-OSS and Cohere2 ("pass max_context"); now
     mlx-lm's own generate on the installed model gives the text it gives on
     mlx-lm's caches. The prompt is 2 windows + 1 tokens, so the rings hold each
@@ -397,7 +429,7 @@ def test_a_model_that_runs_layers_twice_is_refused():
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
-def test_muser_kv_generate_prints_what_mlx_lm_generate_prints(name, tmp_path, capsys, monkeypatch):
+def test_muser_kv_generate_prints_what_mlx_lm_generate_prints(name, tmp_path, capsys, monkeypatch, mlx_attention):
     """The command path: a checkpoint on disk (bf16, the zoo's tiny geometry; its
     config.json has max_position_embeddings, which mlx-lm's args drop for
     Cohere2 and GPT-OSS), mlx-lm's own generate main() on muser-kv's caches

@@ -46,8 +46,15 @@ subprocess_test = pytest.mark.skipif(
     reason="the emulated-Metal run cannot route a `python -m` child through the emulator")
 
 
-def python(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+#: the commands compared with mlx-lm's own text attend as mlx-lm does (MLX's
+#: attention): muser-kv's own gives the same tokens only within rounding
+#: (tests/models/test_conformance.py compares those logits)
+AS_MLX_LM = {"MUSER_KV_ATTENTION": "mlx"}
+
+
+def python(*args: str, stdin: str | None = None,
+           env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True,
                           timeout=TIMEOUT, env=env, cwd=ROOT)
@@ -94,7 +101,7 @@ def test_generate_prints_what_mlx_lm_prints_past_the_wrap(local_muse_model, tmp_
     session = tmp_path / "generate.safetensors"
     ref = ok(python("-m", "mlx_lm", *generate_args(local_muse_model)))
     ours = ok(python("-m", "muser_kv", *generate_args(local_muse_model),
-                     "--session", str(session)))
+                     "--session", str(session), env_extra=AS_MLX_LM))
     assert masked(ours) == masked(ref)
     assert len(generated(ours).split()) == 40
     # the text came through muser-kv's caches: they are what the session holds
@@ -181,10 +188,10 @@ def test_chat_matches_mlx_lm_and_a_resumed_session_replays_bit_for_bit(local_mus
 
     whole, split = tmp_path / "whole.safetensors", tmp_path / "split.safetensors"
     runs = [spec("whole", both, whole), spec("first", TURNS[0] + "\nq\n", split)]
-    ok(python(str(HERE / "commands_child.py"), json.dumps(runs)))
+    ok(python(str(HERE / "commands_child.py"), json.dumps(runs), env_extra=AS_MLX_LM))
     after_first = muser_kv.read_session(split)
     runs.append(spec("second", TURNS[1] + "\nq\n", split))  # a new process resumes it
-    ok(python(str(HERE / "commands_child.py"), json.dumps(runs[2:])))
+    ok(python(str(HERE / "commands_child.py"), json.dumps(runs[2:]), env_extra=AS_MLX_LM))
 
     out = {s["record"]: Path(s["stdout"]).read_text() for s in runs}
     rec = {s["record"]: np.load(s["record"]) for s in runs}
