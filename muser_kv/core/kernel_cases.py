@@ -82,3 +82,10 @@ def plane_buffer(layout: str, rows: int, plane: mx.Dtype, seed: int, h: int,
     """A key and a value plane of ``rows`` allocated rows in ``layout``, with edge values."""
     shape = (rows, h * d) if layout == TOKEN_MAJOR else (h, rows, d)
     return edge_values(shape, plane, seed), edge_values(shape, plane, seed + 1)
+
+#: (end, held, query tokens, window or 0, head_dim) of a decode attention the
+#: selftest and the tests check: a short plane, one past a chunk, a wrapped
+#: ring, a speculative block in a window, one of more than ``FOLD`` chunks
+ATTENTION_CASES: Tuple[Tuple[int, int, int, int, int], ...] = (
+    (1, 1, 1, 0, 128), (300, 300, 1, 0, 128), (5000, 256, 1, 256, 128), (600, 259, 4, 256, 128),
+    (4500, 4500, 2, 0, 128), (777, 777, 3, 0, 64))

@@ -40,7 +40,13 @@ import numpy as np
 
 from muser_kv.core import kernels
 from muser_kv.core.geometry import allocated_rows
-from muser_kv.core.kernel_cases import RING_STATES, STORE_CASES, model_kv, plane_buffer
+from muser_kv.core.kernel_cases import (
+    ATTENTION_CASES,
+    RING_STATES,
+    STORE_CASES,
+    model_kv,
+    plane_buffer,
+)
 from muser_kv.core.kernels import HEAD_MAJOR, TOKEN_MAJOR, KernelBackend, ReferenceBackend
 from muser_kv.core.ring import Ring
 
@@ -404,6 +410,51 @@ def _run_parallel(gpu: KernelBackend, ref: Optional[ReferenceBackend],
     return results
 
 
+def check_attention(gpu: ReferenceBackend, ref: ReferenceBackend, heads: int = 32,
+                    kv_heads: int = 2) -> KernelReport:
+    """Decode attention (``core.attention``) on ``ATTENTION_CASES``, for both
+    plane types: the same bits under every placement of a sequence's keys (a
+    rotated token-major ring, another slot of a padded plane, beside another
+    sequence), and the reference within rounding (another summation order)."""
+    from muser_kv.core.attention import DecodeRead, KeyRead
+
+    report = KernelReport("attend")
+    rng = np.random.default_rng(0)
+    for end, held, n, window, d in ATTENTION_CASES:
+        for p in PLANE_DTYPES:
+            label = f"attend end {end} held {held} n {n} window {window} d {d} {_name(p)}"
+            k_log = rng.standard_normal((kv_heads, held, d)).astype(np.float32)
+            v_log = rng.standard_normal((kv_heads, held, d)).astype(np.float32)
+            q = mx.array(rng.standard_normal((1, heads, n, d)).astype(np.float32)).astype(p)
+            outs = []
+            for rows, origin, slots, slot, token_major in (
+                    (held, 0, 1, 0, False), (held + 256, held // 3, 1, 0, True),
+                    (held + 1, 1, 3, 2, False)):
+                planes = []
+                for x in (k_log, v_log):
+                    a = np.full((slots, kv_heads, rows, d), np.nan, np.float32)
+                    a[slot][:, (origin + np.arange(held)) % rows] = x
+                    arr = mx.array(a).astype(p)
+                    if token_major:
+                        arr = mx.contiguous(arr.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                    planes.append(arr)
+                read = DecodeRead(planes[0], planes[1], (KeyRead(slot, end, held, origin, rows),),
+                                  window or None)
+                outs.append((gpu.attend(q, read, d ** -0.5), read))
+            report.cases += 1
+            report.elements += outs[0][0].size
+            first = _bits(outs[0][0])
+            if any(not np.array_equal(_bits(o), first) for o, _ in outs[1:]):
+                report.failures.append(f"{label}: other bits under another placement")
+                continue
+            want = np.array(ref.attend(q, outs[0][1], d ** -0.5).astype(mx.float32))
+            got = np.array(outs[0][0].astype(mx.float32))
+            if not np.all(np.isfinite(got)) or np.max(np.abs(got - want)) > 2e-2:
+                report.failures.append(f"{label}: max |difference| from the reference "
+                                       f"{float(np.max(np.abs(got - want))):.3g}")
+    return report
+
+
 def _device_name() -> str:
     try:
         return str(mx.device_info().get("device_name", "unknown device"))
@@ -438,18 +489,28 @@ def main(backend: Optional[str] = None, out: Optional[TextIO] = None,
           f"against the reference path on the same GPU ({programs} kernel programs, {jobs} "
           f"{'process' if jobs == 1 else 'processes'})", file=out, flush=True)
     reports = run_checks(gpu, mx.gpu, jobs=jobs, progress=True)
-    return summarize(reports, name, out, seconds=time.perf_counter() - began)
+    with mx.stream(mx.gpu):
+        attend = check_attention(gpu, ReferenceBackend())
+    return summarize(reports, name, out, seconds=time.perf_counter() - began, attend=attend)
 
 
 def summarize(reports: Sequence[KernelReport], name: str, out: Optional[TextIO] = None,
-              seconds: Optional[float] = None) -> int:
+              seconds: Optional[float] = None, attend: Optional[KernelReport] = None) -> int:
     """One line per kernel and the verdict (with the time taken, when given);
-    the exit status (0 or 1)."""
+    the exit status (0 or 1). ``attend``: the decode attention's report
+    (``check_attention``), its own line."""
     out = out or sys.stdout
     took = "" if seconds is None else f" in {seconds:.1f} s"
     for report in reports:
         print(report.line(), file=out)
     bad = [r.kernel for r in reports if not r.ok]
+    if attend is not None:
+        if attend.ok:
+            print(f"{'attend':<12} ok    {attend.cases} cases, {attend.elements:,} elements, the "
+                  "same bits under every placement, the reference within rounding", file=out)
+        else:
+            print(attend.line(), file=out)
+            bad.append("attend")
     if bad:
         verb = "differs" if len(bad) == 1 else "differ"
         print(f"selftest FAILED: {', '.join(bad)} {verb} from the reference path{took}",

@@ -233,3 +233,21 @@ def test_the_cuda_kernels_compile_with_nvrtc(monkeypatch):
         result = nvrtc.compile(call.cuda_source(), arch="sm_90", name_expressions=[call.name_expression])
         assert result.ok, f"{call.func_name}: {result.error}\n{result.log}"
         assert result.log.strip() == "", result.log
+
+
+def test_the_selftest_checks_the_attention_kernels(metal):
+    """``muser-kv selftest``'s attention line: the emulated Metal kernels pass
+    it, and a kernel whose bits follow the allocation fails it."""
+    from muser_kv.core import selftest
+    from muser_kv.core.kernels import ReferenceBackend
+
+    report = selftest.check_attention(metal, ReferenceBackend(), heads=8)
+    assert report.ok and report.cases == 12, report.failures
+
+    class FollowsTheAllocation(ReferenceBackend):
+        def attend(self, queries, read, scale, sinks=None):
+            out = super().attend(queries, read, scale, sinks)
+            return out + read.keys.shape[2] * 1e-3  # bits that depend on the rows allocated
+
+    bad = selftest.check_attention(FollowsTheAllocation(), ReferenceBackend(), heads=8)
+    assert bad.failures and "another placement" in bad.failures[0]
