@@ -31,7 +31,7 @@ import copy
 import weakref
 from abc import ABC, abstractmethod
 from operator import attrgetter
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import mlx.core as mx
 
@@ -55,6 +55,12 @@ State = Tuple[mx.array, mx.array, Tuple[str, ...], Any]
 INPUT_DTYPE_SET = frozenset(INPUT_DTYPES)
 
 _Cache = TypeVar("_Cache", bound="MuseKVCache")
+
+
+def nothing_fetched() -> None:
+    """A cache's last fetch before it has made one (a weak reference's answer
+    once its array is gone): no keys."""
+    return None
 
 
 class MuseKVCache(ABC):
@@ -88,11 +94,10 @@ class MuseKVCache(ABC):
         self._window = window
         self.backend = kernels.get_backend()
         self._one_token = (1, planes.kv_heads, 1, planes.head_dim)
-        #: the id of the keys the last fetch returned (never the array: a
-        #: reference would keep the plane from being donated to the next store),
-        #: and where they lie when not where the ring says (a staging shadow):
-        #: what ``decode_read`` describes
-        self._fetched = 0
+        #: the keys the last fetch returned, weakly (a reference would keep the
+        #: plane from being donated to the next store), and where they lie when
+        #: not where the ring says (a staging shadow): what ``decode_read`` describes
+        self._fetched: Callable[[], Optional[mx.array]] = nothing_fetched
         self._fetched_read: Optional[KeyRead] = None
         # its place in a list (cachelist.bind); alone, a cache is a list of one:
         # its own predecessor, always in step with itself
@@ -263,7 +268,7 @@ class MuseKVCache(ABC):
         (``core.attention``), when ``keys`` are those; ``None`` otherwise. The
         ring after the write says it, unless the write returned a staging
         shadow (``_fetched_read``)."""
-        if id(keys) != self._fetched:
+        if self._fetched() is not keys:
             return None
         read = self._fetched_read
         if read is None:

@@ -43,12 +43,13 @@ anything changes.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 
 from muser_kv.caches import base, cachelist
-from muser_kv.caches.base import Mask, MuseKVCache
+from muser_kv.caches.base import Mask, MuseKVCache, nothing_fetched
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.masks import (
     DECODE_MASK,
@@ -95,9 +96,9 @@ class BatchKVCache:
         #: out keeps its state, and its query (a placeholder) sees its own rows
         self.active: Optional[List[bool]] = None
         self.backend = first.backend
-        #: the id of the keys the last step returned (decode_read), and for a
-        #: chunk of at most MAX_QUERIES tokens where each sequence's keys lie
-        self._fetched = 0
+        #: the keys the last step returned, weakly (decode_read), and after a
+        #: chunk where each sequence's keys lie
+        self._fetched: Callable[[], Optional[mx.array]] = nothing_fetched
         self._chunk_reads: Optional[Tuple[KeyRead, ...]] = None
 
     # -- building ---------------------------------------------------------------------
@@ -264,7 +265,7 @@ class BatchKVCache:
                 held.append(copy)
         for h in held:
             out = evaluated_with(out, h)
-        self._fetched = id(out[0])
+        self._fetched = weakref.ref(out[0])
         self._chunk_reads = None
         return out
 
@@ -276,7 +277,7 @@ class BatchKVCache:
         wrapper decides whether a chunk takes this attention: every one on the
         CPU, none longer than ``MAX_QUERIES`` tokens on a GPU). ``None`` when
         the keys are not those (or a chunk ran past the planes' limit)."""
-        if id(keys) != self._fetched:
+        if self._fetched() is not keys:
             return None
         reads = self._chunk_reads or tuple([
             KeyRead(b, r.end, r.len, r.origin_physical, r.capacity)
@@ -288,7 +289,7 @@ class BatchKVCache:
         """A chunk per sequence, its first ``real[b]`` tokens its own."""
         n = keys.shape[2]
         held: List[mx.array] = []
-        self._fetched = 0
+        self._fetched = nothing_fetched
         before = [s.ring.end for s in self.seqs]
         if self.kind is LayerKind.GLOBAL:
             rows = min(max(s.ring.len for s in self.seqs) + n, self.planes.limit)
@@ -344,7 +345,7 @@ class BatchKVCache:
 
     def _fetch(self, kv: Pair, reads: Tuple[KeyRead, ...]) -> None:
         """Record a chunk's keys for ``decode_read``."""
-        self._fetched = id(kv[0])
+        self._fetched = weakref.ref(kv[0])
         self._chunk_reads = reads
 
     def make_mask(self, N: int, window_size: Optional[int] = None,

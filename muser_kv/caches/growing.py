@@ -17,6 +17,7 @@ to its offset; the decode path pays two comparisons for it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
@@ -75,7 +76,7 @@ class GlobalKVCache(MuseKVCache):
                     if not planes.low < live <= planes.high:
                         planes.settle(live)
                     kv = planes.put_token(row, keys, values, self.slot, live)
-                    self._fetched = id(kv[0])
+                    self._fetched = weakref.ref(kv[0])
                     return kv
         n = self.check_input(keys, values)
         self.check_write(n)
@@ -84,7 +85,7 @@ class GlobalKVCache(MuseKVCache):
         self.store(keys, values, plan)
         ring.assign(plan.after)
         kv = self.planes.prefix(ring.len, self.slot)
-        self._fetched = id(kv[0])
+        self._fetched = weakref.ref(kv[0])
         return kv
 
     def bound_to(self, planes: Planes, slot: int) -> "GlobalKVCache":

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Callable, Dict, Optional
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -34,11 +35,20 @@ REPLACED = ("mlx_lm.models.base", "scaled_dot_product_attention")
 PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
 _original: list = []
-#: the cache whose fetch returned the keys of the given id (the last few): a
+#: the keys of the last few decode reads and their caches, weakly (neither a
+#: plane nor a finished request's caches are held here), by the keys' id: a
 #: layer handed another layer's K/V and no cache (Gemma 4's KV-shared layers)
-#: attends as that layer did. The cache answers only while those keys are
-#: the last it returned (``decode_read``): no array is held here.
-_fetched_by: Dict[int, Any] = {}
+#: attends as that layer did, while those keys are the last its cache returned
+_fetched_by: Dict[int, Tuple[Any, Any]] = {}
+
+
+def _shared(keys: mx.array) -> Any:
+    """The cache whose last decode read returned ``keys`` (the array itself,
+    not another at a reused id), or ``None``."""
+    entry = _fetched_by.get(id(keys))
+    if entry is None or entry[0]() is not keys:
+        return None
+    return entry[1]()
 
 
 def original() -> Callable[..., mx.array]:
@@ -67,7 +77,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     step) must be answered so: anything else raises rather than attend
     without the sequences' lengths."""
     if cache is None:  # a layer sharing an earlier layer's K/V (Gemma 4): that cache's read
-        cache = _fetched_by.get(id(keys))
+        cache = _shared(keys)
     reader = getattr(cache, "decode_read", None)
     if reader is not None and queries.shape[2] <= cache.backend.max_queries \
             and decode_attention() == "muser":
@@ -75,7 +85,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
         if read is not None:
             if len(_fetched_by) > 256:
                 _fetched_by.clear()
-            _fetched_by[id(keys)] = cache
+            _fetched_by[id(keys)] = (weakref.ref(keys), weakref.ref(cache))
             return cache.backend.attend(queries, read, scale, sinks)
     if isinstance(mask, DecodeMask):
         raise RuntimeError(

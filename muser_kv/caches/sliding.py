@@ -17,6 +17,7 @@ lazy would hold the plane at the next store and MLX would copy the plane.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
@@ -73,7 +74,7 @@ class SlidingKVCache(MuseKVCache):
                     if (self.retain and ring.len == ring.capacity
                             and not retained.start <= ring.origin_logical < retained.end):
                         kv = evaluated_with(kv, self._take_ahead())  # copy_ahead's work
-                    self._fetched = id(kv[0])
+                    self._fetched = weakref.ref(kv[0])
                     return kv
         return self._write(keys, values)
 
@@ -107,7 +108,7 @@ class SlidingKVCache(MuseKVCache):
         ahead = self.copy_ahead()
         if ahead is not None:
             out = evaluated_with(out, ahead)
-        self._fetched = id(out[0])
+        self._fetched = weakref.ref(out[0])
         return out
 
     def _mask(self, n: int, window_size: Optional[int], return_array: bool) -> Mask:

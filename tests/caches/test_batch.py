@@ -100,7 +100,7 @@ def check_step(batch: BatchKVCache, seqs, n, real, seed):
     before = [s.oracle.position for s in seqs]
     keys, values = batch.update_and_fetch(k, v)
     read = batch.decode_read(keys, values)
-    assert (read is not None) == isinstance(mask, DecodeMask)
+    assert read is not None or not isinstance(mask, DecodeMask)
     if real is not None:
         batch.finalize()
     got_k = np.array(keys).transpose(0, 2, 1, 3)  # [B, rows, H, D]

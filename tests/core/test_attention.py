@@ -162,11 +162,22 @@ def test_a_sink_joins_the_denominator():
 
 
 def test_queries_that_do_not_fit_are_refused():
-    k, v = logical_rows(10, 0)
-    read = DecodeRead(*lay_out(k, v, 10, 0), (KeyRead(0, 10, 10, 0, 10),), None)
-    for q in (queries(2, 1, 0), queries(1, 17, 0), mx.zeros((1, 3, 1, D), mx.bfloat16)):
+    """Another batch, a head count that is no whole GQA group: refused; more
+    than MAX_QUERIES tokens: refused by the kernels' check (the reference
+    takes any number, 16 at a time)."""
+    k, v = logical_rows(40, 0)
+    read = DecodeRead(*lay_out(k, v, 40, 0), (KeyRead(0, 40, 40, 0, 40),), None)
+    for q in (queries(2, 1, 0), mx.zeros((1, 3, 1, D), mx.bfloat16)):
         with pytest.raises(ValueError, match="decode attention"):
             attention.reference(q, read, SCALE)
+    with pytest.raises(ValueError, match="1 to 16 tokens"):
+        attention.check_queries(queries(1, 17, 0), read)
+    whole = attention.reference(queries(1, 33, 0), read, SCALE)  # 16 + 16 + 1
+    alone = [attention.reference(queries(1, 33, 0)[:, :, i:i + 1], DecodeRead(
+        read.keys, read.values, (KeyRead(0, 40 - 32 + i, 40 - 32 + i, 0, 40),), None), SCALE)
+        for i in (0, 15, 16, 32)]
+    for i, one in zip((0, 15, 16, 32), alone):  # each token's answer is its own
+        np.testing.assert_array_equal(bits(whole[:, :, i:i + 1]), bits(one))
 
 
 @pytest.fixture

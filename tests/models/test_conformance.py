@@ -523,8 +523,9 @@ def served(tmp_path_factory):
 def test_serve_answers_a_returning_chat_exactly(served, name):
     """A conversation past the wrap comes back with the answer less its last 3
     tokens (a client that renders the end of turn its own way): the stored
-    entry is trimmed by 3, exactly, and the answer is the one mlx-lm's own
-    caches give for the whole prompt in this process."""
+    entry is trimmed by 3, exactly, and the answer is the one muser-kv's caches
+    give for the whole prompt in this process, prefilled at once: a token's
+    attention on the CPU is the same bits however its request was chunked."""
     from servers import words
 
     server, path = served[name]
@@ -550,7 +551,7 @@ def test_serve_answers_a_returning_chat_exactly(served, name):
 
     model, _ = mlx_lm.load(str(path))
     bias = make_logits_processors(logit_bias={eos: -1000})
-    want = greedy(model, type(model).make_cache(model), second, 10, logits_processors=bias)
+    want = greedy(model, muser_kv.make_prompt_cache(model), second, 10, logits_processors=bias)
     assert got == [t for t, _ in want]
 
 

@@ -102,9 +102,14 @@ def server(model_dir, planes, tmp_path_factory):
         s.stop()
 
 
+#: the local tokenizer's </s> (vocab 256, last): kept out, so every answer runs to max_tokens
+EOS = 255
+
+
 def complete(server: Server, prompt: List[int], max_tokens: int = TOKENS) -> List[int]:
     out = server.post("/v1/completions", {"prompt": words(prompt), "max_tokens": max_tokens,
-                                          "temperature": 0, "logprobs": True})
+                                          "temperature": 0, "logprobs": True,
+                                          "logit_bias": {str(EOS): -1000}})
     return [t["id"] for t in out["choices"][0]["logprobs"]["content"]]
 
 
