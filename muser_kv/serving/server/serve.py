@@ -2,7 +2,7 @@
 
 The server is mlx-lm's own (``mlx_lm.server.main``, 0.32.2): its argument
 parser and every flag, its HTTP handler, its batching and its prompt-cache
-logic. While it runs, six names it looks up at run time are substituted
+logic. While it runs, seven names it looks up at run time are substituted
 (``substituted``, through ``mlx_lm_server.substituted``), and put back
 afterwards:
 
@@ -13,7 +13,7 @@ afterwards:
                        ``--plane-dtype``, ``--sliding-layout``,
                        ``--kv-memory``, ``--kv-store``, ``--kv-store-bytes``,
                        ``--kv-store-memory``, ``--kv-store-checkpoint``,
-                       ``--cuda-attention``) and refuses
+                       ``--prefill-budget``, ``--cuda-attention``) and refuses
                        ``--kv-bits`` and ``--retain 0`` with a draft model
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
                        ``muser_kv.install`` on every model it loads, and the
@@ -44,6 +44,11 @@ afterwards:
                        cannot be scanned (none, on a machine that serves a
                        model directory) lists no hub models, where mlx-lm's
                        answer would lose its body (``hub_cache_scan``)
+``BatchGenerator``     ``ServeBatchGenerator`` (``serving.server.scheduler``):
+                       mlx-lm's, whose streamed tokens' log-probabilities
+                       are read with their step (not behind the next one),
+                       and whose prefill is held to ``--prefill-budget``
+                       tokens per decode step
 =====================  ======================================================
 
 Everything else is mlx-lm's. The server builds each request's caches with
@@ -93,6 +98,7 @@ from muser_kv.serving.server.handler import LAST_REQUEST, MuseAPIHandler, hub_ca
 from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
+from muser_kv.serving.server.scheduler import batch_generator
 from muser_kv.serving.server.serve_flags import ATTENTION, PROG, argparse_with
 from muser_kv.serving.server.warm_up import warm_up
 from muser_kv.sessions.store import KVStore
@@ -562,8 +568,10 @@ def mx_distributed_size() -> int:
 def substituted(argv: Sequence[str]) -> ContextManager[None]:
     """``mlx_lm.server`` with ``mlx_lm_server.SUBSTITUTED`` replaced (module
     doc), for the duration of the block."""
+    flags = argparse_with(argv)
     return mlx.substituted({
-        "argparse": argparse_with(argv), "ModelProvider": MuseModelProvider,
+        "argparse": flags, "BatchGenerator": batch_generator(lambda: flags.parsed),
+        "ModelProvider": MuseModelProvider,
         "LRUPromptCache": ExactPromptCache, "ResponseGenerator": MuseResponseGenerator,
         "_run_http_server": mlx.run_http_server_with(MuseAPIHandler),
         "scan_cache_dir": hub_cache_scan(mlx.server.scan_cache_dir)})
