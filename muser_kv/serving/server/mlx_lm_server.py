@@ -122,6 +122,7 @@ REQUIRED: Tuple[Member, ...] = (
            ("self", "request", "generation_args", "progress_callback")),
     Member(server.ResponseGenerator, "is_healthy"),
     Member(server.ResponseGenerator, "_time_budget", instance=True),
+    Member(server.ResponseGenerator, "requests", instance=True),
     Member(server.GenerationContext, "_should_stop"),
     # BatchGenerator (scheduler.ServeBatchGenerator): the step it overrides,
     # the settings it holds per step, the decode batch and its queued step,

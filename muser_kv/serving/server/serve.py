@@ -294,11 +294,13 @@ class _Window:
     steps before it drops the requests whose handler stopped them and looks at
     its queue again (0.5 s). ``cut`` ends the run after the current step, so a
     request whose client went away is dropped after the step that gave it its
-    last answer, and its steps no longer delay the next request. On one
-    process only: on several, every rank must run the same steps."""
+    last answer, and its steps no longer delay the next request. A request
+    ``waiting`` in the queue ends it too, so that it joins the running batch
+    after the current step rather than up to 0.5 s later. On one process only:
+    on several, every rank must run the same steps."""
 
-    def __init__(self, budget: Any, cuttable: bool):
-        self._budget, self._cuttable = budget, cuttable
+    def __init__(self, budget: Any, cuttable: bool, waiting: Callable[[], bool] = lambda: False):
+        self._budget, self._cuttable, self._waiting = budget, cuttable, waiting
         self.cut = False
 
     def __iter__(self) -> "_Window":
@@ -307,7 +309,7 @@ class _Window:
         return self
 
     def __next__(self) -> Any:
-        if self.cut and self._cuttable:
+        if self._cuttable and (self.cut or self._waiting()):
             raise StopIteration
         return next(self._budget)
 
@@ -337,7 +339,13 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
 
     @_time_budget.setter
     def _time_budget(self, budget: Any) -> None:  # mlx-lm's __init__ sets it
-        self._window = _Window(budget, cuttable=mx_distributed_size() == 1)
+        self._window = _Window(budget, cuttable=mx_distributed_size() == 1,
+                               waiting=self._request_waiting)
+
+    def _request_waiting(self) -> bool:
+        """A request is queued that the generation thread would take now (not
+        one held back for ``--kv-memory``, which waits for a sequence to end)."""
+        return self._waiting is None and not self.requests.empty()
 
     def _abandoned(self, tokens: int, max_tokens: int) -> None:
         """A request whose client went away gets no more steps (``_Answers``):
