@@ -32,6 +32,9 @@
 #   bash benchmarks/device.sh concurrent N  # N (4, 8 or 16; one per call) streaming chats at once,
 #                                        # 2k-32k, staggered: muser-kv serve, mlx_lm.server, in-process
 #                                        # BatchGenerator (serve_concurrent.py)
+#   bash benchmarks/device.sh reads      # in-process, B = 1, 4, 16 at 2k: the server's per-token
+#                                        # log-probability read under mlx-lm's BatchGenerator and
+#                                        # serve's ServeBatchGenerator, and steps/s (serve_concurrent.py)
 #   bash benchmarks/device.sh concurrent130  # 4 chats at once, 2k-130k (serve_concurrent.py)
 #   bash benchmarks/device.sh prefill32 "B..."  # a chat streams while a 32k prompt prefills: muser-kv
 #                                        # serve at each --prefill-budget B (default "0 512"; "mlx-lm":
@@ -171,6 +174,11 @@ concurrent)
     --min-history 2048 --answer 256 --stagger 0.5 --geometry glimmer-real --dtype bfloat16 \
     --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --logs "$out" \
     --json "$out/concurrent${2:-4}.json"
+  ;;
+reads)
+  b reads 400 benchmarks/serve_concurrent.py --scenario reads --clients 1,4,16,1 --min-history 2048 \
+    --history 4096 --answer 256 --geometry glimmer-real --dtype bfloat16 \
+    --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --json "$out/reads.json"
   ;;
 concurrent130)
   b concurrent130 560 benchmarks/serve_concurrent.py --clients 4 --history 130000 \

@@ -37,6 +37,13 @@ there are the ones alone), so the longest gap in it says most about the
 prefill's chunks. ``--serve-flags`` (e.g. ``"--prefill-budget 256"``)
 is how budgets are compared.
 
+``--scenario reads`` (in this process, no HTTP): for each N of ``--clients``,
+N prompts of ``--min-history`` tokens decoded ``--answer`` steps by mlx-lm's
+``BatchGenerator`` and by serve's ``ServeBatchGenerator`` (both over
+muser-kv's caches), every token's log-probability read as mlx-lm's server
+reads it (``r.logprobs[r.token].item()``): the median time inside that read
+and the decode steps per second.
+
     # CPU, the CI test's size (well under a minute on two cores)
     PYTHONPATH=. .venv/bin/python benchmarks/serve_concurrent.py --geometry tiny \\
         --clients 4 --history 240 --min-history 40 --answer 24 --stagger 0.05 --check-alone
@@ -66,7 +73,7 @@ NAMES = S.NAMES
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = H.parser(__doc__)
-    p.add_argument("--scenario", choices=("mixed", "prefill"), default="mixed")
+    p.add_argument("--scenario", choices=("mixed", "prefill", "reads"), default="mixed")
     p.add_argument("--clients", type=H.int_list, default=[4, 8, 16],
                    help="concurrent chats per run, a comma list (default 4,8,16; mixed only)")
     p.add_argument("--history", type=H.one_int, default=32768,
@@ -298,6 +305,53 @@ def reference(args: argparse.Namespace, model_dir: Path, requests: List[Dict[str
             "step_ms": statistics.median(steps) * 1e3 if steps else None, "failed": []}
 
 
+def reads(args: argparse.Namespace, model_dir: Path, work: Path, vocab: int) -> Dict[str, Any]:
+    """The server's per-token log-probability read, timed, under mlx-lm's
+    ``BatchGenerator`` and serve's ``ServeBatchGenerator``."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    import muser_kv
+    from muser_kv.serving.server.scheduler import ServeBatchGenerator
+
+    model, _ = load(str(model_dir))
+    muser_kv.install(model, max_context=args.max_context, sliding_layout="head_major")
+    words = S.Words(vocab, args.seed)
+    out: Dict[str, Any] = {}
+    for n in args.clients:
+        prompts = [[int(w[1:]) for w in words(args.min_history).split()] for _ in range(n)]
+        row: Dict[str, Any] = {}
+        for name, cls in (("BatchGenerator", BatchGenerator), ("ServeBatchGenerator",
+                                                               ServeBatchGenerator)):
+            gen = cls(model, max_tokens=args.answer, completion_batch_size=max(32, n),
+                      prefill_batch_size=n)
+            gen.insert(prompts, [args.answer] * n)
+            inside: List[float] = []
+            tokens, start = 0, None
+            while True:
+                _, responses = gen.next()
+                if responses and start is None:
+                    start = time.perf_counter()  # decode from here: the prefill is done
+                for r in responses:
+                    t = time.perf_counter()
+                    r.logprobs[r.token].item()
+                    inside.append(time.perf_counter() - t)
+                    tokens += 1
+                if tokens >= n * args.answer:
+                    break
+            seconds = time.perf_counter() - (start or time.perf_counter())
+            gen.close()
+            row[name] = {"read_ms": statistics.median(inside) * 1e3,
+                         "steps_s": args.answer / seconds if seconds else None}
+            mx.clear_cache()
+        out[f"N={n}"] = row
+        print(f"N={n}: " + "; ".join(
+            f"{k}: read {v['read_ms']:.3f} ms median, {fmt(v['steps_s'])} steps/s"
+            for k, v in row.items()))
+    return out
+
+
 def mixed(args: argparse.Namespace, model: Path, work: Path, vocab: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for n in args.clients:
@@ -418,7 +472,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     vocab, line = S.write_model(args, model)
     print(line)
     print(f"work directory: {work}")
-    results = (mixed if args.scenario == "mixed" else prefill)(args, model, work, vocab)
+    scenario = {"mixed": mixed, "prefill": prefill, "reads": reads}[args.scenario]
+    results = scenario(args, model, work, vocab)
     if args.logs:
         import shutil
 
@@ -429,7 +484,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
                                               indent=1, default=str))
     bad = []
-    for key, run in (results.items() if args.scenario == "mixed" else [("prefill", results)]):
+    runs = {"mixed": results.items(), "prefill": [("prefill", results)], "reads": []}
+    for key, run in runs[args.scenario]:
         for system, r in run.items():
             if system == "muser" and (r.get("failure") or r.get("failed")):
                 bad.append(f"{key} {r['system']}: {r.get('failure') or r.get('failed')}")

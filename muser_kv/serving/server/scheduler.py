@@ -28,7 +28,9 @@ joining a batch changes none of its rows. 0: mlx-lm's scheduling.
 ``--log-level DEBUG``): every ``CLOCK_STEPS`` decode steps one line gives the
 median and longest time between steps (the server's response loop and
 everything else the generation thread does between them), inside a step, and
-inside the log-probability read. Off, it costs one comparison per step.
+inside the log-probability read, and again whenever a call decodes nothing or
+the batch empties. Off,
+it costs one comparison per step.
 """
 
 from __future__ import annotations
@@ -101,8 +103,10 @@ class StepClock:
             self.flush()
 
     def idle(self) -> None:
-        """No decode step ran: the next one's wait is not a gap between steps."""
+        """No decode step ran: the next one's wait is not a gap between steps,
+        and the steps so far are logged."""
         self.last_end = None
+        self.flush()
 
     def flush(self) -> None:
         if not self.inside:
@@ -160,7 +164,7 @@ class ServeBatchGenerator(mlx.BatchGenerator):
         if timed:
             if generation_responses:
                 self.clock.step(start, after_step, time.perf_counter(), len(generation_responses))
-            else:
+            if not generation_responses or not len(mlx.generation_batch(self)):
                 self.clock.idle()
         return prompt_responses, generation_responses
 
