@@ -18,11 +18,13 @@ waited for; the response's ``logprobs`` (``StepLogprobs``) answers
 adds a whole chunk's time to every running stream's next token until it has
 prefilled. With ``prefill_budget`` (``--prefill-budget``, tokens) a prompt
 prefills in chunks of at most that many tokens, and while any sequence
-decodes, each step carries the chunks of at most ``budget // chunk`` prompts
-(at least one), so a running stream's gap is one decode step and at most one
-budget of prefill. The chunks do not depend on the load: a prompt is cut at
-the same positions whether it prefills alone or beside running streams, so
-joining a batch changes none of its rows. 0: mlx-lm's scheduling.
+decodes, at most ``budget // chunk`` prompts (at least one) prefill beside it,
+so a running stream's gap is one decode step and at most one budget of
+prefill. Prompts that started prefilling together while nothing decoded go on
+together (mlx-lm's prompt batch gives each a chunk per step) until they end.
+The chunks do not depend on the load: a prompt is cut at the same positions
+whether it prefills alone or beside running streams, so joining a batch
+changes none of its rows. 0: mlx-lm's scheduling.
 
 **Step timing** (``muser_kv.serving.server.scheduler`` at DEBUG, e.g.
 ``--log-level DEBUG``): every ``CLOCK_STEPS`` decode steps one line gives the
