@@ -108,6 +108,8 @@ def test_the_chosen_log_probability_is_read_with_its_step(ours):
         for r in gen.next()[1]:
             value = r.logprobs[r.token]
             assert not isinstance(value, mx.array)
+            assert r.logprobs.shape == (256,) and r.logprobs.astype(mx.float32)[r.token].item() \
+                == value.item()
             top = mx.argpartition(-r.logprobs, kth=2)[:3].tolist()
             assert r.token in top and r.logprobs[top].tolist()[top.index(r.token)] == value.item()
             seen += 1

@@ -57,7 +57,8 @@ class StepLogprobs:
     """One response's log-probabilities: the row mlx-lm's ``BatchGenerator``
     gives, and its chosen token's value, read with its step. ``[token]`` is that
     value (``.item()`` gives it without touching the stream); any other index,
-    and negation (``_format_top_logprobs``'s ``-logprobs``), are the row's."""
+    negation (``_format_top_logprobs``'s ``-logprobs``) and every other
+    attribute (``shape``, ``astype``, ...) are the row's."""
 
     __slots__ = ("row", "token", "value")
 
@@ -71,6 +72,11 @@ class StepLogprobs:
 
     def __neg__(self) -> mx.array:
         return -self.row
+
+    def __getattr__(self, name: str) -> Any:
+        if name in StepLogprobs.__slots__:  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.row, name)
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ class ServeBatchGenerator(mlx.BatchGenerator):
             tokens, rows = mlx.queued_step(generation)
             if tokens is not None and len(rows) == len(generation):
                 with mx.stream(self.stream):  # before the next step is queued behind it
-                    chosen = mx.take_along_axis(mx.stack(rows), tokens[:, None], axis=-1)[:, 0]
+                    chosen = mx.take_along_axis(mx.stack(rows), tokens.reshape(-1, 1), axis=-1)[:, 0]
                     mx.async_eval(chosen)
         prompt_responses, generation_responses = super().next()
         after_step = time.perf_counter() if timed else 0.0
