@@ -29,9 +29,10 @@
 #   bash benchmarks/device.sh restart    # the first request after a restart: 32k (twice), 130k
 #   bash benchmarks/device.sh serve32    # muser-kv serve and mlx_lm.server through HTTP: a 32k chat,
 #                                        # traffic, regenerate / edit / branch, a restart (serve_http.py)
-#   bash benchmarks/device.sh concurrent N  # N (4, 8 or 16; one per call) streaming chats at once,
+#   bash benchmarks/device.sh concurrent N [FLAGS]  # N (4, 8 or 16; one per call) chats at once,
 #                                        # 2k-32k, staggered: muser-kv serve, mlx_lm.server, in-process
-#                                        # BatchGenerator (serve_concurrent.py)
+#                                        # BatchGenerator (serve_concurrent.py; FLAGS: more of its
+#                                        # flags, e.g. --systems muser,reference)
 #   bash benchmarks/device.sh reads      # in-process, B = 1, 4, 16 at 2k: the server's per-token
 #                                        # log-probability read under mlx-lm's BatchGenerator and
 #                                        # serve's ServeBatchGenerator, and steps/s (serve_concurrent.py)
@@ -173,7 +174,7 @@ concurrent)
   b "concurrent${2:-4}" 560 benchmarks/serve_concurrent.py --clients "${2:-4}" --history 32768 \
     --min-history 2048 --answer 256 --stagger 0.5 --geometry glimmer-real --dtype bfloat16 \
     --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --logs "$out" \
-    --json "$out/concurrent${2:-4}.json"
+    --json "$out/concurrent${2:-4}.json" "${@:3}"
   ;;
 reads)
   b reads 400 benchmarks/serve_concurrent.py --scenario reads --clients 1,4,16,1 --min-history 2048 \

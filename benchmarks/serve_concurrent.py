@@ -357,9 +357,11 @@ def mixed(args: argparse.Namespace, model: Path, work: Path, vocab: int) -> Dict
     for n in args.clients:
         requests = chats(args, vocab, n)
         run: Dict[str, Any] = {}
+        print(f"\n{n} concurrent chats", flush=True)
         for system in args.systems:
             if system == "reference":
                 run[system] = reference(args, model, requests)
+                print_system(run[system])
                 continue
 
             def body(port: int, requests: List[Dict[str, Any]] = requests) -> Dict[str, Any]:
@@ -373,8 +375,9 @@ def mixed(args: argparse.Namespace, model: Path, work: Path, vocab: int) -> Dict
                 # a fresh server, one request at a time: nothing reused from the run
                 run[system]["alone"] = served(system, args, model, work, f"alone{n}",
                                               alone).get("answers")
+            print_system(run[system])
         out[f"N={n}"] = run
-        print_mixed(n, run)
+        print_ratios(run)
     return out
 
 
@@ -402,22 +405,25 @@ def fmt(x: Optional[float], spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_mixed(n: int, run: Dict[str, Any]) -> None:
-    print(f"\n{n} concurrent chats")
-    for r in run.values():
-        if r.get("failure"):
-            print(f"  {r['system']}: {r['failure']}")
-            continue
-        extra = f", median decode step {fmt(r.get('step_ms'), '.2f')} ms" if "step_ms" in r else ""
-        print(f"  {r['system']}: {r['tokens']} tokens in {r['seconds']:.2f} s, "
-              f"{fmt(r['tok_s'])} tok/s{extra}; failed: {len(r['failed'])}")
-        for q in r.get("requests", []):
-            print(f"    {q['request']:>22}: TTFT {fmt(q['ttft_s'], '.3f')} s, median gap "
-                  f"{fmt(q['median_gap_ms'], '.2f')} ms, {len(q['answer'] or [])} tokens"
-                  + (f"  ERROR {q['error']}" if q.get("error") else ""))
-        if "alone" in r:
-            same = [q["answer"] == a for q, a in zip(r["requests"], r["alone"] or [])]
-            print(f"    answers under load equal the same requests alone: {sum(same)}/{len(same)}")
+def print_system(r: Dict[str, Any]) -> None:
+    """One system's run, as soon as it is done (a run cut short keeps it)."""
+    if r.get("failure"):
+        print(f"  {r['system']}: {r['failure']}", flush=True)
+        return
+    extra = f", median decode step {fmt(r.get('step_ms'), '.2f')} ms" if "step_ms" in r else ""
+    print(f"  {r['system']}: {r['tokens']} tokens in {r['seconds']:.2f} s, "
+          f"{fmt(r['tok_s'])} tok/s{extra}; failed: {len(r['failed'])}")
+    for q in r.get("requests", []):
+        print(f"    {q['request']:>22}: TTFT {fmt(q['ttft_s'], '.3f')} s, median gap "
+              f"{fmt(q['median_gap_ms'], '.2f')} ms, {len(q['answer'] or [])} tokens"
+              + (f"  ERROR {q['error']}" if q.get("error") else ""))
+    if "alone" in r:
+        same = [q["answer"] == a for q, a in zip(r["requests"], r["alone"] or [])]
+        print(f"    answers under load equal the same requests alone: {sum(same)}/{len(same)}")
+    sys.stdout.flush()
+
+
+def print_ratios(run: Dict[str, Any]) -> None:
     ours, theirs, ref = (run.get(k, {}).get("tok_s") for k in ("muser", "mlx-lm", "reference"))
     if ours and ref:
         print(f"  muser-kv serve / in-process BatchGenerator: {ours / ref:.2f}x")

@@ -126,4 +126,5 @@ def test_substituted_replaces_exactly_the_named_globals_and_puts_them_back():
     with serve.substituted([]):  # serve's replacements: every named global, none other
         assert mlx_lm.server.ModelProvider is serve.MuseModelProvider
         assert mlx_lm.server.LRUPromptCache is ExactPromptCache
+        assert mlx_lm.server.BatchGenerator is not before["BatchGenerator"]
     assert all(getattr(mlx_lm.server, n) is v for n, v in before.items())
