@@ -124,3 +124,26 @@ def test_serve_constructs_it_with_the_parsed_budget(ours):
     assert isinstance(gen, ServeBatchGenerator)
     assert (gen.prefill_budget, gen.prefill_step_size) == (64, 64)
     gen.close()
+
+
+def test_a_decode_step_waits_for_the_device_once(ours, monkeypatch):
+    """Two sequences at different rows, decoding: every step evaluates once (the
+    step's own tokens, mlx-lm's read) and queues twice (the next step, and the
+    chosen log-probabilities before it); nothing else in muser-kv's caches or
+    the scheduler waits for the device."""
+    running, long = prompts()
+    gen = ServeBatchGenerator(ours, prefill_step_size=128)
+    gen.insert([running, long[:37]], [12, 12])
+    for _ in range(4):  # both prefilled and decoding
+        gen.next()
+    calls: List[str] = []
+    for name in ("eval", "async_eval"):
+        original = getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda *a, _f=original, _n=name, **k: (
+            calls.append(_n), _f(*a, **k))[1])
+    for _ in range(5):
+        calls.clear()
+        _, responses = gen.next()
+        assert len(responses) == 2 and all(r.finish_reason is None for r in responses)
+        assert sorted(calls) == ["async_eval", "async_eval", "eval"], calls
+    gen.close()
