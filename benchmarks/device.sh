@@ -31,6 +31,17 @@
 #   bash benchmarks/device.sh restart    # the first request after a restart: 32k (twice), 130k
 #   bash benchmarks/device.sh serve32    # muser-kv serve and mlx_lm.server through HTTP: a 32k chat,
 #                                        # traffic, regenerate / edit / branch, a restart (serve_http.py)
+#   bash benchmarks/device.sh concurrent N [FLAGS]  # N (4, 8 or 16; one per call) chats at once,
+#                                        # 2k-32k, staggered: muser-kv serve, mlx_lm.server, in-process
+#                                        # BatchGenerator (serve_concurrent.py; FLAGS: more of its
+#                                        # flags, e.g. --systems muser,reference)
+#   bash benchmarks/device.sh reads      # in-process, B = 1, 4, 16 at 2k: the server's per-token
+#                                        # log-probability read under mlx-lm's BatchGenerator and
+#                                        # serve's ServeBatchGenerator, and steps/s (serve_concurrent.py)
+#   bash benchmarks/device.sh concurrent130  # 4 chats at once, 2k-130k (serve_concurrent.py)
+#   bash benchmarks/device.sh prefill32 "B..."  # a chat streams while a 32k prompt prefills: muser-kv
+#                                        # serve at each --prefill-budget B (default "0 512"; "mlx-lm":
+#                                        # mlx_lm.server), about 2 minutes each
 #   bash benchmarks/device.sh buffers    # what decode attention depends on beside the rows: SDPA
 #                                        # over own / recycled buffers, whether decode writes reuse
 #                                        # the planes' buffers, tests/caches/test_owned_buffers.py
@@ -176,6 +187,32 @@ families)
 serve32)
   b serve32 560 benchmarks/serve_http.py --history 32768 --geometry glimmer-real --dtype bfloat16 \
     --traffic 10 --logs "$out" --json "$out/serve32.json"
+  ;;
+concurrent)
+  b "concurrent${2:-4}" 560 benchmarks/serve_concurrent.py --clients "${2:-4}" --history 32768 \
+    --min-history 2048 --answer 256 --stagger 0.5 --geometry glimmer-real --dtype bfloat16 \
+    --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --logs "$out" \
+    --json "$out/concurrent${2:-4}.json" "${@:3}"
+  ;;
+reads)
+  b reads 400 benchmarks/serve_concurrent.py --scenario reads --clients 1,4,16,1 --min-history 2048 \
+    --history 4096 --answer 256 --geometry glimmer-real --dtype bfloat16 \
+    --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --json "$out/reads.json"
+  ;;
+concurrent130)
+  b concurrent130 560 benchmarks/serve_concurrent.py --clients 4 --history 130000 \
+    --min-history 2048 --answer 128 --stagger 0.5 --geometry glimmer-real --dtype bfloat16 \
+    --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --logs "$out" --json "$out/concurrent130.json"
+  ;;
+prefill32)
+  for budget in ${2:-0 512}; do
+    if [ "$budget" = mlx-lm ]; then systems=mlx-lm; flags=""; else systems=muser
+      flags="--prefill-budget $budget"; fi
+    b prefill32 280 benchmarks/serve_concurrent.py --scenario prefill --history 32768 \
+      --min-history 2048 --answer 1024 --stagger 3 --systems "$systems" --serve-flags "$flags" \
+      --geometry glimmer-real --dtype bfloat16 --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" \
+      --logs "$out/prefill32_$budget" --json "$out/prefill32_$budget.json"
+  done
   ;;
 handoff2)
   # two GPUs, one per rank: on a one-GPU machine NCCL's init fails and nothing runs

@@ -359,20 +359,21 @@ _INDEX: dict = {}
 def _flat_index(rows: Tuple[int, ...], slots: Optional[Tuple[int, ...]], layout: str,
                 kv_heads: int, allocated: int) -> mx.array:
     """The flat row index ``put_rows`` scatters to (memoised: every layer of a
-    decode step writes the same rows, so each step builds it once)."""
+    decode step writes the same rows, so each step builds it once). Computed on
+    the host from the integers it is given, so building it evaluates nothing
+    and a decode step's graph is built without waiting for the device."""
     key = (rows, slots, layout, kv_heads, allocated)
     index = _INDEX.get(key)
     if index is None:
         if len(_INDEX) > 64:
             _INDEX.clear()
-        slot = mx.arange(len(rows), dtype=mx.int32) if slots is None else mx.array(slots, mx.int32)
-        at = mx.array(rows, dtype=mx.int32)
+        slot = range(len(rows)) if slots is None else slots
         if layout == kernels.TOKEN_MAJOR:
-            index = slot * allocated + at
+            flat = [s * allocated + at for s, at in zip(slot, rows)]
         else:
-            heads = mx.arange(kv_heads, dtype=mx.int32)
-            index = ((slot[:, None] * kv_heads + heads[None, :]) * allocated + at[:, None]).reshape(-1)
-        mx.eval(index)
+            flat = [(s * kv_heads + h) * allocated + at for s, at in zip(slot, rows)
+                    for h in range(kv_heads)]
+        index = mx.array(flat, dtype=mx.int32)
         _INDEX[key] = index
     return index
 

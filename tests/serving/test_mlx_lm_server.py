@@ -17,6 +17,7 @@ import muser_kv
 from muser_kv.serving.server import mlx_lm_server as mlx
 from muser_kv.serving.server import serve
 from muser_kv.serving.server.prompt_cache import ExactPromptCache, ExactPromptTrie
+from muser_kv.serving.server.scheduler import ServeBatchGenerator
 
 SERVING = Path(muser_kv.__file__).parent / "serving"
 
@@ -81,7 +82,8 @@ def _private(name: str) -> bool:
 def test_no_other_serving_module_reads_an_mlx_lm_private():
     """The privates serve reads (not those it overrides) are read in the adapter only."""
     overridden = {name for cls in (serve.MuseModelProvider, serve.MuseResponseGenerator,
-                                   serve.MuseAPIHandler, ExactPromptCache, ExactPromptTrie)
+                                   serve.MuseAPIHandler, ExactPromptCache, ExactPromptTrie,
+                                   ServeBatchGenerator)
                   for name in vars(cls)}
     read = {m.name for m in mlx.REQUIRED if _private(m.name)} - overridden
     assert {"_model_map", "_should_stop", "_download", "_get_classes", "_trie"} <= read
@@ -92,7 +94,8 @@ def test_no_other_serving_module_reads_an_mlx_lm_private():
 
 
 @pytest.mark.parametrize("ours", [serve.MuseModelProvider, serve.MuseResponseGenerator,
-                                  serve.MuseAPIHandler, ExactPromptCache, ExactPromptTrie],
+                                  serve.MuseAPIHandler, ExactPromptCache, ExactPromptTrie,
+                                  ServeBatchGenerator],
                          ids=lambda c: c.__name__)
 def test_every_mlx_lm_member_serve_overrides_is_named_with_its_parameters(ours):
     """An override (``__init__`` and public methods too) calls mlx-lm's through
@@ -123,4 +126,5 @@ def test_substituted_replaces_exactly_the_named_globals_and_puts_them_back():
     with serve.substituted([]):  # serve's replacements: every named global, none other
         assert mlx_lm.server.ModelProvider is serve.MuseModelProvider
         assert mlx_lm.server.LRUPromptCache is ExactPromptCache
+        assert mlx_lm.server.BatchGenerator is not before["BatchGenerator"]
     assert all(getattr(mlx_lm.server, n) is v for n, v in before.items())

@@ -504,7 +504,7 @@ def test_rows_of_layers_of_two_widths_keep_a_block_each_and_round_trip_their_byt
     with pytest.raises(chunks.ChunkFormatError, match="truncated"):
         chunks.decode(blob[:-2], "bf16le")
     with pytest.raises(chunks.ChunkFormatError, match=f"format {chunks.FORMAT}, got b'MKVS' 1"):
-        chunks.decode(blob[:4] + (1).to_bytes(2, "little") + blob[6:], "bf16le")
+        chunks.decode(bytes(blob[:4]) + (1).to_bytes(2, "little") + bytes(blob[6:]), "bf16le")
 
 
 def test_a_rebuild_checks_the_lists_model_without_sampling_its_weights_again(monkeypatch):

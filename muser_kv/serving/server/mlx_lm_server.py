@@ -9,10 +9,11 @@ surface in three ways, each listed in ``REQUIRED``:
 * members of mlx-lm's classes it overrides and calls through ``super()``,
   with their parameters (``ModelProvider._load``, ``ResponseGenerator._tokenize``
   and ``_next_request``, ``APIHandler._set_*_headers``, ``PromptTrie.add``,
-  every ``__init__``, ...), or whose state it
+  ``BatchGenerator.next``, every ``__init__``, ...), or whose state it
   reads: ``ModelProvider``'s path maps (``model_key_for``), a
   ``GenerationContext``'s ``_should_stop`` (``stopped``), the tries under
-  ``LRUPromptCache`` (``ExactPromptCache``);
+  ``LRUPromptCache`` (``ExactPromptCache``), a ``BatchGenerator``'s decode
+  batch and the step it has queued (``generation_batch``, ``queued_step``);
 * private functions of ``mlx_lm.utils`` it calls (``config_dir``,
   ``model_classes``).
 
@@ -34,11 +35,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx_lm.server as server
 from mlx_lm import utils
+from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models import cache
 
 #: what ``substituted`` replaces in ``mlx_lm.server`` while ``muser-kv serve`` runs
 SUBSTITUTED = ("argparse", "ModelProvider", "LRUPromptCache", "ResponseGenerator",
-               "_run_http_server", "scan_cache_dir")
+               "_run_http_server", "scan_cache_dir", "BatchGenerator")
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ REQUIRED: Tuple[Member, ...] = (
     Member(server, "GenerationContext"),
     Member(server, "Response"),
     Member(server, "CompletionRequest"),
+    Member(server, "BatchGenerator"),
     # ModelProvider: the load serve wraps, the maps it reads
     Member(server.ModelProvider, "__init__", ("self", "cli_args")),
     Member(server.ModelProvider, "_load", ("self", "model_path", "adapter_path", "draft_model_path")),
@@ -119,7 +122,23 @@ REQUIRED: Tuple[Member, ...] = (
            ("self", "request", "generation_args", "progress_callback")),
     Member(server.ResponseGenerator, "is_healthy"),
     Member(server.ResponseGenerator, "_time_budget", instance=True),
+    Member(server.ResponseGenerator, "requests", instance=True),
     Member(server.GenerationContext, "_should_stop"),
+    # BatchGenerator (scheduler.ServeBatchGenerator): the step it overrides,
+    # the settings it holds per step, the decode batch and its queued step,
+    # whose rows are the responses' log-probabilities in order
+    Member(BatchGenerator, "__init__",
+           ("self", "model", "max_tokens", "stop_tokens", "sampler", "logits_processors",
+            "completion_batch_size", "prefill_batch_size", "prefill_step_size", "max_kv_size",
+            "stream")),
+    Member(BatchGenerator, "next", ("self",)),
+    Member(BatchGenerator, "stream"),
+    Member(BatchGenerator, "prefill_batch_size", instance=True),
+    Member(BatchGenerator, "prefill_step_size", instance=True),
+    Member(BatchGenerator, "_generation_batch", instance=True),
+    Member(GenerationBatch, "next", ("self",)),
+    Member(GenerationBatch, "_next_tokens", instance=True),
+    Member(GenerationBatch, "_next_logprobs", instance=True),
     # APIHandler: the checks and headers serve extends
     Member(server.APIHandler, "validate_model_parameters", ("self",)),
     Member(server.APIHandler, "handle_completion", ("self", "request", "stop_words")),
@@ -191,6 +210,21 @@ def model_key_for(provider: Any, model_path: str, adapter_path: Optional[str],
     model_path = provider._model_map.get(model_path, model_path)
     draft_model_path = provider._draft_model_map.get(draft_model_path, draft_model_path)
     return (model_path, adapter_path, draft_model_path)
+
+
+
+
+
+def generation_batch(generator: Any) -> Any:
+    """A ``BatchGenerator``'s decode batch (a ``GenerationBatch``)."""
+    return generator._generation_batch
+
+
+def queued_step(batch: Any) -> Tuple[Any, List[Any]]:
+    """The decode step a ``GenerationBatch`` has queued and its next ``next``
+    returns: its tokens (one array, ``None`` when there are none) and its
+    log-probability rows, one per sequence in the batch's order."""
+    return batch._next_tokens, batch._next_logprobs
 
 
 def stopped(ctx: Any) -> bool:

@@ -2,7 +2,7 @@
 
 The server is mlx-lm's own (``mlx_lm.server.main``, 0.32.2): its argument
 parser and every flag, its HTTP handler, its batching and its prompt-cache
-logic. While it runs, six names it looks up at run time are substituted
+logic. While it runs, seven names it looks up at run time are substituted
 (``substituted``, through ``mlx_lm_server.substituted``), and put back
 afterwards:
 
@@ -13,7 +13,7 @@ afterwards:
                        ``--plane-dtype``, ``--sliding-layout``,
                        ``--kv-memory``, ``--kv-store``, ``--kv-store-bytes``,
                        ``--kv-store-memory``, ``--kv-store-checkpoint``,
-                       ``--cuda-attention``) and refuses
+                       ``--prefill-budget``, ``--cuda-attention``) and refuses
                        ``--kv-bits`` and ``--retain 0`` with a draft model
 ``ModelProvider``      ``MuseModelProvider``: mlx-lm's loader, then
                        ``muser_kv.install`` on every model it loads, and the
@@ -44,6 +44,11 @@ afterwards:
                        cannot be scanned (none, on a machine that serves a
                        model directory) lists no hub models, where mlx-lm's
                        answer would lose its body (``hub_cache_scan``)
+``BatchGenerator``     ``ServeBatchGenerator`` (``serving.server.scheduler``):
+                       mlx-lm's, whose streamed tokens' log-probabilities
+                       are read with their step (not behind the next one),
+                       and whose prefill is held to ``--prefill-budget``
+                       tokens per decode step
 =====================  ======================================================
 
 Everything else is mlx-lm's. The server builds each request's caches with
@@ -93,6 +98,7 @@ from muser_kv.serving.server.handler import LAST_REQUEST, MuseAPIHandler, hub_ca
 from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
+from muser_kv.serving.server.scheduler import batch_generator
 from muser_kv.serving.server.serve_flags import ATTENTION, PROG, argparse_with
 from muser_kv.serving.server.warm_up import warm_up
 from muser_kv.sessions.store import KVStore
@@ -288,11 +294,13 @@ class _Window:
     steps before it drops the requests whose handler stopped them and looks at
     its queue again (0.5 s). ``cut`` ends the run after the current step, so a
     request whose client went away is dropped after the step that gave it its
-    last answer, and its steps no longer delay the next request. On one
-    process only: on several, every rank must run the same steps."""
+    last answer, and its steps no longer delay the next request. A request
+    ``waiting`` in the queue ends it too, so that it joins the running batch
+    after the current step rather than up to 0.5 s later. On one process only:
+    on several, every rank must run the same steps."""
 
-    def __init__(self, budget: Any, cuttable: bool):
-        self._budget, self._cuttable = budget, cuttable
+    def __init__(self, budget: Any, cuttable: bool, waiting: Callable[[], bool] = lambda: False):
+        self._budget, self._cuttable, self._waiting = budget, cuttable, waiting
         self.cut = False
 
     def __iter__(self) -> "_Window":
@@ -301,7 +309,7 @@ class _Window:
         return self
 
     def __next__(self) -> Any:
-        if self.cut and self._cuttable:
+        if self._cuttable and (self.cut or self._waiting()):
             raise StopIteration
         return next(self._budget)
 
@@ -331,7 +339,13 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
 
     @_time_budget.setter
     def _time_budget(self, budget: Any) -> None:  # mlx-lm's __init__ sets it
-        self._window = _Window(budget, cuttable=mx_distributed_size() == 1)
+        self._window = _Window(budget, cuttable=mx_distributed_size() == 1,
+                               waiting=self._request_waiting)
+
+    def _request_waiting(self) -> bool:
+        """A request is queued that the generation thread would take now (not
+        one held back for ``--kv-memory``, which waits for a sequence to end)."""
+        return self._waiting is None and not self.requests.empty()
 
     def _abandoned(self, tokens: int, max_tokens: int) -> None:
         """A request whose client went away gets no more steps (``_Answers``):
@@ -562,8 +576,10 @@ def mx_distributed_size() -> int:
 def substituted(argv: Sequence[str]) -> ContextManager[None]:
     """``mlx_lm.server`` with ``mlx_lm_server.SUBSTITUTED`` replaced (module
     doc), for the duration of the block."""
+    flags = argparse_with(argv)
     return mlx.substituted({
-        "argparse": argparse_with(argv), "ModelProvider": MuseModelProvider,
+        "argparse": flags, "BatchGenerator": batch_generator(lambda: flags.parsed),
+        "ModelProvider": MuseModelProvider,
         "LRUPromptCache": ExactPromptCache, "ResponseGenerator": MuseResponseGenerator,
         "_run_http_server": mlx.run_http_server_with(MuseAPIHandler),
         "scan_cache_dir": hub_cache_scan(mlx.server.scan_cache_dir)})

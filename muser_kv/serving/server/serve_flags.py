@@ -14,6 +14,8 @@ from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval
 from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 
 PROG = "muser-kv serve"
+#: ``--prefill-budget``'s default (docs/serving.md says what it trades)
+DEFAULT_PREFILL_BUDGET = 512
 
 #: MLX CUDA's switch for cuDNN's attention, read once, at the process's first
 #: attention call (``supports_sdpa_cudnn``): "0" keeps MLX's own kernels.
@@ -77,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "at the longest sequence's planes), one whose planes alone do not "
                         "fit is refused, and prompt-cache entries are evicted to stay within "
                         "it (default: no bound)")
+    g.add_argument("--prefill-budget", type=non_negative, default=DEFAULT_PREFILL_BUDGET,
+                   metavar="TOKENS",
+                   help="prompt tokens a decode step of the batch carries while sequences "
+                        "decode: a prompt prefills in chunks of at most TOKENS (whether or "
+                        "not others decode), and a running stream waits for at most one "
+                        f"budget of prefill per token (default {DEFAULT_PREFILL_BUDGET}; 0: "
+                        "mlx-lm's, a --prefill-step-size chunk per prompt in flight per "
+                        "step; docs/serving.md)")
     g.add_argument("--cuda-attention", choices=("mlx", "cudnn"), default=None,
                    help="on MLX CUDA, the attention kernels: mlx (the default, unless "
                         f"{CUDNN_SWITCH} is set) MLX's own, so a request served again (a "
@@ -126,7 +136,9 @@ def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> 
 
 def argparse_with(argv: Sequence[str]) -> types.ModuleType:
     """``argparse``, whose ``ArgumentParser`` is the server's parser with
-    muser-kv's flags added, reading ``argv`` (not ``sys.argv``)."""
+    muser-kv's flags added, reading ``argv`` (not ``sys.argv``). The module's
+    ``parsed`` is the namespace its last parse gave (``None`` before one), for
+    what the server constructs without its arguments (``BatchGenerator``)."""
 
     class ArgumentParser(argparse.ArgumentParser):
         def __init__(self, *args: Any, **kwargs: Any):
@@ -143,8 +155,9 @@ def argparse_with(argv: Sequence[str]) -> types.ModuleType:
                 self._muser_kv = True
             ns = super().parse_args(list(argv) if args is None else args, namespace)
             check_arguments(self, ns)
+            vars(module)["parsed"] = ns
             return ns
 
     module = types.ModuleType("argparse")
-    module.__dict__.update(argparse.__dict__, ArgumentParser=ArgumentParser)
+    module.__dict__.update(argparse.__dict__, ArgumentParser=ArgumentParser, parsed=None)
     return module

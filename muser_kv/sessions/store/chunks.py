@@ -278,8 +278,8 @@ def _rows_doc(rows: Rows) -> Dict[str, Any]:
             "kv_dims": list(rows.kv_dims)}
 
 
-def _raw(a: mx.array) -> bytes:
-    return np.asarray(a.view(mx.uint16)).tobytes()  # f16 and bf16 alike: 2-byte words
+def _words(a: mx.array) -> np.ndarray:
+    return np.asarray(a.view(mx.uint16))  # f16 and bf16 alike: 2-byte words
 
 
 def _padded(n: int) -> int:
@@ -314,17 +314,23 @@ def encoded_size(obj: Stored, encoding: str) -> int:
     return _padded(at)
 
 
-def encode(obj: Stored, encoding: str) -> bytes:
-    """The bytes of a stored object (the tiers frame and digest them)."""
+def encode(obj: Stored, encoding: str) -> memoryview:
+    """The bytes of a stored object (the tiers frame and digest them), as a
+    flat byte view of one buffer of ``encoded_size`` bytes. The buffer comes
+    zeroed from the allocator and each array is copied into it once by NumPy,
+    which releases the GIL for the copy: the store's write-behind thread holds
+    the GIL for a few calls per chunk, not for a pass over its bytes, so the
+    generation thread keeps building steps while a chunk is encoded."""
     head, arrays = _layout(obj, encoding)
-    out = [head]
+    out = np.zeros(encoded_size(obj, encoding), dtype=np.uint8)
+    out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     at = len(head)
     for a in arrays:
-        out.append(bytes(_padded(at) - at))
-        out.append(_raw(a))
-        at = _padded(at) + 2 * a.size
-    out.append(bytes(_padded(at) - at))
-    return b"".join(out)
+        at = _padded(at)
+        n = 2 * a.size
+        np.copyto(out[at:at + n].view(np.uint16).reshape(a.shape), _words(a))
+        at += n
+    return out.data
 
 
 Payload = Union[bytes, bytearray, memoryview, mx.array]
