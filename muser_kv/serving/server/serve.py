@@ -34,12 +34,16 @@ afterwards:
                        dropping a request whose client went away at its next
                        step (``_Answers``, ``_Window``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
-                       (``serving.server.handler``: mlx-lm's handler; a body field of the wrong type, and
-                       a request whose ``num_draft_tokens`` is deeper than the
-                       caches roll back exactly, are refused with 400 before
-                       the request is queued; a client that goes away
+                       (``serving.server.handler``: mlx-lm's handler; a body
+                       that cannot be read, a field of the wrong type or not
+                       honoured, a model not served, and a request whose
+                       ``num_draft_tokens`` is deeper than the caches roll back
+                       exactly, are refused before the request is queued, in
+                       OpenAI's error shape; a client that goes away
                        mid-response ends it without a traceback; a response's
-                       headers say what the context policy dropped)
+                       headers say what the context policy dropped; /metrics)
+                       on ``http.MuseHTTPServer`` (its connections bounded),
+                       drained on SIGTERM or SIGINT (``shutdown``)
 ``scan_cache_dir``     huggingface_hub's, for ``/v1/models``: a hub cache that
                        cannot be scanned (none, on a machine that serves a
                        model directory) lists no hub models, where mlx-lm's
@@ -264,11 +268,12 @@ class _Answers:
     for a prefill report, its progress.
 
     A client that has closed its connection (``client``, an ``http.ClientWatch``)
-    is noticed at each prefill report, between the prompt's chunks: its context
-    is stopped there, so that the batched path drops it after this chunk; on
-    the one-at-a-time path (``single()`` while it runs), which checks only
-    after a token, the report raises ``ClientGone``, which ends the request's
-    prefill there (raised on the batched path it would end mlx-lm's thread)."""
+    is noticed at each prefill report, between the prompt's chunks, and at each
+    token, streamed or not: its context is stopped there, so that mlx-lm drops
+    the request after this chunk or token; on the one-at-a-time path
+    (``single()`` while it runs), which checks only after a token, a prefill
+    report raises ``ClientGone``, which ends the request's prefill there
+    (raised on the batched path, it would end mlx-lm's generation thread)."""
 
     def __init__(self, queue: Any, release: Callable[[], None], args: Any,
                  abandoned: Callable[[int, int, Any], None], client: Any = None,
@@ -281,10 +286,10 @@ class _Answers:
         self._gone = False
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(item, tuple) and self._client is not None and self._client.gone() \
-                and self.ctx is not None:
-            mlx.stop(self.ctx)  # a prefill report: the client closed its connection
-            if self._single():
+        if isinstance(item, (tuple, mlx.server.Response)) and self.ctx is not None \
+                and self._client is not None and self._client.gone():
+            mlx.stop(self.ctx)  # the client closed its connection
+            if self._single() and isinstance(item, tuple):
                 self._note_stop(item)
                 raise ClientGone("the client went away during its request's prefill")
         self._queue.put(item, *args, **kwargs)
