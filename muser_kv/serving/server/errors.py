@@ -29,10 +29,11 @@ def error_body(status: int, message: str, code: Optional[str] = None) -> bytes:
                                  "code": code or DEFAULT_CODES.get(status, str(status))}}).encode()
 
 
-def error_event(message: str, code: str) -> bytes:
-    """An SSE event that ends a stream with an error (OpenAI's error object),
-    then ``[DONE]``: a client that reads events sees why its answer is cut."""
-    return b"data: " + error_body(503, message, code) + b"\n\ndata: [DONE]\n\n"
+def error_event(message: str, code: str, status: int = 503) -> bytes:
+    """An SSE event that ends a stream with an error (OpenAI's error object,
+    typed as ``status`` would be), then ``[DONE]``: a client that reads events
+    sees why its answer is cut or refused."""
+    return b"data: " + error_body(status, message, code) + b"\n\ndata: [DONE]\n\n"
 
 
 def raw_response(status: int, reason: str, message: str, code: Optional[str] = None,

@@ -110,6 +110,11 @@ class MuseAPIHandler(mlx.server.APIHandler):
         if getattr(self, "_answered", False):
             return
         self._answered = True
+        if self._streaming:  # a queued stream's headers are sent: the error is an event
+            self.wfile.write(error_event(message, code or "invalid_request", status))
+            self.wfile.flush()
+            self.wfile.mute()
+            return
         body = error_body(status, message, code)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -199,6 +204,7 @@ class MuseAPIHandler(mlx.server.APIHandler):
         LAST_REQUEST.request = None  # this thread's last request (a kept-alive connection's)
         THREAD_CLIENT.connection = self.connection
         timer = THREAD_CLIENT.timer = self.metrics.request()
+        THREAD_CLIENT.waiting = self._queued if self.stream else None
         try:
             super().handle_completion(request, stop_words)
         except (ConnectionError, TimeoutError) as e:
@@ -206,7 +212,7 @@ class MuseAPIHandler(mlx.server.APIHandler):
             log.debug("muser-kv serve: the client went away (%s)", e)
         finally:
             timer.done()
-            THREAD_CLIENT.connection = THREAD_CLIENT.timer = None
+            THREAD_CLIENT.connection = THREAD_CLIENT.timer = THREAD_CLIENT.waiting = None
 
     def _set_completion_headers(self, status_code: int = 200) -> None:
         """mlx-lm's, except for an error (``/health``'s 503 aside, which is
@@ -227,9 +233,31 @@ class MuseAPIHandler(mlx.server.APIHandler):
         self._fit_headers(status_code)
 
     def _set_stream_headers(self, status_code: int = 200) -> None:
+        """mlx-lm's, once: a stream that waited in the queue had them sent
+        (``_queued``), and mlx-lm's ``end_headers`` after this call is skipped."""
+        if self._streaming:
+            self._headers_sent_early = True
+            return
         super()._set_stream_headers(status_code)
         self._streaming = True
         self._fit_headers(status_code)
+
+    def end_headers(self) -> None:
+        if getattr(self, "_headers_sent_early", False):
+            self._headers_sent_early = False
+            return
+        super().end_headers()
+
+    def _queued(self) -> None:
+        """A stream waiting to start (``--queue-keepalive``): its headers (200,
+        an event stream) at the first call, and an SSE comment at each, so that
+        its connection stays alive and its client knows it is queued. A refusal
+        after this comes as an error event (``answer_error``)."""
+        if not self._streaming:
+            self._set_stream_headers(200)
+            self.end_headers()
+        self.wfile.write(f": queued, {self.metrics.waiting} requests waiting\n\n".encode())
+        self.wfile.flush()
 
     def cut_off(self, reason: str = SHUTTING_DOWN) -> None:
         """End this connection's response now (the drain, past its grace): a

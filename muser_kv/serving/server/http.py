@@ -23,6 +23,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
+from queue import Empty
 from typing import Any, Callable, List, Optional, Set
 
 from muser_kv.serving.server.errors import raw_response
@@ -32,6 +33,7 @@ log = logging.getLogger("muser_kv.serving.server.serve")  # serve's: one logger 
 DEFAULT_BACKLOG = 1024
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_CONNECTION_TIMEOUT = 60.0
+DEFAULT_QUEUE_KEEPALIVE = 5.0
 
 
 @dataclass(frozen=True)
@@ -146,12 +148,30 @@ class ClientWatch:
         return (ClientWatch, (None,))
 
 
+class WaitingQueue:
+    """A response queue whose empty waits call ``waiting`` at least every
+    ``interval`` seconds (and pass the ``queue.Empty`` on to the waiter)."""
+
+    def __init__(self, queue: Any, waiting: Callable[[], None], interval: float):
+        self._queue, self._waiting, self._interval = queue, waiting, interval
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        try:
+            return self._queue.get(block, self._interval if timeout is None
+                                   else min(timeout, self._interval))
+        except Empty:
+            self._waiting()
+            raise
+
+
 class ThreadClient(threading.local):
     """The connection the current handler thread serves and its request's
     timer (``MuseAPIHandler`` sets them), for ``generate`` to watch and time."""
 
     connection: Any = None
     timer: Any = None  #: its request's ``metrics.RequestTimer``
+    #: called now and then while its request waits to start (a stream's keepalive)
+    waiting: Optional[Callable[[], None]] = None
 
 
 THREAD_CLIENT = ThreadClient()

@@ -121,6 +121,7 @@ REQUIRED: Tuple[Member, ...] = (
            ("self", "request", "generation_args", "progress_callback")),
     Member(server.ResponseGenerator, "is_healthy"),
     Member(server.ResponseGenerator, "stop_and_join", ("self",)),
+    Member(server.ResponseGenerator, "_await_response", ("self", "response_queue")),
     Member(server.ResponseGenerator, "_time_budget", instance=True),
     Member(server.GenerationContext, "_should_stop"),
     Member(server.GenerationContext, "stop", ("self",)),
@@ -141,6 +142,7 @@ REQUIRED: Tuple[Member, ...] = (
     Member(socketserver.StreamRequestHandler, "finish", ("self",)),
     Member(http.server.BaseHTTPRequestHandler, "handle_one_request", ("self",)),
     Member(http.server.BaseHTTPRequestHandler, "send_response", ("self", "code", "message")),
+    Member(http.server.BaseHTTPRequestHandler, "end_headers", ("self",)),
     # the prompt cache ExactPromptCache extends; the trie ExactPromptTrie
     # extends; the result its search builds, field by field in this order
     Member(cache, "LRUPromptCache"),

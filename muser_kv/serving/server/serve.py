@@ -94,7 +94,7 @@ from muser_kv.serving.policy import ContextPolicy
 from muser_kv.serving.server import mlx_lm_server as mlx
 from muser_kv.serving.server.context_fit import FittedRequest, fit_request
 from muser_kv.serving.server.handler import LAST_REQUEST, MuseAPIHandler, hub_cache_scan
-from muser_kv.serving.server.http import THREAD_CLIENT, ClientGone, ClientWatch
+from muser_kv.serving.server.http import DEFAULT_QUEUE_KEEPALIVE, THREAD_CLIENT, ClientGone, ClientWatch, WaitingQueue
 from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
 from muser_kv.serving.server.metrics import Metrics
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
@@ -547,11 +547,22 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             except KVMemoryExceeded as e:
                 raise RequestRefused(str(e)) from None
         ctx, answers = super().generate(request, generation_args, progress_callback)
+        THREAD_CLIENT.waiting = None  # started: mlx-lm's own keepalive from here
         timer = THREAD_CLIENT.timer
         if timer is None:
             return ctx, answers
         timer.started(len(ctx.prompt))
         return ctx, timer.tokens(answers)
+
+    def _await_response(self, response_queue: Any) -> Any:
+        """mlx-lm's wait for a request's next answer (in the handler's thread),
+        calling the handler's ``waiting`` every ``--queue-keepalive`` seconds
+        while the request waits to start (``THREAD_CLIENT``)."""
+        waiting = THREAD_CLIENT.waiting
+        if waiting is not None:
+            interval = getattr(self.cli_args, "queue_keepalive", DEFAULT_QUEUE_KEEPALIVE)
+            response_queue = WaitingQueue(response_queue, waiting, interval)
+        return super()._await_response(response_queue)
 
     def _next_request(self, timeout: Optional[float] = None) -> Any:
         """mlx-lm's next request. An idle wait first restocks the store's landing

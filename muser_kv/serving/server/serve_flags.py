@@ -12,7 +12,12 @@ from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.serving.arg_types import non_negative, positive
 from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval
 from muser_kv.serving.server.body import DEFAULT_MAX_BODY_BYTES
-from muser_kv.serving.server.http import DEFAULT_BACKLOG, DEFAULT_CONNECTION_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+from muser_kv.serving.server.http import (
+    DEFAULT_BACKLOG,
+    DEFAULT_CONNECTION_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_QUEUE_KEEPALIVE,
+)
 from muser_kv.serving.server.shutdown import DEFAULT_GRACE
 from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 
@@ -124,6 +129,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         "before they are ended with an error (default "
                         f"{DEFAULT_GRACE:g}); then the KV store's writes are flushed and the "
                         "server exits 0")
+    g.add_argument("--queue-keepalive", type=seconds, default=DEFAULT_QUEUE_KEEPALIVE,
+                   metavar="SECONDS",
+                   help="a stream that waits in the queue gets its headers and an SSE comment "
+                        "(': queued, N requests waiting') every this many seconds, so that "
+                        f"its connection stays alive and its client knows (default "
+                        f"{DEFAULT_QUEUE_KEEPALIVE:g})")
     g.add_argument("--allow-model-loading", action="store_true",
                    help="let a request's model, adapters or draft_model name another model "
                         "for the server to load (mlx-lm's behaviour); without it a request "
