@@ -236,7 +236,7 @@ def test_a_client_gone_before_its_answer_is_dropped_before_its_prefill_ends(serv
     server = servers["plain"]
     body = completion(ids(12, 2), **extra)
     alone = tokens(server.post("/v1/completions", body))
-    before = len(server.whole_log())
+    before, counted = len(server.whole_log()), scrape(server)
     for seed in range(4):
         data = json.dumps(completion(ids(200, 10 + seed), 50, **extra)).encode()
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
@@ -252,6 +252,11 @@ def test_a_client_gone_before_its_answer_is_dropped_before_its_prefill_ends(serv
         assert not done or int(done) < int(total), drops
     assert "Traceback" not in log, log
     assert tokens(server.post("/v1/completions", body)) == alone
+    after = scrape(server)
+    gone = sum(after[f'muser_kv_clients_gone_total{{where="{w}"}}']
+               - counted[f'muser_kv_clients_gone_total{{where="{w}"}}']
+               for w in ("queued", "prefill", "generation"))
+    assert gone == 4
 
 
 # -- SIGTERM drains ----------------------------------------------------------------------------
@@ -298,7 +303,7 @@ def stopped(server: Server, timeout: float = 60) -> Optional[int]:
 
 def test_sigterm_lets_a_running_stream_finish_then_flushes_the_store(model_dir, tmp_path):
     """SIGTERM while a stream runs and the store has writes queued: no new
-    connection is accepted, the stream ends whole (``[DONE]``, the tokens it
+    connection is accepted, an idle one is closed at once, the stream ends whole (``[DONE]``, the tokens it
     gives alone), the process exits 0, and every chunk is written: a restart
     over the directory, served the same requests, has nothing left to write
     and answers them identically."""
@@ -314,9 +319,13 @@ def test_sigterm_lets_a_running_stream_finish_then_flushes_the_store(model_dir, 
             with ThreadPoolExecutor(len(bodies)) as pool:
                 answers = [tokens(o) for o in pool.map(
                     lambda b: server.post("/v1/completions", b), bodies)]
+            idle = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            time.sleep(0.2)  # accepted, no request yet
             conn, events = stream(server, streamed_body)
             got = [next(events)]
             server.proc.send_signal(signal.SIGTERM)
+            with idle:  # closed at once, not waited for: a 503 saying why, or nothing
+                assert idle.recv(4096)[:12] in (b"", b"HTTP/1.0 503")
             deadline = time.monotonic() + 10
             refused = False
             while not refused and time.monotonic() < deadline:

@@ -69,6 +69,7 @@ class MuseAPIHandler(mlx.server.APIHandler):
         super().setup()
         self.wfile: Any = Wire(self.wfile)
         self._streaming = False
+        self.in_request = False  #: a whole request read, its answer not finished
         opened = getattr(self.server, "opened", None)
         if opened is not None:
             opened(self)
@@ -84,6 +85,12 @@ class MuseAPIHandler(mlx.server.APIHandler):
     def do_POST(self) -> None:
         """mlx-lm's, given a body ``read_body`` has read and checked: a body it
         refuses is answered here, before any of mlx-lm's handler runs."""
+        try:
+            self._post()
+        finally:
+            self.in_request = False
+
+    def _post(self) -> None:
         if self.path not in POST_PATHS:
             return super().do_POST()  # mlx-lm's 404, answered in OpenAI's shape
         limit = getattr(self.response_generator.cli_args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
@@ -99,6 +106,7 @@ class MuseAPIHandler(mlx.server.APIHandler):
             return None
         connection = self.rfile
         self.rfile = io.BytesIO(raw)  # mlx-lm reads Content-Length bytes from it
+        self.in_request = True
         try:
             return super().do_POST()
         finally:

@@ -4,7 +4,8 @@
    closes, so a new connection is refused by the kernel and a load balancer
    moves on.
 2. Requests already running, streamed or not, and those queued behind them
-   may finish within ``--drain-grace`` seconds.
+   may finish within ``--drain-grace`` seconds; a connection with no whole
+   request yet (idle, or half-sent) is closed at once.
 3. Past the grace, each one left is ended (``MuseAPIHandler.cut_off``): a
    request not yet answered gets 503, a stream an error event and ``[DONE]``,
    so no client takes a cut-off answer for a whole one.
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 from muser_kv.serving.server.http import ConnectionLimits, server_class
 
@@ -45,6 +46,7 @@ class Drain:
         self.server: Any = None
         self.signalled: Optional[int] = None  #: the signal that started the drain
         self._hurry = threading.Event()
+        self._met: List[Any] = []  #: the requests running or queued when the signal came
 
     def started(self, server: Any) -> None:
         self.server = server
@@ -69,8 +71,13 @@ class Drain:
         server = self.server
         if server is not None:
             server.accepting = False
-            # shutdown() waits for the accept loop, which runs in this (the main) thread
-            threading.Thread(target=server.shutdown, daemon=True).start()
+            # shutdown() waits for the accept loop, which runs in this (the main)
+            # thread; the requests met are counted there too (no lock is taken here)
+            threading.Thread(target=self._begin, args=(server,), daemon=True).start()
+
+    def _begin(self, server: Any) -> None:
+        self._met = [h for h in server.handlers() if h.in_request]
+        server.shutdown()
 
     def finish(self, stop_generation: Callable[[], None], close_store: Callable[[], None]) -> bool:
         """Steps 1-4 of the module doc, once the accept loop has returned
@@ -80,19 +87,24 @@ class Drain:
             return False
         server.server_close()
         name = signal.Signals(self.signalled).name
-        running = len(server.handlers())
-        log.warning("muser-kv serve: %s: draining (%d connections open, up to %g s)", name,
-                    running, self.grace)
+        for handler in server.handlers():
+            if not handler.in_request:  # idle, or its request not whole yet: nothing to finish
+                handler.cut_off()
+        log.warning("muser-kv serve: %s: draining (%d requests met, up to %g s)", name,
+                    len(self._met), self.grace)
         deadline = time.monotonic() + self.grace
-        while server.handlers() and time.monotonic() < deadline and not self._hurry.is_set():
+        while any(h.in_request for h in server.handlers()) and time.monotonic() < deadline \
+                and not self._hurry.is_set():
             time.sleep(0.05)
-        cut = server.handlers()
-        for handler in cut:
+        left = server.handlers()
+        cut = [h for h in left if h.in_request]
+        for handler in left:
             handler.cut_off()
         stop_generation()
         close_store()
         log.warning("muser-kv serve: drained: %d requests finished, %d ended with an error; "
-                    "the KV store is flushed", max(running - len(cut), 0), len(cut))
+                    "the KV store is flushed", len([h for h in self._met if h not in cut]),
+                    len(cut))
         return True
 
 
