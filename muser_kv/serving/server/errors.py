@@ -29,7 +29,7 @@ def error_body(status: int, message: str, code: Optional[str] = None) -> bytes:
                                  "code": code or DEFAULT_CODES.get(status, str(status))}}).encode()
 
 
-def error_event(message: str, code: str, status: int = 503) -> bytes:
+def error_event(message: str, code: Optional[str], status: int = 503) -> bytes:
     """An SSE event that ends a stream with an error (OpenAI's error object,
     typed as ``status`` would be), then ``[DONE]``: a client that reads events
     sees why its answer is cut or refused."""

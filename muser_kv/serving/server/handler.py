@@ -56,7 +56,8 @@ class MuseAPIHandler(mlx.server.APIHandler):
 
     The connection is the server's (``http.MuseHTTPServer``): it closes an
     idle or half-sent one after its ``timeout``, and knows this handler while
-    it serves, so that the drain can end its response (``cut_off``)."""
+    it serves, so that the drain can end its response (``cut_off``). A stream
+    that waits to start is kept alive (``_queued``)."""
 
     @property
     def timeout(self) -> Optional[float]:  # type: ignore[override]
@@ -119,7 +120,7 @@ class MuseAPIHandler(mlx.server.APIHandler):
             return
         self._answered = True
         if self._streaming:  # a queued stream's headers are sent: the error is an event
-            self.wfile.write(error_event(message, code or "invalid_request", status))
+            self.wfile.write(error_event(message, code, status))
             self.wfile.flush()
             self.wfile.mute()
             return
