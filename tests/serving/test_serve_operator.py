@@ -115,6 +115,9 @@ MALFORMED = [
      "prompt is not valid Unicode (a lone surrogate"),
     ("surrogate-message", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b"", 400,
      "messages[0].content is not valid Unicode"),
+    ("template", b'{"messages": [{"role": "user", "content": "t5"}], "chat_template_kwargs": '
+                 b'{"add_generation_prompt": false}}', b"", 400,
+     "the request cannot be rendered and tokenized: TypeError: "),
     ("n", b'{"prompt": "t1", "n": 5}', b"", 400,
      "n must be 1: this server generates one choice per request, got 5"),
     ("echo", b'{"prompt": "t1", "echo": true}', b"", 400, "echo must be false"),
@@ -205,6 +208,7 @@ def test_idle_and_half_sent_connections_are_closed(servers):
 
 def test_connections_past_the_bound_get_503_and_the_server_serves_on(servers):
     server = servers["bounded"]
+    refused = scrape(server)["muser_kv_connections_refused_total"]
     held = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
             for _ in range(BOUND)]
     try:
@@ -219,6 +223,7 @@ def test_connections_past_the_bound_get_503_and_the_server_serves_on(servers):
     while server.get("/health") != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.get("/health") == 200
+    assert scrape(server)["muser_kv_connections_refused_total"] >= refused + 1
 
 
 # -- a client that left costs nothing ---------------------------------------------------------

@@ -495,8 +495,17 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
 
     def _mlx_lm_tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
         """mlx-lm's ``_tokenize`` of a copy of ``request`` (mlx-lm converts the
-        messages' content in place), leaving ``request`` as it was."""
-        return super()._tokenize(tokenizer, copy.deepcopy(request), args)
+        messages' content in place), leaving ``request`` as it was. What the
+        chat template or the tokenizer cannot take is the request's content
+        (``chat_template_kwargs`` that collide with mlx-lm's own, messages the
+        template refuses): refused, where mlx-lm answers 404."""
+        try:
+            return super()._tokenize(tokenizer, copy.deepcopy(request), args)
+        except RequestRefused:
+            raise
+        except Exception as e:
+            raise RequestRefused(f"the request cannot be rendered and tokenized: "
+                                 f"{type(e).__name__}: {e}") from e
 
     def _settle(self, request: Any, args: Any, tokenizer: Any, max_context: int) -> None:
         """Decide what the context policy keeps of ``request`` (a
