@@ -264,6 +264,27 @@ def test_a_client_gone_before_its_answer_is_dropped_before_its_prefill_ends(serv
     assert gone == 4
 
 
+def test_a_client_gone_during_a_non_streamed_answer_stops_its_decode(servers):
+    """A client that asked for 250 tokens, not streamed, and closes its
+    connection 0.3 s later: its decode stops at the next step, far short of
+    250 (mlx-lm decodes to the end and notices at its write)."""
+    server = servers["plain"]
+    before = len(server.whole_log())
+    data = json.dumps(completion(ids(5, 1), 250, logit_bias={"255": -100})).encode()  # no </s>
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(data)
+                  + data)
+        time.sleep(0.3)
+    went = re.compile(r"client went away after (\d+) of at most (\d+) tokens")
+    deadline = time.monotonic() + REQUEST_TIMEOUT
+    while not went.search(server.whole_log()[before:]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = went.search(server.whole_log()[before:])
+    assert found, server.whole_log()[before:]
+    generated, most = map(int, found.groups())
+    assert most == 250 and generated < most // 2
+
+
 # -- SIGTERM drains ----------------------------------------------------------------------------
 
 
