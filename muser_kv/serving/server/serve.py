@@ -31,8 +31,11 @@ afterwards:
                        prompt's segments cut at its checkpoints), with
                        ``--kv-memory`` taking a request off the queue only
                        while its planes fit the budget (``KVBudget``), and
-                       dropping a request whose client went away at its next
-                       step (``_Answers``, ``_Window``)
+                       dropping a request whose client went away (closed its
+                       connection: ``http.ClientWatch``) when it reaches the
+                       queue's head, or at its next prefill chunk or step
+                       (``_departed``, ``_Answers``, ``_Window``); a queued
+                       stream is kept alive (``_await_response``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
                        (``serving.server.handler``: mlx-lm's handler; a body
                        that cannot be read, a field of the wrong type or not
