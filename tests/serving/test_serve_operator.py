@@ -377,14 +377,15 @@ def test_sigterm_lets_a_running_stream_finish_then_flushes_the_store(model_dir, 
     assert files_again == files > 0
 
 
-def test_past_the_grace_a_stream_ends_with_an_error_event(model_dir, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_past_the_grace_a_stream_ends_with_an_error_event(model_dir, tmp_path, signum):
     skip_under_emulator()
     server = Server(model_dir, tmp_path / "serve.log", "--drain-grace", "0.05",
                     "--prompt-cache-size", "0")
     with serving({"s": server}):
-        conn, events = stream(server, completion(ids(20, 40), 240))
+        conn, events = stream(server, completion(ids(20, 40), 230, logit_bias={"255": -100}))
         got = [next(events)]
-        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signum)
         got += list(events)
         conn.close()
         status = stopped(server)
