@@ -262,6 +262,7 @@ def test_a_client_gone_before_its_answer_is_dropped_before_its_prefill_ends(serv
                - counted[f'muser_kv_clients_gone_total{{where="{w}"}}']
                for w in ("queued", "prefill", "generation"))
     assert gone == 4
+    settled_idle(server)
 
 
 def test_a_client_gone_during_a_non_streamed_answer_stops_its_decode(servers):
@@ -283,6 +284,22 @@ def test_a_client_gone_during_a_non_streamed_answer_stops_its_decode(servers):
     assert found, server.whole_log()[before:]
     generated, most = map(int, found.groups())
     assert most == 250 and generated < most // 2
+    settled_idle(server)
+
+
+def settled_idle(server: Server) -> None:
+    """Every request's handler has ended (none left waiting for an answer
+    that will not come): nothing waiting or running, one connection open
+    (the scrape's own), within a few seconds."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = scrape(server)
+        busy = (now["muser_kv_requests_waiting"], now["muser_kv_requests_running"],
+                now["muser_kv_connections_open"])
+        if busy == (0, 0, 1):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"still waiting, running, open: {busy}")
 
 
 # -- SIGTERM drains ----------------------------------------------------------------------------

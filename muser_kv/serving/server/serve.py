@@ -287,10 +287,12 @@ class _Answers:
         self.ctx: Any = None
         self.tokens = 0  #: tokens put (generated) so far
         self._gone = False
+        self._ended = False  # its handler has been given its last answer
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(item, (tuple, mlx.server.Response)) and self.ctx is not None \
-                and self._client is not None and self._client.gone():
+        gone = isinstance(item, (tuple, mlx.server.Response)) and self.ctx is not None \
+            and self._client is not None and self._client.gone()
+        if gone:
             mlx.stop(self.ctx)  # the client closed its connection
             if self._single() and isinstance(item, tuple):
                 self._note_stop(item)
@@ -303,6 +305,12 @@ class _Answers:
         elif isinstance(item, (mlx.server.Response, tuple)):
             self.tokens += isinstance(item, mlx.server.Response)
             self._note_stop(item)
+        if gone and not self._ended:
+            # mlx-lm drops a stopped request without a last answer: its handler,
+            # still waiting for one, is ended here (its connection is closed)
+            self._ended = True
+            self._queue.put(ClientGone("the client went away"))
+            self._release()
 
     def _note_stop(self, item: Any) -> None:
         if not self._gone and self.ctx is not None and mlx.stopped(self.ctx):
