@@ -9,7 +9,8 @@ answered alone: its solo tokens. Then, for ``MUSER_KV_SOAK_SECONDS`` (default
 
 * clients sending ``REQUESTS`` in a seeded order, some streamed;
 * bursts of connections (``/health`` and requests) opened at the same instant;
-* clients that close their connection before their answer, or mid-stream;
+* clients that close their connection before their answer, mid-stream, or
+  while an answer that is not streamed is decoded;
 * every malformed body of ``MALFORMED``;
 * the store directory damaged: chunk files flipped, truncated, removed (a
   memory tier of 1 MB, so most lookups read the directory).
@@ -18,7 +19,8 @@ Then three streams of ``LONG`` tokens start and the server gets SIGTERM in
 their middle.
 
 Asserted: every request got a status (no reset, no connection closed without
-one), every 200 answer is its request's solo tokens, the server's RSS after
+one), every 200 answer is its request's solo tokens, nothing is left waiting,
+running or open after the traffic (``/metrics``), the server's RSS after
 the traffic is within ``RSS_SLACK`` of before plus what the store's memory
 tier grew by (``/metrics``), the drain ends every stream with ``[DONE]`` and
 exits 0, and a server restarted over the same store answers each request with
@@ -114,11 +116,28 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def memory_tier_bytes(port: int) -> float:
+def metrics(port: int) -> Dict[str, float]:
     got = exchange(port, b"GET /metrics HTTP/1.0\r\n\r\n").decode()
-    line = next(x for x in got.splitlines() if x.startswith(
-        'muser_kv_kv_store_tier_bytes{tier="memory"}'))
-    return float(line.rsplit(" ", 1)[1])
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in got.partition("\r\n\r\n")[2].splitlines()
+            if line and not line.startswith("#")}
+
+
+def memory_tier_bytes(port: int) -> float:
+    return metrics(port)['muser_kv_kv_store_tier_bytes{tier="memory"}']
+
+
+def settled(port: int, seconds: float = 15) -> Tuple[float, float, float]:
+    """(requests waiting, running, connections open) once nothing is left but
+    the scrape's own connection, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = metrics(port)
+        now = (m["muser_kv_requests_waiting"], m["muser_kv_requests_running"],
+               m["muser_kv_connections_open"])
+        if now == (0, 0, 1) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
 
 
 def chunk_files(directory: Path) -> List[Path]:
@@ -191,10 +210,13 @@ def test_soak(model_dir, tmp_path):
                 if time.monotonic() > deadline:
                     return
                 path, body = REQUESTS[rng.randrange(len(REQUESTS))]
+                kind = rng.randrange(3)
                 with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-                    s.sendall(http(path, dict(body, max_tokens=200), stream=True))
-                    if rng.random() < 0.5:
+                    s.sendall(http(path, dict(body, max_tokens=200), stream=kind < 2))
+                    if kind == 1:
                         s.recv(200)  # the stream started: leave mid-stream
+                    elif kind == 2:
+                        time.sleep(rng.uniform(0.05, 0.3))  # leave an answer not streamed
                 note("dropped")
                 time.sleep(0.05)
 
@@ -251,7 +273,8 @@ def test_soak(model_dir, tmp_path):
         assert server.proc.poll() is None, server.log()
         assert not failures, failures[:10]
         assert counts["answered"] > len(REQUESTS) and counts["malformed"] >= len(MALFORMED), counts
-        time.sleep(1)  # the departed clients' requests dropped
+        idle = settled(port)  # the departed clients' requests dropped, every handler ended
+        assert idle == (0, 0, 1), f"waiting, running, connections open: {idle}"
         rss_after, tier_after = rss(pid), memory_tier_bytes(port)
         assert rss_after - rss_before <= tier_after - tier_before + RSS_SLACK, (
             rss_before, rss_after, tier_before, tier_after)
