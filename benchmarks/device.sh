@@ -47,6 +47,9 @@
 #                                        # the planes' buffers, tests/caches/test_owned_buffers.py
 #   bash benchmarks/device.sh repeats    # a whole list's writes and reads three times (determinism.py
 #                                        # section 5): MLX's defaults, CUDA graphs off, cuDNN SDPA off
+#   bash benchmarks/device.sh soak [S]   # tests/serving/test_soak.py on the GPU, its traffic S
+#                                        # seconds (default 420): every request a status, every
+#                                        # 200 its solo tokens, RSS bounded, SIGTERM drained
 #   bash benchmarks/device.sh handoff2   # NEEDS TWO GPUS (nvidia-h200-x2): a session handed between
 #                                        # two ranks of an NCCL group (mlx.launch --backend nccl), on
 #                                        # collectives (NCCL has no send/recv), against raw all_sum
@@ -213,6 +216,12 @@ prefill32)
       --geometry glimmer-real --dtype bfloat16 --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" \
       --logs "$out/prefill32_$budget" --json "$out/prefill32_$budget.json"
   done
+  ;;
+soak)
+  secs=${2:-420}
+  MUSER_KV_SOAK_SECONDS=$secs MUSER_KV_TEST_SERVER_TIMEOUT=${SERVER_TIMEOUT:-300} \
+  timeout $((secs + 150)) python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" \
+    tests/serving/test_soak.py 2>&1 | tee "$out/soak.log" | tail -40
   ;;
 handoff2)
   # two GPUs, one per rank: on a one-GPU machine NCCL's init fails and nothing runs

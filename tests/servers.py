@@ -144,6 +144,12 @@ def words(ids: Sequence[int]) -> str:
     return " ".join(f"t{i}" for i in ids)
 
 
+def openai_error(message: str, status: int = 400, code: str = "invalid_request") -> Dict[str, Any]:
+    """The body ``muser-kv serve`` answers a refusal with: OpenAI's error object."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
 #: Set by .ci/run: there a missing ``redis-server`` fails the Redis tests instead of skipping them.
 REQUIRE_REDIS_ENV = "MUSER_KV_REQUIRE_REDIS"
 

@@ -12,7 +12,11 @@ their smallest stops the server before it starts.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List
@@ -20,13 +24,14 @@ from typing import List
 import metal_plugin
 import pytest
 from local_model import write_local_model
-from servers import Server, ids, words
+from servers import REQUEST_TIMEOUT, Server, ids, words
 
 from muser_kv.serving.server import serve
 from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
 
 CONTEXT = 4096
 PROMPT, TOKENS = 40, 60  # 100 positions: planes of 512 rows per global layer in a batch
+KEEPALIVE = 0.02  # --queue-keepalive: seconds between a queued stream's comments
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,8 @@ def server(model_dir, planes, tmp_path_factory):
     budget = KVBudget(1, planes).cost([PROMPT + TOKENS + 1] * 2)  # (+1: room for a BOS token)
     assert KVBudget(1, planes).cost([PROMPT + TOKENS] * 3) > budget
     s = Server(model_dir, tmp_path_factory.mktemp("logs") / "kv.log", "--prompt-cache-size",
-               "0", "--kv-memory", str(budget), "--log-level", "INFO")
+               "0", "--kv-memory", str(budget), "--log-level", "INFO",
+               "--queue-keepalive", str(KEEPALIVE))
     try:
         s.wait_ready()
         yield s
@@ -130,3 +136,64 @@ def test_a_request_whose_planes_alone_exceed_the_budget_is_refused(server):
     assert status == 400, (status, out)
     assert "more than this server's --kv-memory" in str(out)
     assert len(complete(server, ids(PROMPT, 4))) == TOKENS  # and the server goes on
+
+
+def raw_stream(server: Server, prompt: List[int]) -> socket.socket:
+    data = json.dumps({"prompt": words(prompt), "max_tokens": TOKENS, "temperature": 0,
+                       "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_TIMEOUT)
+    s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(data)
+              + data)
+    return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    got = b""
+    with s:
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def stream_text(response: bytes) -> str:
+    events = [line[6:] for line in response.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]", response[-200:]
+    return "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+
+
+def test_a_stream_waiting_for_kv_memory_is_kept_alive_and_told_it_is_queued(server):
+    """Two requests hold the budget; a stream sent behind them gets its
+    headers and ``: queued`` comments while it waits, then the text it gets
+    alone."""
+    prompts = [ids(PROMPT, 20 + i) for i in range(3)]
+    alone = stream_text(read_all(raw_stream(server, prompts[2])))
+    with ThreadPoolExecutor(2) as pool:
+        holders = [pool.submit(complete, server, p) for p in prompts[:2]]
+        time.sleep(0.05)
+        got = read_all(raw_stream(server, prompts[2]))
+        [h.result() for h in holders]
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"text/event-stream" in head, head
+    assert body.startswith(b": queued, "), body[:200]
+    assert re.match(rb": queued, \d+ requests waiting\n\n", body)
+    assert stream_text(body) == alone
+
+
+def test_clients_gone_while_waiting_for_kv_memory_are_dropped_before_their_prefill(server):
+    """Two requests hold the budget; six clients send theirs behind them and
+    close at once: each is dropped when it reaches the queue's head (or at its
+    first prefill chunk), and a request sent after them gets its solo tokens."""
+    prompts = [ids(PROMPT, 30 + i) for i in range(3)]
+    alone = complete(server, prompts[2])
+    before = len(server.whole_log())
+    with ThreadPoolExecutor(2) as pool:
+        holders = [pool.submit(complete, server, p) for p in prompts[:2]]
+        time.sleep(0.05)
+        for i in range(6):
+            raw_stream(server, ids(PROMPT, 40 + i)).close()
+        assert complete(server, prompts[2]) == alone
+        [h.result() for h in holders]
+    log = server.whole_log()[before:]
+    drops = re.findall(r"client went away (while it was queued|during its prefill)", log)
+    assert len(drops) == 6, log
+    assert "Traceback" not in log

@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import metal_plugin
 import pytest
 from local_model import write_local_model
-from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, serve_args, serving, words
+from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, openai_error, serve_args, serving, words
 
 import muser_kv
 from muser_kv.serving.server import serve, serve_flags
@@ -73,7 +73,8 @@ def servers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     # --context-policy error: these servers refuse a prompt that cannot fit, as
     # the tests below check (the shift is test_serve_context's)
-    context = ("--max-context", str(CONTEXT), "--context-policy", "error")
+    context = ("--max-context", str(CONTEXT), "--context-policy", "error",
+               "--allow-model-loading")  # some tests below ask for other models
     flags = {"batched": ("--prompt-cache-size", "0", *context),
              "draft": ("--prompt-cache-size", "0", "--draft-model", str(model_dir),
                        "--num-draft-tokens", "3", *context),
@@ -130,7 +131,8 @@ def test_a_draft_deeper_than_the_exact_rollback_is_refused_before_it_runs(server
     body = {"prompt": words(ids(37, 1)), "max_tokens": 10, "temperature": 0, "logprobs": True}
     status, out = server.send("/v1/completions", dict(body, num_draft_tokens=65))
     assert status == 400, (status, out)
-    assert "num_draft_tokens must be at most 64" in out["error"] and "got 65" in out["error"]
+    message = out["error"]["message"]
+    assert "num_draft_tokens must be at most 64" in message and "got 65" in message
     deep = server.post("/v1/completions", dict(body, num_draft_tokens=64))
     got = [t["id"] for t in deep["choices"][0]["logprobs"]["content"]]
     assert got == send(servers["batched"], REQUESTS[0])
@@ -164,7 +166,7 @@ def test_a_request_for_a_model_muser_kv_cannot_serve_fails_alone(servers, model_
     before = send(server, REQUESTS[0])
     status, out = server.send("/v1/completions", {"model": str(llama), "prompt": "t1 t2",
                                                   "max_tokens": 2})
-    assert status != 200 and "has no sliding-window layers" in out["error"]
+    assert status != 200 and "has no sliding-window layers" in out["error"]["message"]
     assert send(server, REQUESTS[0]) == before  # the Muse model is served again, as before
 
 
@@ -250,7 +252,7 @@ def test_a_prompt_that_cannot_fit_is_refused_while_others_run(servers, solo, nam
         with ThreadPoolExecutor(len(refusals) + 1) as pool:
             normal = pool.submit(send, server, REQUESTS[0])
             answers = list(pool.map(lambda r: server.send(r[0], r[1]), refusals))
-            assert answers == [(400, {"error": message}) for _, _, message in refusals]
+            assert answers == [(400, openai_error(message)) for _, _, message in refusals]
             assert normal.result() == solo[name]
         text, finish, tokens = streamed([first, *events])
     finally:
@@ -293,7 +295,7 @@ def test_the_generation_thread_admits_what_the_handler_could_not(servers, solo, 
     alias.symlink_to(model_dir)
     status, out = server.send("/v1/completions",
                               completion(ids(CONTEXT + 5, 60), 3, model=str(alias)))
-    assert (status, out) == (400, {"error": refused_for_context(CONTEXT + 5)})
+    assert (status, out) == (400, openai_error(refused_for_context(CONTEXT + 5)))
     tokens, finish = answer(server.post("/v1/completions",
                                         completion(ids(60, 61), 10, model=str(alias))))
     assert (len(tokens), finish) == (CONTEXT - 60, "length")
@@ -352,7 +354,7 @@ WRONG_BODIES = [
 def test_a_body_field_of_the_wrong_type_is_refused_naming_it(servers, solo, name, path, body,
                                                              error):
     server = servers[name]
-    assert server.send(path or "/v1/completions", body) == (400, {"error": error})
+    assert server.send(path or "/v1/completions", body) == (400, openai_error(error))
     assert send(server, REQUESTS[0]) == solo[name]
 
 

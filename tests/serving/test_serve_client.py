@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List
 import metal_plugin
 import pytest
 from local_model import write_local_model
-from servers import REQUEST_TIMEOUT, Server, words
+from servers import REQUEST_TIMEOUT, Server, openai_error, words
 
 CONTEXT = 256  # local_model's max_position_embeddings: the server's --max-context
 PROMPT = [5, 6, 7, 8, 9]
@@ -167,8 +167,8 @@ NEEDS_CONTENT = ("must be a string or a list of content parts, got {came} (only 
 ], ids=["user", "user-null", "system", "assistant-without-tool-calls", "tool"])
 def test_a_message_without_content_is_refused_naming_it(server, body, at, came, role):
     status, out = server.send("/v1/chat/completions", body)
-    assert (status, out) == (400, {"error": f"messages[{at}].content "
-                                            + NEEDS_CONTENT.format(came=came, role=role)})
+    assert (status, out) == (400, openai_error(f"messages[{at}].content "
+                                               + NEEDS_CONTENT.format(came=came, role=role)))
 
 
 @pytest.mark.parametrize("content", ["absent", None])

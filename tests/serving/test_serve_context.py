@@ -139,10 +139,10 @@ def test_error_and_an_impossible_fit_are_refused_and_the_server_goes_on(servers)
         assert tokens(normal.result()[1]) == tokens(solo)
     (status, _, error), (shift_status, _, impossible_error) = refused
     assert status == 400
-    assert error["error"].startswith(f"prompt has 169 tokens; this server's context is "
+    assert error["error"]["message"].startswith(f"prompt has 169 tokens; this server's context is "
                                      f"{CONTEXT} tokens")
     assert shift_status == 400
-    assert impossible_error["error"].startswith(
+    assert impossible_error["error"]["message"].startswith(
         f"the system messages and the newest turn have 131 tokens; this server's context is "
         f"{CONTEXT} tokens")
     # the shift server serves the too-long chat: its first two turns go

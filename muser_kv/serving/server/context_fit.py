@@ -81,6 +81,9 @@ class FittedRequest(mlx_server.CompletionRequest):
     #: same dict on)
     tokenizations: Dict[int, Tuple[Tuple[Any, ...], Any]] = dataclasses.field(
         default_factory=dict, repr=False, compare=False)
+    #: whether its client is still connected (serve's ``http.ClientWatch``), for
+    #: the generation thread to drop a request whose client has gone
+    client: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, request: Any) -> "FittedRequest":

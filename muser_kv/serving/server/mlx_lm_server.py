@@ -27,8 +27,10 @@ another mlx-lm fails when serve starts, not mid-request.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import inspect
 import re
+import socketserver
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -121,9 +123,13 @@ REQUIRED: Tuple[Member, ...] = (
     Member(server.ResponseGenerator, "generate",
            ("self", "request", "generation_args", "progress_callback")),
     Member(server.ResponseGenerator, "is_healthy"),
+    Member(server.ResponseGenerator, "stop_and_join", ("self",)),
+    Member(server.ResponseGenerator, "_await_response", ("self", "response_queue")),
     Member(server.ResponseGenerator, "_time_budget", instance=True),
     Member(server.ResponseGenerator, "requests", instance=True),
     Member(server.GenerationContext, "_should_stop"),
+    Member(server.GenerationContext, "stop", ("self",)),
+    Member(server.ResponseGenerator, "_serve_single", ("self", "request", "stream")),
     # BatchGenerator (scheduler.ServeBatchGenerator): the step it overrides,
     # the settings it holds per step, the decode batch and its queued step,
     # whose rows are the responses' log-probabilities in order
@@ -144,6 +150,18 @@ REQUIRED: Tuple[Member, ...] = (
     Member(server.APIHandler, "handle_completion", ("self", "request", "stop_words")),
     Member(server.APIHandler, "_set_completion_headers", ("self", "status_code")),
     Member(server.APIHandler, "_set_stream_headers", ("self", "status_code")),
+    Member(server.APIHandler, "_set_cors_headers", ("self",)),
+    Member(server.APIHandler, "do_POST", ("self",)),
+    Member(server.APIHandler, "do_GET", ("self",)),
+    # the standard library's handler members MuseAPIHandler overrides (mlx-lm's
+    # APIHandler is a BaseHTTPRequestHandler): its connection's timeout, set-up
+    # and tear-down, each request, each status line
+    Member(socketserver.StreamRequestHandler, "timeout"),
+    Member(socketserver.StreamRequestHandler, "setup", ("self",)),
+    Member(socketserver.StreamRequestHandler, "finish", ("self",)),
+    Member(http.server.BaseHTTPRequestHandler, "handle_one_request", ("self",)),
+    Member(http.server.BaseHTTPRequestHandler, "send_response", ("self", "code", "message")),
+    Member(http.server.BaseHTTPRequestHandler, "end_headers", ("self",)),
     # the prompt cache ExactPromptCache extends; the trie ExactPromptTrie
     # extends; the result its search builds, field by field in this order
     Member(cache, "LRUPromptCache"),
@@ -232,6 +250,17 @@ def stopped(ctx: Any) -> bool:
     return bool(ctx._should_stop)
 
 
+def stop(ctx: Any) -> None:
+    """Stop a ``GenerationContext``: mlx-lm's generation thread drops its request
+    at its next check, as when the handler stops it."""
+    ctx.stop()
+
+
+def set_cors_headers(handler: Any) -> None:
+    """An ``APIHandler``'s CORS headers (``--allowed-origins``), on the response it is sending."""
+    handler._set_cors_headers()
+
+
 def set_prompt_trie(prompt_cache: Any, trie: Any) -> None:
     """Give an ``LRUPromptCache`` the trie it keeps its entries in (at its ``__init__``)."""
     prompt_cache._trie = trie
@@ -258,13 +287,17 @@ def substituted(replacements: Dict[str, Any]) -> Iterator[None]:
             setattr(server, name, value)
 
 
-def run_http_server_with(handler: type) -> Callable[..., Any]:
+def run_http_server_with(handler: type, serve: Callable[[Callable[[type], Any], Any], Any]
+                         ) -> Callable[..., Any]:
     """mlx-lm's ``_run_http_server``, serving with ``handler`` whatever handler
-    class its caller passes."""
+    class its caller passes, run by ``serve(run, response_generator)``: ``run(
+    server_class)`` runs mlx-lm's with that server class until its accept loop
+    returns."""
     run_http_server = server._run_http_server
 
     def run_with_our_handler(host: str, port: int, response_generator: Any,
                              server_class: Any = server.ThreadingHTTPServer,
                              handler_class: Any = None) -> Any:
-        return run_http_server(host, port, response_generator, server_class, handler)
+        return serve(lambda cls: run_http_server(host, port, response_generator, cls, handler),
+                     response_generator)
     return run_with_our_handler

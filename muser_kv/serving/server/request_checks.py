@@ -15,7 +15,13 @@ from muser_kv.serving.server.kv_budget import SequencePlanes
 
 class RequestRefused(ValueError):
     """A request this server does not run as asked (one line says why): the
-    client's error, answered with HTTP 400 before the request's first token."""
+    client's error, answered before the request's first token with HTTP
+    ``status`` (400 unless the refusal says otherwise: 404 for a model not
+    served, 413 for a body too large, ...) and OpenAI's error ``code``."""
+
+    def __init__(self, message: str, status: int = 400, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.code = status, code
 
 
 ModelKey = Tuple[Optional[str], Optional[str], Optional[str]]
@@ -125,6 +131,20 @@ BODY_FIELDS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
              "a string, a list of strings or null"),
 }
 
+#: fields of OpenAI's API that serve does not honour, each allowed only at the
+#: value that asks for what serve does: mlx-lm's handler ignores them, so
+#: ``n: 5`` would get one choice as if it had been asked for
+UNHONOURED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v is None or (_int(v) and v == 1),
+          "1: this server generates one choice per request"),
+    "best_of": (lambda v: v is None or (_int(v) and v == 1),
+                "1: this server generates one choice per request"),
+    "echo": (lambda v: v is None or v is False, "false: this server does not echo the prompt"),
+    "suffix": (lambda v: v is None or v == "", "null: this server completes no suffix"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        '{"type": "text"} or null: this server does not constrain its output'),
+}
+
 #: the fields of one endpoint's request (``handle_text_completions``,
 #: ``handle_chat_completions``); ``messages`` is checked by ``check_messages``
 TEXT_FIELDS = {"prompt": (lambda v: type(v) is str, "a string")}
@@ -183,8 +203,9 @@ def check_messages(messages: Any) -> None:
 def check_body(body: Dict[str, Any], chat: bool) -> None:
     """Every field of a request ``body`` mlx-lm reads, by ``BODY_FIELDS`` and
     the endpoint's own (``chat``: ``/v1/chat/completions``); an absent field is
-    mlx-lm's default. Raises ``RequestRefused`` naming the first that is wrong."""
-    fields = dict(BODY_FIELDS, **(CHAT_FIELDS if chat else TEXT_FIELDS))
+    mlx-lm's default; a field of ``UNHONOURED`` only at the value serve
+    honours. Raises ``RequestRefused`` naming the first that is wrong."""
+    fields = dict(BODY_FIELDS, **UNHONOURED, **(CHAT_FIELDS if chat else TEXT_FIELDS))
     if body.get("max_completion_tokens") is not None:
         del fields["max_tokens"]  # not read: mlx-lm takes max_completion_tokens first
     for name, (ok, expected) in fields.items():

@@ -31,15 +31,22 @@ afterwards:
                        prompt's segments cut at its checkpoints), with
                        ``--kv-memory`` taking a request off the queue only
                        while its planes fit the budget (``KVBudget``), and
-                       dropping a request whose client went away at its next
-                       step (``_Answers``, ``_Window``)
+                       dropping a request whose client went away (closed its
+                       connection: ``http.ClientWatch``) when it reaches the
+                       queue's head, or at its next prefill chunk or step
+                       (``_departed``, ``_Answers``, ``_Window``); a queued
+                       stream is kept alive (``_await_response``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
-                       (``serving.server.handler``: mlx-lm's handler; a body field of the wrong type, and
-                       a request whose ``num_draft_tokens`` is deeper than the
-                       caches roll back exactly, are refused with 400 before
-                       the request is queued; a client that goes away
+                       (``serving.server.handler``: mlx-lm's handler; a body
+                       that cannot be read, a field of the wrong type or not
+                       honoured, a model not served, and a request whose
+                       ``num_draft_tokens`` is deeper than the caches roll back
+                       exactly, are refused before the request is queued, in
+                       OpenAI's error shape; a client that goes away
                        mid-response ends it without a traceback; a response's
-                       headers say what the context policy dropped)
+                       headers say what the context policy dropped; /metrics)
+                       on ``http.MuseHTTPServer`` (its connections bounded),
+                       drained on SIGTERM or SIGINT (``shutdown``)
 ``scan_cache_dir``     huggingface_hub's, for ``/v1/models``: a hub cache that
                        cannot be scanned (none, on a machine that serves a
                        model directory) lists no hub models, where mlx-lm's
@@ -83,7 +90,7 @@ import functools
 import logging
 import sys
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.sliding import SlidingKVCache
@@ -95,11 +102,14 @@ from muser_kv.serving.policy import ContextPolicy
 from muser_kv.serving.server import mlx_lm_server as mlx
 from muser_kv.serving.server.context_fit import FittedRequest, fit_request
 from muser_kv.serving.server.handler import LAST_REQUEST, MuseAPIHandler, hub_cache_scan
+from muser_kv.serving.server.http import DEFAULT_QUEUE_KEEPALIVE, THREAD_CLIENT, ClientGone, ClientWatch, WaitingQueue
 from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
+from muser_kv.serving.server.metrics import Metrics
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
 from muser_kv.serving.server.scheduler import batch_generator
 from muser_kv.serving.server.serve_flags import ATTENTION, PROG, argparse_with
+from muser_kv.serving.server.shutdown import serve_until_drained
 from muser_kv.serving.server.warm_up import warm_up
 from muser_kv.sessions.store import KVStore
 
@@ -263,17 +273,36 @@ class _Answers:
     after the next token; batched, after the step that next gives it a token
     or a prefill report, when the run of steps ends, which ``abandoned`` ends
     there. ``abandoned`` is called once, at the first answer put after the
-    stop, with the tokens generated so far and the request's ``max_tokens``."""
+    stop, with the tokens generated so far, the request's ``max_tokens`` and,
+    for a prefill report, its progress.
+
+    A client that has closed its connection (``client``, an ``http.ClientWatch``)
+    is noticed at each prefill report, between the prompt's chunks, and at each
+    token, streamed or not: its context is stopped there, so that mlx-lm drops
+    the request after this chunk or token; on the one-at-a-time path
+    (``single()`` while it runs), which checks only after a token, a prefill
+    report raises ``ClientGone``, which ends the request's prefill there
+    (raised on the batched path, it would end mlx-lm's generation thread)."""
 
     def __init__(self, queue: Any, release: Callable[[], None], args: Any,
-                 abandoned: Callable[[int, int], None]):
+                 abandoned: Callable[[int, int, Any], None], client: Any = None,
+                 single: Callable[[], bool] = lambda: False):
         self._queue, self._release, self._abandoned = queue, release, abandoned
         self._args = args  # its max_tokens as admit cuts it, in the generation thread
+        self._client, self._single = client, single
         self.ctx: Any = None
         self.tokens = 0  #: tokens put (generated) so far
         self._gone = False
+        self._ended = False  # its handler has been given its last answer
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        gone = isinstance(item, (tuple, mlx.server.Response)) and self.ctx is not None \
+            and self._client is not None and self._client.gone()
+        if gone:
+            mlx.stop(self.ctx)  # the client closed its connection
+            if self._single() and isinstance(item, tuple):
+                self._note_stop(item)
+                raise ClientGone("the client went away during its request's prefill")
         self._queue.put(item, *args, **kwargs)
         if item is None or isinstance(item, BaseException):
             self._release()
@@ -281,9 +310,19 @@ class _Answers:
             self.ctx = item
         elif isinstance(item, (mlx.server.Response, tuple)):
             self.tokens += isinstance(item, mlx.server.Response)
-            if not self._gone and self.ctx is not None and mlx.stopped(self.ctx):
-                self._gone = True
-                self._abandoned(self.tokens, self._args.max_tokens)
+            self._note_stop(item)
+        if gone and not self._ended:
+            # mlx-lm drops a stopped request without a last answer: its handler,
+            # still waiting for one, is ended here (its connection is closed)
+            self._ended = True
+            self._queue.put(ClientGone("the client went away"))
+            self._release()
+
+    def _note_stop(self, item: Any) -> None:
+        if not self._gone and self.ctx is not None and mlx.stopped(self.ctx):
+            self._gone = True
+            self._abandoned(self.tokens, self._args.max_tokens,
+                            item if isinstance(item, tuple) else None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)
@@ -325,6 +364,7 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
     thread nothing; the generation thread's check holds whatever the handler saw."""
 
     model_provider: MuseModelProvider
+    metrics: Metrics
 
     @property
     def is_healthy(self) -> bool:
@@ -347,12 +387,49 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         one held back for ``--kv-memory``, which waits for a sequence to end)."""
         return self._waiting is None and not self.requests.empty()
 
-    def _abandoned(self, tokens: int, max_tokens: int) -> None:
+    def _abandoned(self, tokens: int, max_tokens: int, prefill: Any = None) -> None:
         """A request whose client went away gets no more steps (``_Answers``):
         one line, and the batched steps end here so that mlx-lm drops it now."""
-        log.warning("muser-kv serve: a request's client went away after %d of at most %d "
-                    "tokens; its generation is stopped", tokens, max_tokens)
+        self.metrics.client_gone("prefill" if prefill is not None and tokens == 0
+                                 else "generation")
+        if prefill is not None and tokens == 0:
+            log.warning("muser-kv serve: a request's client went away during its prefill "
+                        "(%d of %d prompt tokens); its prefill is stopped", *prefill)
+        else:
+            log.warning("muser-kv serve: a request's client went away after %d of at most %d "
+                        "tokens; its generation is stopped", tokens, max_tokens)
         self._window.cut = True
+
+    def _with_answers(self, item: Any, release: Callable[[], None]) -> Any:
+        """``item`` (mlx-lm's queued request) with its response queue as the
+        generation thread uses it (``_Answers``)."""
+        rqueue, request, args = item
+        client = getattr(request, "client", None)
+        return _Answers(rqueue, release, args, self._abandoned, client,
+                        single=lambda: self._serving_single), request, args
+
+    def _serve_single(self, request: Any, stream: Any) -> Any:
+        """mlx-lm's one-at-a-time path, noted while it runs: there, and only
+        there, a prefill report may raise (``_Answers``)."""
+        self._serving_single = True
+        try:
+            return super()._serve_single(request, stream)
+        finally:
+            self._serving_single = False
+
+    def _departed(self, item: Any) -> bool:
+        """Whether ``item``'s client closed its connection while the request
+        waited in the queue: then it is answered ``ClientGone`` (nobody reads
+        it) and never prefilled, and its place in the queue is free."""
+        rqueue, request, _ = item
+        client = getattr(request, "client", None)
+        if client is None or not client.gone():
+            return False
+        log.warning("muser-kv serve: a request's client went away while it was queued; it "
+                    "is dropped before its prefill")
+        self.metrics.client_gone("queued")
+        rqueue.put(ClientGone("the client went away while its request was queued"))
+        return True
 
     def __init__(self, model_provider: MuseModelProvider, prompt_cache: Any):
         # set before mlx-lm's __init__ starts the generation thread, which reads them
@@ -362,15 +439,59 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         self._answers: Dict[int, _Answers] = {}
         self._alone: Optional[int] = None  # a request for another model: it runs alone
         self._admissions = 0
+        self._one_process = mx_distributed_size() == 1  # ranks must drop the same requests
+        self._serving_single = False
+        self.metrics = Metrics()  #: what ``/metrics`` answers
+        self.metrics.sources.append(self._memory_metrics)
         if self._kv_memory is not None and mx_distributed_size() > 1:
             raise ServeRefused("--kv-memory admits requests on one process; it does not "
                                "run distributed")
         a = model_provider.cli_args
+        self._store: Optional[KVStore] = None
         if isinstance(prompt_cache, ExactPromptCache) and (a.kv_store or a.kv_store_memory):
-            store = KVStore(a.kv_store, memory_bytes=a.kv_store_memory, store_bytes=a.kv_store_bytes)
+            store = self._store = KVStore(a.kv_store, memory_bytes=a.kv_store_memory,
+                                          store_bytes=a.kv_store_bytes)
             prompt_cache.attach(store, self._store_model)
             model_provider.on_load.append(functools.partial(_prepare, store))
         super().__init__(model_provider, prompt_cache)
+
+    def close_store(self) -> None:
+        """Write out the KV store's queued writes and close it: the drain's
+        last step, after the generation thread has stopped putting."""
+        if self._store is not None:
+            try:
+                self._store.flush()
+                self._store.close()
+            except Exception:
+                log.exception("muser-kv serve: flushing the KV store at shutdown failed")
+
+    def _memory_metrics(self) -> Iterator[Tuple[str, str, str, Any]]:
+        """``/metrics``' KV memory and KV store samples, read when scraped."""
+        kv = self._kv
+        yield ("kv_memory_bytes", "gauge", "KV plane bytes the admitted sequences may hold "
+               "(--kv-memory's count; 0 without the flag)", kv.admitted_bytes if kv else 0)
+        if self._kv_memory is not None:
+            yield ("kv_memory_budget_bytes", "gauge", "--kv-memory", self._kv_memory)
+        if self._store is None:
+            return
+        s = self._store.stats()
+        yield ("kv_store_lookups_total", "counter", "KV store lookups", s.lookups)
+        yield ("kv_store_hits_total", "counter", "KV store lookups that rebuilt tokens", s.hits)
+        yield ("kv_store_misses_total", "counter", "KV store lookups that rebuilt nothing",
+               s.lookups - s.hits)
+        yield ("kv_store_rebuilt_tokens_total", "counter", "tokens rebuilt from the KV store "
+               "instead of prefilled", s.reused_tokens)
+        yield ("kv_store_pending_writes", "gauge", "KV store writes queued (write-behind)",
+               s.pending_writes)
+        for t in s.tiers:
+            tier = f'{{tier="{t.name}"}}'
+            yield (f"kv_store_tier_bytes{tier}", "gauge", "bytes a KV store tier holds", t.bytes)
+            yield (f"kv_store_tier_chunks{tier}", "gauge", "chunks a KV store tier holds",
+                   t.chunks)
+            yield (f"kv_store_tier_hits_total{tier}", "counter", "chunk reads a tier served",
+                   t.hits)
+            yield (f"kv_store_tier_misses_total{tier}", "counter", "chunk reads a tier missed",
+                   t.misses)
 
     def _store_model(self, key: Any) -> Any:
         """The model whose lists the store keeps under ``key``: the loaded one,
@@ -399,8 +520,17 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
 
     def _mlx_lm_tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
         """mlx-lm's ``_tokenize`` of a copy of ``request`` (mlx-lm converts the
-        messages' content in place), leaving ``request`` as it was."""
-        return super()._tokenize(tokenizer, copy.deepcopy(request), args)
+        messages' content in place), leaving ``request`` as it was. What the
+        chat template or the tokenizer cannot take is the request's content
+        (``chat_template_kwargs`` that collide with mlx-lm's own, messages the
+        template refuses): refused, where mlx-lm answers 404."""
+        try:
+            return super()._tokenize(tokenizer, copy.deepcopy(request), args)
+        except RequestRefused:
+            raise
+        except Exception as e:
+            raise RequestRefused(f"the request cannot be rendered and tokenized: "
+                                 f"{type(e).__name__}: {e}") from e
 
     def _settle(self, request: Any, args: Any, tokenizer: Any, max_context: int) -> None:
         """Decide what the context policy keeps of ``request`` (a
@@ -440,6 +570,8 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         (``context_fit``; ``LAST_REQUEST`` tells the handler what it dropped),
         refused here, in the handler's thread, when it cannot run as asked."""
         request = LAST_REQUEST.request = FittedRequest.of(request)
+        if THREAD_CLIENT.connection is not None and self._one_process:
+            request.client = ClientWatch(THREAD_CLIENT.connection)
         positions = self._positions(request, generation_args)
         limits = self.model_provider.limits
         if positions is not None and limits is not None and limits.planes is not None \
@@ -448,7 +580,23 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
                 KVBudget(self._kv_memory, limits.planes).check(positions)
             except KVMemoryExceeded as e:
                 raise RequestRefused(str(e)) from None
-        return super().generate(request, generation_args, progress_callback)
+        ctx, answers = super().generate(request, generation_args, progress_callback)
+        THREAD_CLIENT.waiting = None  # started: mlx-lm's own keepalive from here
+        timer = THREAD_CLIENT.timer
+        if timer is None:
+            return ctx, answers
+        timer.started(len(ctx.prompt))
+        return ctx, timer.tokens(answers)
+
+    def _await_response(self, response_queue: Any) -> Any:
+        """mlx-lm's wait for a request's next answer (in the handler's thread),
+        calling the handler's ``waiting`` every ``--queue-keepalive`` seconds
+        while the request waits to start (``THREAD_CLIENT``)."""
+        waiting = THREAD_CLIENT.waiting
+        if waiting is not None:
+            interval = getattr(self.cli_args, "queue_keepalive", DEFAULT_QUEUE_KEEPALIVE)
+            response_queue = WaitingQueue(response_queue, waiting, interval)
+        return super()._await_response(response_queue)
 
     def _next_request(self, timeout: Optional[float] = None) -> Any:
         """mlx-lm's next request. An idle wait first restocks the store's landing
@@ -461,10 +609,9 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             self._restock()
         if self._kv_memory is None:
             item = super()._next_request(timeout)
-            if item is None:
+            if item is None or self._departed(item):
                 return None
-            rqueue, request, args = item
-            return _Answers(rqueue, lambda: None, args, self._abandoned), request, args
+            return self._with_answers(item, lambda: None)
         kv = self._budget()
         if kv is not None:
             for key, answers in list(self._answers.items()):
@@ -477,6 +624,8 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
             if item is None:
                 return None
         self._waiting = None
+        if self._departed(item):
+            return None
         rqueue, request, args = item
         try:
             positions = self._positions(request, args)
@@ -524,16 +673,15 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         return None
 
     def _admitted(self, item: Any, kv: Optional[KVBudget], positions: Optional[int]) -> Any:
-        rqueue, request, args = item
         self._admissions += 1
         key = self._admissions
         if kv is not None and positions is not None:
             kv.admit(key, positions)
         else:
             self._alone = key
-        answers = _Answers(rqueue, lambda: self._release(key), args, self._abandoned)
-        self._answers[key] = answers
-        return answers, request, args
+        answered = self._with_answers(item, lambda: self._release(key))
+        self._answers[key] = answered[0]
+        return answered
 
     def _release(self, key: int) -> None:
         self._answers.pop(key, None)
@@ -581,7 +729,7 @@ def substituted(argv: Sequence[str]) -> ContextManager[None]:
         "argparse": flags, "BatchGenerator": batch_generator(lambda: flags.parsed),
         "ModelProvider": MuseModelProvider,
         "LRUPromptCache": ExactPromptCache, "ResponseGenerator": MuseResponseGenerator,
-        "_run_http_server": mlx.run_http_server_with(MuseAPIHandler),
+        "_run_http_server": mlx.run_http_server_with(MuseAPIHandler, serve_until_drained),
         "scan_cache_dir": hub_cache_scan(mlx.server.scan_cache_dir)})
 
 

@@ -11,6 +11,14 @@ from typing import Any, Iterable, Optional, Sequence
 from muser_kv.caches.speculative import DEFAULT_RETAIN
 from muser_kv.serving.arg_types import non_negative, positive
 from muser_kv.serving.checkpoints import DEFAULT_CHECKPOINT, checkpoint_interval
+from muser_kv.serving.server.body import DEFAULT_MAX_BODY_BYTES
+from muser_kv.serving.server.http import (
+    DEFAULT_BACKLOG,
+    DEFAULT_CONNECTION_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_QUEUE_KEEPALIVE,
+)
+from muser_kv.serving.server.shutdown import DEFAULT_GRACE
 from muser_kv.sessions.store.store import DEFAULT_MEMORY_BYTES
 
 PROG = "muser-kv serve"
@@ -96,6 +104,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "may get other tokens (docs/serving.md). No effect elsewhere")
 
 
+def seconds(text: str) -> float:
+    """An ``argparse`` type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text}")
+    return value
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags bounding what the server takes from its clients (docs/serving.md)."""
+    g = parser.add_argument_group("muser-kv server limits")
+    g.add_argument("--listen-backlog", type=positive, default=DEFAULT_BACKLOG, metavar="N",
+                   help="connections the listen queue holds while the server accepts "
+                        f"(default {DEFAULT_BACKLOG}; the kernel may cap it: somaxconn)")
+    g.add_argument("--max-connections", type=positive, default=DEFAULT_MAX_CONNECTIONS,
+                   metavar="N",
+                   help="connections open at once; one more is answered 503 at once "
+                        f"(default {DEFAULT_MAX_CONNECTIONS})")
+    g.add_argument("--connection-timeout", type=seconds, default=DEFAULT_CONNECTION_TIMEOUT,
+                   metavar="SECONDS",
+                   help="a connection that sends or takes no bytes for this long while its "
+                        "request is read or its answer written is closed (an unfinished "
+                        f"body gets 408; default {DEFAULT_CONNECTION_TIMEOUT:g})")
+    g.add_argument("--max-body-bytes", type=positive, default=DEFAULT_MAX_BODY_BYTES,
+                   metavar="BYTES",
+                   help=f"the largest request body read (default {DEFAULT_MAX_BODY_BYTES}); "
+                        "a larger one gets 413")
+    g.add_argument("--drain-grace", type=seconds, default=DEFAULT_GRACE, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, how long running requests may take to finish "
+                        "before they are ended with an error (default "
+                        f"{DEFAULT_GRACE:g}); then the KV store's writes are flushed and the "
+                        "server exits 0")
+    g.add_argument("--queue-keepalive", type=seconds, default=DEFAULT_QUEUE_KEEPALIVE,
+                   metavar="SECONDS",
+                   help="a stream that waits in the queue gets its headers and an SSE comment "
+                        "(': queued, N requests waiting') every this many seconds, so that "
+                        f"its connection stays alive and its client knows (default "
+                        f"{DEFAULT_QUEUE_KEEPALIVE:g})")
+    g.add_argument("--allow-model-loading", action="store_true",
+                   help="let a request's model, adapters or draft_model name another model "
+                        "for the server to load (mlx-lm's behaviour); without it a request "
+                        "may name only the served one (404 otherwise)")
+
+
 def cuda_attention(choice: Optional[str], environ: Any = os.environ) -> str:
     """Set MLX CUDA's attention switch for ``choice`` and return what it is.
 
@@ -152,6 +207,7 @@ def argparse_with(argv: Sequence[str]) -> types.ModuleType:
         def parse_args(self, args: Optional[Iterable[str]] = None, namespace: Any = None) -> Any:
             if not self._muser_kv:  # after mlx-lm's own flags, so --help lists them last
                 add_arguments(self)
+                add_server_arguments(self)
                 self._muser_kv = True
             ns = super().parse_args(list(argv) if args is None else args, namespace)
             check_arguments(self, ns)
