@@ -29,10 +29,11 @@ DEFAULT_PREFILL_BUDGET = 512
 #: attention call (``supports_sdpa_cudnn``): "0" keeps MLX's own kernels.
 CUDNN_SWITCH = "MLX_CUDA_USE_CUDNN_SDPA"
 #: what ``--cuda-attention``'s choices mean for a client (the start-up log says it)
-ATTENTION = {"mlx": "MLX's own kernels, a repeated request gets identical tokens "
-                    "(--cuda-attention cudnn for cuDNN's)",
-             "cudnn": "cuDNN's, a repeated request may get other tokens "
-                      "(--cuda-attention mlx for identical ones)"}
+ATTENTION = {"mlx": "decode muser-kv's, prefill chunks MLX's own kernels: a repeated request "
+                    "gets identical tokens (--cuda-attention cudnn for cuDNN's prefill)",
+             "cudnn": "decode muser-kv's, prefill chunks cuDNN's: a faster cold prefill, a "
+                      "repeated request may get other tokens (--cuda-attention mlx for "
+                      "identical ones)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,12 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "mlx-lm's, a --prefill-step-size chunk per prompt in flight per "
                         "step; docs/serving.md)")
     g.add_argument("--cuda-attention", choices=("mlx", "cudnn"), default=None,
-                   help="on MLX CUDA, the attention kernels: mlx (the default, unless "
+                   help="on MLX CUDA, the attention of prefill chunks (decode steps take "
+                        "muser-kv's own kernels, whatever this says): mlx (the default, unless "
                         f"{CUDNN_SWITCH} is set) MLX's own, so a request served again (a "
                         "regenerate, after other traffic, after a restart over the same "
                         "--kv-store) gets identical tokens; cudnn: cuDNN's (MLX's default), "
-                        "a faster cold prefill and decode at depth, but a repeated request "
-                        "may get other tokens (docs/serving.md). No effect elsewhere")
+                        "a faster cold prefill, but a repeated request may get other tokens "
+                        "(docs/serving.md). No effect elsewhere")
 
 
 def seconds(text: str) -> float:
