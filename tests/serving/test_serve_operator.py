@@ -354,7 +354,7 @@ def test_sigterm_lets_a_running_stream_finish_then_flushes_the_store(model_dir, 
     store = tmp_path / "store"
     flags = ("--kv-store", str(store), "--prompt-cache-size", "0")
     bodies = [completion(ids(150, 20 + i), 30) for i in range(4)]
-    streamed_body = completion(ids(20, 30), 60)
+    streamed_body = completion(ids(20, 30), 60, logit_bias={"255": -100})  # no </s>: to its length
 
     def run(log: str) -> Tuple[List[List[int]], Tuple[str, Optional[str]], int]:
         server = Server(model_dir, tmp_path / log, *flags)
