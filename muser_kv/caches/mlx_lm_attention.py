@@ -83,9 +83,9 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
             and decode_attention() == "muser":
         read = reader(keys, values)
         if read is not None:
-            if len(_fetched_by) > 256:
-                _fetched_by.clear()
             _fetched_by[id(keys)] = (weakref.ref(keys), weakref.ref(cache))
+            if len(_fetched_by) > 1024:  # the oldest first: a forward's own stay
+                del _fetched_by[next(iter(_fetched_by))]
             return cache.backend.attend(queries, read, scale, sinks)
     if isinstance(mask, DecodeMask):
         raise RuntimeError(

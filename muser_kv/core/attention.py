@@ -154,10 +154,13 @@ def _reference_one(q: mx.array, k: mx.array, v: mx.array, s: KeyRead, window: Op
         sink = mx.broadcast_to(sink, (h, n, g)).reshape(h, n * g)
         top = mx.maximum(top, sink)
     w = mx.where(m == -mx.inf, 0, mx.exp(m - top[:, None]))
-    total = (w * l_c).sum(axis=1)
+    # combined in ascending chunk order, one after another (a scan): a query's
+    # chunks before its window weigh exactly 0, so whichever block it was
+    # computed in, its sums are the same additions
+    total = mx.cumsum(w * l_c, axis=1)[:, -1]
     if sink is not None:
         total = total + mx.exp(sink - top)
-    out = (w[..., None] * o_c).sum(axis=1)
+    out = mx.cumsum(w[..., None] * o_c, axis=1)[:, -1]
     out = mx.where(total[..., None] > 0, out / total[..., None], 0)
     return out.reshape(h, n, g, d).transpose(0, 2, 1, 3).reshape(hq, n, d).astype(dtype)
 
