@@ -40,6 +40,8 @@ CHUNK = 256
 #: Chunks folded into one partial, in ascending order, before the partials of
 #: a sequence are combined (so the combine's loops stay short at any depth).
 FOLD = 16
+#: The f32 scores the reference computes at once for a long chunk (its blocks' size).
+REFERENCE_BLOCK_BYTES = 64 << 20
 #: The most query tokens per sequence decode attention takes (a decode token,
 #: or a speculative block under verification); longer chunks are prefill.
 MAX_QUERIES = 16
@@ -117,6 +119,28 @@ def _row_index(s: KeyRead, lo: int) -> np.ndarray:
     return ((s.origin + offsets) % s.wrap).astype(np.int32)
 
 
+def _chunked(qr: mx.array, kc: mx.array, vc: mx.array, seen: mx.array, scale: mx.array,
+                  sink: mx.array) -> mx.array:
+    """The rule's arithmetic for one sequence's block of query rows ``qr``
+    ``[h, 1, M, d]`` over its chunks ``kc``/``vc`` ``[h, count, CHUNK, d]``
+    (``seen`` ``[count, M, CHUNK]``: which keys each row sees; ``sink``
+    ``[h, M]``, ``-inf`` for none): ``[h, M, d]`` f32. Each row's arithmetic
+    is its own (a row's products and reductions never mix with another's)."""
+    scores = mx.where(seen, (qr @ kc.transpose(0, 1, 3, 2)) * scale, -mx.inf)
+    m = scores.max(axis=-1)                                     # [h, count, M]
+    e = mx.exp(scores - mx.where(m == -mx.inf, 0, m)[..., None])
+    l_c = e.sum(axis=-1)
+    o_c = e @ vc                                                # [h, count, M, d]
+    top = mx.maximum(m.max(axis=1), sink)                       # [h, M]
+    w = mx.where(m == -mx.inf, 0, mx.exp(m - top[:, None]))
+    # combined in ascending chunk order, one after another (a scan): a row's
+    # chunks before its window weigh exactly 0, so whichever block it was
+    # computed in, its sums are the same additions
+    total = mx.cumsum(w * l_c, axis=1)[:, -1] + mx.where(sink == -mx.inf, 0, mx.exp(sink - top))
+    out = mx.cumsum(w[..., None] * o_c, axis=1)[:, -1]
+    return mx.where(total[..., None] > 0, out / total[..., None], 0)
+
+
 def _reference_one(q: mx.array, k: mx.array, v: mx.array, s: KeyRead, window: Optional[int],
                    scale: float, sinks: Optional[mx.array], dtype: mx.Dtype) -> mx.array:
     """One sequence: ``q`` ``[Hq, n, D]``, ``k``/``v`` its slot ``[H, R, D]``."""
@@ -136,32 +160,17 @@ def _reference_one(q: mx.array, k: mx.array, v: mx.array, s: KeyRead, window: Op
     # query rows per K/V head: token-major, its group's heads within (row i * g + j)
     qr = q.astype(mx.float32).reshape(h, g, n, d).transpose(0, 2, 1, 3)
     qr = qr.reshape(h, 1, n * g, d)
-    scores = (qr @ kc.transpose(0, 1, 3, 2)) * scale          # [h, count, n*g, CHUNK]
     pos = (first * CHUNK + mx.arange(count * CHUNK)).reshape(count, 1, CHUNK)
     qpos = (s.end - n + mx.arange(n * g) // g).reshape(1, n * g, 1)
     seen = (pos <= qpos) & (pos >= s.end - s.held)
     if window is not None:
         seen = seen & (pos > qpos - window)
-    scores = mx.where(seen, scores, -mx.inf)
-    m = scores.max(axis=-1)                                     # [h, count, n*g]
-    e = mx.exp(scores - mx.where(m == -mx.inf, 0, m)[..., None])
-    l_c = e.sum(axis=-1)
-    o_c = e @ vc                                                # [h, count, n*g, d]
-    top = m.max(axis=1)                                         # [h, n*g]
-    sink = None
     if sinks is not None:
         sink = sinks.astype(mx.float32).reshape(h, 1, g)
         sink = mx.broadcast_to(sink, (h, n, g)).reshape(h, n * g)
-        top = mx.maximum(top, sink)
-    w = mx.where(m == -mx.inf, 0, mx.exp(m - top[:, None]))
-    # combined in ascending chunk order, one after another (a scan): a query's
-    # chunks before its window weigh exactly 0, so whichever block it was
-    # computed in, its sums are the same additions
-    total = mx.cumsum(w * l_c, axis=1)[:, -1]
-    if sink is not None:
-        total = total + mx.exp(sink - top)
-    out = mx.cumsum(w[..., None] * o_c, axis=1)[:, -1]
-    out = mx.where(total[..., None] > 0, out / total[..., None], 0)
+    else:
+        sink = mx.full((h, n * g), -mx.inf, mx.float32)
+    out = _chunked(qr, kc, vc, seen, mx.array(scale, mx.float32), sink)
     return out.reshape(h, n, g, d).transpose(0, 2, 1, 3).reshape(hq, n, d).astype(dtype)
 
 
@@ -171,14 +180,19 @@ def reference(queries: mx.array, read: DecodeRead, scale: float,
     work has the same shapes whatever the batch): ``queries`` ``[B, Hq, n, D]``
     -> ``[B, Hq, n, D]`` in the queries' dtype. ``sinks``: GPT-OSS's
     per-head logit that joins every softmax's denominator. Any number of
-    tokens, ``MAX_QUERIES`` at a time: each token's answer is its own, so a
-    prefill chunk's is the same bits as its tokens' one at a time."""
-    b, _, n, _ = check_queries(queries, read, most=1 << 30)
+    tokens, in blocks of whole ``MAX_QUERIES``: each token's answer is its own,
+    so a prefill chunk's is the same bits as its tokens' one at a time."""
+    b, hq, n, _ = check_queries(queries, read, most=1 << 30)
     outs: List[mx.array] = []
     for i, s in enumerate(read.sequences):
         parts = []
-        for lo in range(0, n, MAX_QUERIES):  # the block's keys end at its last token
-            hi = min(n, lo + MAX_QUERIES)
+        # as many tokens at a time as keep the block's f32 scores near
+        # REFERENCE_BLOCK_BYTES (whole MAX_QUERIES blocks): every token's rows of
+        # the products are its own, whatever block it is in
+        per_token = hq * (s.chunks(n, read.window)[1] + 1) * CHUNK * 4
+        step = max(MAX_QUERIES, REFERENCE_BLOCK_BYTES // per_token // MAX_QUERIES * MAX_QUERIES)
+        for lo in range(0, n, step):  # the block's keys end at its last token
+            hi = min(n, lo + step)
             block = KeyRead(s.slot, s.end - (n - hi), s.held - (n - hi), s.origin, s.wrap)
             parts.append(_reference_one(queries[i, :, lo:hi], read.keys[s.slot],
                                         read.values[s.slot], block, read.window, scale, sinks,
