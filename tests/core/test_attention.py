@@ -28,14 +28,14 @@ def logical_rows(held, seed, dtype=mx.bfloat16, d=D):
     return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
 
 
-def lay_out(k, v, rows, origin, slots=1, slot=0, token_major=False):
+def lay_out(k, v, rows, origin, slots=1, slot=0, token_major=False, wrap=None):
     """Logical rows ``k``/``v`` ``[H, held, D]`` at rotation ``origin`` of a ring
     of ``rows`` rows, in slot ``slot`` of ``slots``; every other row NaN. As
     attention is handed them: ``[S, H, R, D]`` (a token-major plane's view has
     its own strides)."""
-    held = k.shape[1]
-    assert held <= rows
-    idx = (origin + np.arange(held)) % rows
+    held, wrap = k.shape[1], wrap or rows
+    assert held <= wrap <= rows
+    idx = (origin + np.arange(held)) % wrap
     out = []
     for x in (k, v):
         a = np.full((slots, H, rows, x.shape[2]), np.nan, np.float32)
@@ -262,3 +262,26 @@ def test_the_selftest_checks_the_attention_kernels(metal):
 
     bad = selftest.check_attention(FollowsTheAllocation(), ReferenceBackend(), heads=8)
     assert bad.failures and "another placement" in bad.failures[0]
+
+
+def test_every_rotation_allocation_and_slot_gives_the_same_bits():
+    """A full ring of 256 rows (window 256) at every origin (every 17th on the
+    CPU), in planes of 256 x 2^k rows for k = 0..3, in each of three slots,
+    run after run (ten times on a GPU): one output, bit for bit."""
+    backend = get_backend()
+    gpu = backend.name != "reference"
+    end, held, window = 1000, 256, 256
+    k, v = logical_rows(held, 5)
+    q = queries(1, 1, 5)
+    first = None
+    for origin in range(0, held, 1 if gpu else 17):
+        for rows in (256, 512, 1024, 2048):
+            slot = (origin + rows // 256) % 3
+            # a ring of 256 (its capacity) in planes allocated `rows`
+            kk, vv = lay_out(k, v, rows, origin, 3, slot, bool(origin % 2), wrap=held)
+            read = DecodeRead(kk, vv, (KeyRead(slot, end, held, origin, held),), window)
+            for _ in range(10 if gpu and origin == 0 else 1):
+                got = bits(backend.attend(q, read, SCALE))
+                if first is None:
+                    first = got
+                np.testing.assert_array_equal(got, first, err_msg=f"origin {origin} rows {rows}")
