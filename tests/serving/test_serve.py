@@ -495,11 +495,11 @@ def test_the_parsed_flags_set_mlx_cuda_attention_before_any_model_loads(model_di
     assert "MLX_CUDA_USE_CUDNN_SDPA='yes': MLX reads an integer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, says", [([], "prefill chunks MLX's own kernels: a repeated "
-                                              "request gets identical tokens"),
-                                        (["--cuda-attention", "cudnn"], "prefill chunks cuDNN's: "
-                                         "a faster cold prefill, a repeated request may get "
-                                         "other tokens")])
+@pytest.mark.parametrize("flag, says", [([], "decode muser-kv's, prefill chunks MLX's own "
+                                              "kernels: a repeated request gets identical tokens"),
+                                        (["--cuda-attention", "cudnn"], "decode muser-kv's, "
+                                         "prefill chunks cuDNN's: a faster cold prefill, a "
+                                         "repeated request may get other tokens")])
 def test_the_start_up_log_says_which_attention_kernels_serve_on_mlx_cuda(model_dir, monkeypatch,
                                                                        caplog, flag, says):
     import logging
