@@ -113,30 +113,46 @@ def check_queries(queries: mx.array, read: DecodeRead,
     return b, hq, n, d
 
 
-def _row_index(s: KeyRead, lo: int) -> np.ndarray:
-    """Rows of positions ``lo .. end - 1`` (offsets from the ring's origin row)."""
-    offsets = np.arange(lo - (s.end - s.held), s.held, dtype=np.int64)
-    return ((s.origin + offsets) % s.wrap).astype(np.int32)
+def _rows_and_seen(s: KeyRead, n: int, g: int, window: Optional[int], first: int,
+                   count: int) -> Tuple[np.ndarray, np.ndarray]:
+    """For the ``count`` chunks from ``first``: the row of each position (a
+    position the sequence does not hold reads its first held row, which no
+    query sees) and ``[count, n*g, CHUNK]`` which positions each query row
+    sees (row ``i * g + j``: token ``i``). The ring's origin and wrap say
+    where a position lies (``KeyRead``)."""
+    start = s.end - s.held
+    pos = first * CHUNK + np.arange(count * CHUNK, dtype=np.int64)
+    held = (pos >= start) & (pos < s.end)
+    rows = (s.origin + np.where(held, pos - start, 0)) % s.wrap
+    qpos = s.end - n + np.arange(n * g) // g
+    seen = (pos[None] <= qpos[:, None]) & held[None]
+    if window is not None:
+        seen &= pos[None] > qpos[:, None] - window
+    return rows.astype(np.int32), seen.reshape(n * g, count, CHUNK).transpose(1, 0, 2)
 
 
-def _chunked(qr: mx.array, kc: mx.array, vc: mx.array, seen: mx.array, scale: mx.array,
-                  sink: mx.array) -> mx.array:
+def _chunked(qr: mx.array, kc: mx.array, vc: mx.array, seen: mx.array, scale: float,
+             sink: Optional[mx.array]) -> mx.array:
     """The rule's arithmetic for one sequence's block of query rows ``qr``
     ``[h, 1, M, d]`` over its chunks ``kc``/``vc`` ``[h, count, CHUNK, d]``
     (``seen`` ``[count, M, CHUNK]``: which keys each row sees; ``sink``
-    ``[h, M]``, ``-inf`` for none): ``[h, M, d]`` f32. Each row's arithmetic
+    ``[h, M]`` or ``None``): ``[h, M, d]`` f32. Each row's arithmetic
     is its own (a row's products and reductions never mix with another's)."""
     scores = mx.where(seen, (qr @ kc.transpose(0, 1, 3, 2)) * scale, -mx.inf)
     m = scores.max(axis=-1)                                     # [h, count, M]
     e = mx.exp(scores - mx.where(m == -mx.inf, 0, m)[..., None])
     l_c = e.sum(axis=-1)
     o_c = e @ vc                                                # [h, count, M, d]
-    top = mx.maximum(m.max(axis=1), sink)                       # [h, M]
+    top = m.max(axis=1)                                         # [h, M]
+    if sink is not None:
+        top = mx.maximum(top, sink)
     w = mx.where(m == -mx.inf, 0, mx.exp(m - top[:, None]))
     # combined in ascending chunk order, one after another (a scan): a row's
     # chunks before its window weigh exactly 0, so whichever block it was
     # computed in, its sums are the same additions
-    total = mx.cumsum(w * l_c, axis=1)[:, -1] + mx.where(sink == -mx.inf, 0, mx.exp(sink - top))
+    total = mx.cumsum(w * l_c, axis=1)[:, -1]
+    if sink is not None:
+        total = total + mx.exp(sink - top)
     out = mx.cumsum(w[..., None] * o_c, axis=1)[:, -1]
     return mx.where(total[..., None] > 0, out / total[..., None], 0)
 
@@ -148,29 +164,20 @@ def _reference_one(q: mx.array, k: mx.array, v: mx.array, s: KeyRead, window: Op
     h = k.shape[0]
     g = hq // h
     first, count = s.chunks(n, window)
-    if count == 0 and sinks is None:
+    if count == 0:  # no key: nothing to weigh (a sink alone takes all the weight)
         return mx.zeros((hq, n, d), dtype)
-    lo = s.first(n, window)
-    index = mx.array(_row_index(s, lo))
-    front = lo - first * CHUNK
-    back = count * CHUNK - front - (s.end - lo)
-    pad = [(0, 0), (front, back), (0, 0)]
-    kc = mx.pad(mx.take(k, index, axis=1), pad).astype(mx.float32).reshape(h, count, CHUNK, d)
-    vc = mx.pad(mx.take(v, index, axis=1), pad).astype(mx.float32).reshape(h, count, CHUNK, d)
+    rows, seen = _rows_and_seen(s, n, g, window, first, count)
+    index = mx.array(rows)
+    kc = mx.take(k, index, axis=1).astype(mx.float32).reshape(h, count, CHUNK, d)
+    vc = mx.take(v, index, axis=1).astype(mx.float32).reshape(h, count, CHUNK, d)
     # query rows per K/V head: token-major, its group's heads within (row i * g + j)
     qr = q.astype(mx.float32).reshape(h, g, n, d).transpose(0, 2, 1, 3)
     qr = qr.reshape(h, 1, n * g, d)
-    pos = (first * CHUNK + mx.arange(count * CHUNK)).reshape(count, 1, CHUNK)
-    qpos = (s.end - n + mx.arange(n * g) // g).reshape(1, n * g, 1)
-    seen = (pos <= qpos) & (pos >= s.end - s.held)
-    if window is not None:
-        seen = seen & (pos > qpos - window)
+    sink = None
     if sinks is not None:
         sink = sinks.astype(mx.float32).reshape(h, 1, g)
         sink = mx.broadcast_to(sink, (h, n, g)).reshape(h, n * g)
-    else:
-        sink = mx.full((h, n * g), -mx.inf, mx.float32)
-    out = _chunked(qr, kc, vc, seen, mx.array(scale, mx.float32), sink)
+    out = _chunked(qr, kc, vc, mx.array(seen), scale, sink)
     return out.reshape(h, n, g, d).transpose(0, 2, 1, 3).reshape(hq, n, d).astype(dtype)
 
 
