@@ -8,7 +8,8 @@ compares its results bitwise with the oracles. Child processes the tests start
 inherit ``MUSER_KV_METAL_EMULATOR=1`` and install the emulator the same way
 (``conftest`` does it at import).
 
-The kernel-form tests (host C++, NVRTC, the Metal module itself, the selftest's)
+The kernel-form tests (host C++, NVRTC, the Metal module itself, the selftest's,
+decode attention's, whose kernels the rest of this run leaves to the reference)
 drive each form directly rather than through the selected backend: they are
 deselected in this run, which the default run already covers. So are the tests
 that build no cache (ring arithmetic, policy, counts, install, geometry, the
@@ -35,7 +36,8 @@ from muser_kv.core import kernels
 OPTION = "--metal-emulator"
 EMULATOR_ENV = "MUSER_KV_METAL_EMULATOR"
 DIRECT_KERNEL_TESTS = ("test_kernels_host.py", "test_kernels_nvrtc.py", "test_kernels_metal.py",
-                       "test_selftest.py")
+                       "test_selftest.py", "test_attention.py", "test_attention_mma_nvrtc.py",
+                       "test_attention_mma_emulated.py")
 NO_KERNEL_TESTS = ("test_ring.py", "test_policy.py", "test_counts.py", "test_install.py",
                    "test_geometry.py", "test_session_files.py", "test_mlx_lm_kernels.py")
 KERNELS = ("batch_store", "stage", "gather", "install")
@@ -53,6 +55,12 @@ def install():
         os.environ[kernels.BACKEND_ENV] = "metal"
         os.environ[EMULATOR_ENV] = "1"
         mx.fast.metal_kernel = _installed
+        # decode attention's kernels run here one thread at a time, every layer of
+        # every decode step of every model test: tests/core/test_attention.py
+        # executes their Metal form through the emulator (in the default run,
+        # where it is not deselected); the rest of this run attends through the
+        # reference, as the CPU does
+        kernels.KernelBackend.attend = kernels.ReferenceBackend.attend  # type: ignore[method-assign]
         kernels._make.cache_clear()
     return _installed
 

@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, 
 
 import mlx.core as mx
 
-from muser_kv.caches import base, cachelist
+from muser_kv.caches import base, cachelist, mlx_lm_attention
 from muser_kv.caches.base import Mask, MuseKVCache, nothing_fetched
 from muser_kv.caches.growing import GlobalKVCache
 from muser_kv.caches.masks import (
@@ -581,6 +581,8 @@ def make_slot_caches(geometry: MuseGeometry, slots: int, retain: int, plane_dtyp
         batches.append(BatchKVCache(planes, seqs))
     for caches in per_slot:
         cachelist.bind(caches, model, model_layers=geometry.model_layers or geometry.num_layers)
+    if model is not None:
+        mlx_lm_attention.route(model)  # its decode steps attend with muser-kv's attention
     return batches, per_slot
 
 
