@@ -143,6 +143,9 @@ def _chunked(qr: mx.array, kc: mx.array, vc: mx.array, seen: mx.array, scale: fl
     e = mx.exp(scores - mx.where(m == -mx.inf, 0, m)[..., None])
     l_c = e.sum(axis=-1)
     o_c = e @ vc                                                # [h, count, M, d]
+    if kc.shape[1] == 1 and sink is None:  # one chunk: its weight is exp(0) = 1, exactly
+        total, out = l_c[:, 0], o_c[:, 0]
+        return mx.where(total[..., None] > 0, out / total[..., None], 0)
     top = m.max(axis=1)                                         # [h, M]
     if sink is not None:
         top = mx.maximum(top, sink)
