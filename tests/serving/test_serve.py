@@ -49,7 +49,7 @@ from local_model import write_local_model
 from servers import REQUEST_TIMEOUT, START_TIMEOUT, Server, ids, openai_error, serve_args, serving, words
 
 import muser_kv
-from muser_kv.serving.server import serve, serve_flags
+from muser_kv.serving.server import provider, serve, serve_flags
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -506,7 +506,7 @@ def test_the_start_up_log_says_which_attention_kernels_serve_on_mlx_cuda(model_d
 
     args = parse(["--model", str(model_dir), *flag])
     for cuda in (False, True):
-        monkeypatch.setattr(serve, "detect", lambda cuda=cuda: "cuda" if cuda else "reference")
+        monkeypatch.setattr(provider, "detect", lambda cuda=cuda: "cuda" if cuda else "reference")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=serve.__name__):
             serve.MuseModelProvider(args)

@@ -34,7 +34,7 @@ afterwards:
                        dropping a request whose client went away (closed its
                        connection: ``http.ClientWatch``) when it reaches the
                        queue's head, or at its next prefill chunk or step
-                       (``_departed``, ``_Answers``, ``_Window``); a queued
+                       (``_departed``, ``Answers``, ``Window``); a queued
                        stream is kept alive (``_await_response``)
 ``_run_http_server``   the same function, serving with ``MuseAPIHandler``
                        (``serving.server.handler``: mlx-lm's handler; a body
@@ -84,7 +84,6 @@ keep them within what the admitted sequences leave.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import logging
@@ -92,165 +91,33 @@ import sys
 import time
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from muser_kv.caches.growing import GlobalKVCache
-from muser_kv.caches.sliding import SlidingKVCache
-from muser_kv.core.geometry import MuseGeometry, UnsupportedModel
-from muser_kv.core.kernels import detect
 from muser_kv.serving.checkpoints import split_segments
-from muser_kv.serving.install import context_for, install, installed, vocab_size
 from muser_kv.serving.policy import ContextPolicy
 from muser_kv.serving.server import mlx_lm_server as mlx
+from muser_kv.serving.server.answers import Answers, Window
 from muser_kv.serving.server.context_fit import FittedRequest, fit_request
 from muser_kv.serving.server.handler import LAST_REQUEST, MuseAPIHandler, hub_cache_scan
 from muser_kv.serving.server.http import DEFAULT_QUEUE_KEEPALIVE, THREAD_CLIENT, ClientGone, ClientWatch, WaitingQueue
-from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded, SequencePlanes
+from muser_kv.serving.server.kv_budget import KVBudget, KVMemoryExceeded
 from muser_kv.serving.server.metrics import Metrics
 from muser_kv.serving.server.prompt_cache import ExactPromptCache
-from muser_kv.serving.server.request_checks import Limits, ModelKey, RequestRefused, admit
+from muser_kv.serving.server.provider import (  # noqa: F401  (serve's names)
+    MuseModelProvider,
+    ServeRefused,
+    check_budget,
+    check_model,
+    sequence_planes,
+)
+from muser_kv.serving.server.request_checks import Limits, RequestRefused, admit
 from muser_kv.serving.server.scheduler import batch_generator
-from muser_kv.serving.server.serve_flags import ATTENTION, PROG, argparse_with
+from muser_kv.serving.server.serve_flags import PROG, argparse_with
 from muser_kv.serving.server.shutdown import serve_until_drained
-from muser_kv.serving.server.warm_up import warm_up
 from muser_kv.sessions.store import KVStore
 
 log = logging.getLogger(__name__)
 
 #: Landing buffers made per idle wait of the generation thread (its waits are 0.1 s).
 IDLE_RESTOCK_BYTES = 64 << 20
-
-
-class ServeRefused(Exception):
-    """The server cannot start with these arguments (one line says why)."""
-
-
-def check_model(path: str, max_context: Optional[int]) -> Optional[MuseGeometry]:
-    """The geometry muser-kv would give the model at ``path``, from its
-    ``config.json`` alone (no weights read), so the server refuses a model it
-    cannot serve before it starts rather than in its generation thread. Raises
-    ``ServeRefused`` naming what is missing; ``None`` for a custom architecture
-    (``model_file``), which only its load can tell."""
-    try:
-        local = mlx.config_dir(path)
-        config = mlx.load_config(local)
-        if config.get("model_file"):
-            return None
-        model_class, args_class = mlx.model_classes(config)
-        # the model's own code holds its layer plan; its weights stay unevaluated
-        model = model_class(args_class.from_dict(config))
-        return MuseGeometry.from_model(model, context_for(model, local, max_context))
-    except Exception as e:  # whatever it is, mlx-lm's load would not serve it either
-        raise ServeRefused(f"{path}: {e}") from e
-
-
-def sequence_planes(models: Sequence[Any], prefill_step: int) -> Optional[SequencePlanes]:
-    """What one sequence's planes cost, over every model whose caches are
-    muser-kv's (``install``ed): ``None`` when none is."""
-    parts = [SequencePlanes.of(MuseGeometry.from_model(m, i.max_context), prefill_step)
-             for m, i in ((m, installed(m)) for m in models if m is not None) if i is not None]
-    if not parts:
-        return None
-    return SequencePlanes(sum(p.ring_bytes for p in parts), sum(p.row_bytes for p in parts),
-                          min(p.max_context for p in parts), prefill_step,
-                          max(p.layer_row_bytes for p in parts),
-                          max(p.layer_ring_bytes for p in parts))
-
-
-def check_budget(budget: int, planes: SequencePlanes) -> None:
-    """Refuse a ``--kv-memory`` below one sequence's planes at their smallest."""
-    least = planes.bytes(1) + planes.transient(1, 1)
-    if budget < least:
-        raise ServeRefused(f"--kv-memory {budget:,} is less than one sequence's KV planes at "
-                           f"their smallest ({least:,} bytes): no request could be admitted")
-
-
-class MuseModelProvider(mlx.server.ModelProvider):
-    """mlx-lm's ``ModelProvider``: every model it loads gets muser-kv's caches
-    (``install``). The model must be one muser-kv serves (``UnsupportedModel``
-    otherwise, and the load is undone). A draft model that muser-kv serves
-    gets them too, one that is not keeps mlx-lm's: the target model verifies
-    every drafted token, so a draft's caches decide only how many are accepted.
-    When a draft model is loaded, ``retain`` is raised to ``--num-draft-tokens``
-    so every rollback ``speculative_generate_step`` asks for is exact."""
-
-    def __init__(self, cli_args: argparse.Namespace):
-        super().__init__(cli_args)
-        self.limits: Optional[Limits] = None  #: the loaded model's; ``None`` while none is
-        #: called with each model loaded without a draft model, before it serves
-        self.on_load: List[Callable[[Any], None]] = []
-        #: a model is loaded with muser-kv's caches and its hooks have run: what
-        #: ``/health`` waits for, so a request never waits for a load it did not ask
-        #: for (mlx-lm loads ``--model`` in its generation thread, after /health
-        #: already answers 200)
-        self.ready = cli_args.model is None
-        attention = getattr(cli_args, "cuda_attention", None)
-        if attention is not None and detect() == "cuda":
-            log.info("muser-kv serve: attention on MLX CUDA: %s", ATTENTION[attention])
-        if cli_args.model is not None:
-            geometry = check_model(cli_args.model, cli_args.max_context)
-            budget = getattr(cli_args, "kv_memory", None)
-            if budget is not None and geometry is not None:
-                check_budget(budget, SequencePlanes.of(geometry, cli_args.prefill_step_size))
-
-    def reset(self) -> None:
-        self.limits = None
-        super().reset()
-
-    def model_key_for(self, model_path: str, adapter_path: Optional[str] = None,
-                      draft_model_path: str = "default_model") -> ModelKey:
-        """The ``model_key`` mlx-lm's ``load`` gives a request's names (its mapping,
-        0.32.2): whether the request is for the model ``limits`` describes."""
-        return mlx.model_key_for(self, model_path, adapter_path, draft_model_path)
-
-    def _install(self, model: Any, drafts: Optional[int], path: Any = None) -> Any:
-        a = self.cli_args
-        context = context_for(model, self._local(path), a.max_context) if path else a.max_context
-        return install(model, max_context=context, retain=a.retain,
-                       plane_dtype=a.plane_dtype, num_draft_tokens=drafts,
-                       sliding_layout=a.sliding_layout)
-
-    @staticmethod
-    def _local(path: Any) -> Any:
-        try:
-            return mlx.config_dir(path)
-        except Exception:  # no local config: install decides
-            return path
-
-    def _load(self, model_path: str, adapter_path: Optional[str] = None,
-              draft_model_path: Optional[str] = None) -> None:
-        self.ready = False
-        super()._load(model_path, adapter_path, draft_model_path)
-        try:
-            drafts = self.cli_args.num_draft_tokens if self.draft_model is not None else None
-            self._install(self.model, drafts, model_path)
-            if self.draft_model is not None:
-                try:
-                    self._install(self.draft_model, drafts, draft_model_path)
-                except UnsupportedModel as e:
-                    log.info("muser-kv serve: the draft model keeps mlx-lm's caches (%s)", e)
-            contexts = [i.max_context for i in map(installed, (self.model, self.draft_model))
-                        if i is not None]
-            loaded: Any = self  # what mlx-lm's load set (its __init__ types them None)
-            planes = sequence_planes((self.model, self.draft_model),
-                                     self.cli_args.prefill_step_size)
-            budget = getattr(self.cli_args, "kv_memory", None)
-            if budget is not None and planes is not None:
-                check_budget(budget, planes)
-            self.limits = Limits(loaded.model_key, loaded.tokenizer, min(contexts),
-                                 vocab_size(loaded.model), planes)
-        except Exception:
-            self.reset()  # no model is left serving without muser-kv's caches
-            raise
-        warm_up(self.model)
-        if self.draft_model is None:
-            for hook in self.on_load:
-                hook(self.model)
-        # mlx-lm decided batchability on its own caches; these are muser-kv's,
-        # which all merge (muser_kv.batch): mlx-lm's other rule, no draft model,
-        # is what remains. Decided without building a cache (one with
-        # preallocated planes is 1.8 GB at 131k).
-        self.is_batchable = self.draft_model is None and all(
-            hasattr(cls, "merge") for cls in (SlidingKVCache, GlobalKVCache))
-        self.ready = True
 
 
 def _prepare(store: KVStore, model: Any) -> None:
@@ -261,96 +128,6 @@ def _prepare(store: KVStore, model: Any) -> None:
         store.prepare(model)
     except Exception:
         log.exception("muser-kv serve: preparing the KV store for the loaded model failed")
-
-
-class _Answers:
-    """A request's response queue as the generation thread uses it: its last
-    answer (``None``, or an exception) gives back its KV reservation; the
-    ``GenerationContext`` it is sent is kept (a client that went away stops it).
-
-    Once the handler has stopped the context (its client went away), mlx-lm's
-    generation thread drops the request at its next check: one at a time,
-    after the next token; batched, after the step that next gives it a token
-    or a prefill report, when the run of steps ends, which ``abandoned`` ends
-    there. ``abandoned`` is called once, at the first answer put after the
-    stop, with the tokens generated so far, the request's ``max_tokens`` and,
-    for a prefill report, its progress.
-
-    A client that has closed its connection (``client``, an ``http.ClientWatch``)
-    is noticed at each prefill report, between the prompt's chunks, and at each
-    token, streamed or not: its context is stopped there, so that mlx-lm drops
-    the request after this chunk or token; on the one-at-a-time path
-    (``single()`` while it runs), which checks only after a token, a prefill
-    report raises ``ClientGone``, which ends the request's prefill there
-    (raised on the batched path, it would end mlx-lm's generation thread)."""
-
-    def __init__(self, queue: Any, release: Callable[[], None], args: Any,
-                 abandoned: Callable[[int, int, Any], None], client: Any = None,
-                 single: Callable[[], bool] = lambda: False):
-        self._queue, self._release, self._abandoned = queue, release, abandoned
-        self._args = args  # its max_tokens as admit cuts it, in the generation thread
-        self._client, self._single = client, single
-        self.ctx: Any = None
-        self.tokens = 0  #: tokens put (generated) so far
-        self._gone = False
-        self._ended = False  # its handler has been given its last answer
-
-    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
-        gone = isinstance(item, (tuple, mlx.server.Response)) and self.ctx is not None \
-            and self._client is not None and self._client.gone()
-        if gone:
-            mlx.stop(self.ctx)  # the client closed its connection
-            if self._single() and isinstance(item, tuple):
-                self._note_stop(item)
-                raise ClientGone("the client went away during its request's prefill")
-        self._queue.put(item, *args, **kwargs)
-        if item is None or isinstance(item, BaseException):
-            self._release()
-        elif isinstance(item, mlx.server.GenerationContext):
-            self.ctx = item
-        elif isinstance(item, (mlx.server.Response, tuple)):
-            self.tokens += isinstance(item, mlx.server.Response)
-            self._note_stop(item)
-        if gone and not self._ended:
-            # mlx-lm drops a stopped request without a last answer: its handler,
-            # still waiting for one, is ended here (its connection is closed)
-            self._ended = True
-            self._queue.put(ClientGone("the client went away"))
-            self._release()
-
-    def _note_stop(self, item: Any) -> None:
-        if not self._gone and self.ctx is not None and mlx.stopped(self.ctx):
-            self._gone = True
-            self._abandoned(self.tokens, self._args.max_tokens,
-                            item if isinstance(item, tuple) else None)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._queue, name)
-
-
-class _Window:
-    """mlx-lm's ``TimeBudget``: how long its generation thread runs batched
-    steps before it drops the requests whose handler stopped them and looks at
-    its queue again (0.5 s). ``cut`` ends the run after the current step, so a
-    request whose client went away is dropped after the step that gave it its
-    last answer, and its steps no longer delay the next request. A request
-    ``waiting`` in the queue ends it too, so that it joins the running batch
-    after the current step rather than up to 0.5 s later. On one process only:
-    on several, every rank must run the same steps."""
-
-    def __init__(self, budget: Any, cuttable: bool, waiting: Callable[[], bool] = lambda: False):
-        self._budget, self._cuttable, self._waiting = budget, cuttable, waiting
-        self.cut = False
-
-    def __iter__(self) -> "_Window":
-        self.cut = False
-        iter(self._budget)
-        return self
-
-    def __next__(self) -> Any:
-        if self._cuttable and (self.cut or self._waiting()):
-            raise StopIteration
-        return next(self._budget)
 
 
 class MuseResponseGenerator(mlx.server.ResponseGenerator):
@@ -374,12 +151,12 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         return bool(super().is_healthy) and self.model_provider.ready
 
     @property  # type: ignore[override]
-    def _time_budget(self) -> _Window:
+    def _time_budget(self) -> Window:
         return self._window
 
     @_time_budget.setter
     def _time_budget(self, budget: Any) -> None:  # mlx-lm's __init__ sets it
-        self._window = _Window(budget, cuttable=mx_distributed_size() == 1,
+        self._window = Window(budget, cuttable=mx_distributed_size() == 1,
                                waiting=self._request_waiting)
 
     def _request_waiting(self) -> bool:
@@ -388,7 +165,7 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         return self._waiting is None and not self.requests.empty()
 
     def _abandoned(self, tokens: int, max_tokens: int, prefill: Any = None) -> None:
-        """A request whose client went away gets no more steps (``_Answers``):
+        """A request whose client went away gets no more steps (``Answers``):
         one line, and the batched steps end here so that mlx-lm drops it now."""
         self.metrics.client_gone("prefill" if prefill is not None and tokens == 0
                                  else "generation")
@@ -402,15 +179,15 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
 
     def _with_answers(self, item: Any, release: Callable[[], None]) -> Any:
         """``item`` (mlx-lm's queued request) with its response queue as the
-        generation thread uses it (``_Answers``)."""
+        generation thread uses it (``Answers``)."""
         rqueue, request, args = item
         client = getattr(request, "client", None)
-        return _Answers(rqueue, release, args, self._abandoned, client,
+        return Answers(rqueue, release, args, self._abandoned, client,
                         single=lambda: self._serving_single), request, args
 
     def _serve_single(self, request: Any, stream: Any) -> Any:
         """mlx-lm's one-at-a-time path, noted while it runs: there, and only
-        there, a prefill report may raise (``_Answers``)."""
+        there, a prefill report may raise (``Answers``)."""
         self._serving_single = True
         try:
             return super()._serve_single(request, stream)
@@ -436,7 +213,7 @@ class MuseResponseGenerator(mlx.server.ResponseGenerator):
         self._kv_memory: Optional[int] = getattr(model_provider.cli_args, "kv_memory", None)
         self._kv: Optional[KVBudget] = None
         self._waiting: Any = None  # the queue's head, until its planes fit
-        self._answers: Dict[int, _Answers] = {}
+        self._answers: Dict[int, Answers] = {}
         self._alone: Optional[int] = None  # a request for another model: it runs alone
         self._admissions = 0
         self._one_process = mx_distributed_size() == 1  # ranks must drop the same requests
