@@ -1,4 +1,4 @@
-"""Is the tensor-core first pass (core.attention_cuda) right on the GPU, and how close to the HBM floor is it?
+"""Is decode attention's tensor-core launch (core.attention_cuda) right on the GPU, and how close to the HBM floor?
 
 Run on an NVIDIA machine with mlx-cuda (nothing here runs elsewhere):
 
@@ -11,16 +11,19 @@ Run on an NVIDIA machine with mlx-cuda (nothing here runs elsewhere):
    one; K/V as strided views (token-major planes transposed, head-major planes
    sliced, a slot-offset view, and a misaligned view that takes the kernel's
    element-copy path); queries strided as mlx-lm hands them. Rows a sequence
-   does not hold are NaN. The partials, combined (``combine_partials``),
-   must match ``attention.reference``; one case's partials must match the
+   does not hold are NaN, and one case per type has sinks. The launch's
+   output must match ``attention.reference`` and be the bits of the portable
+   fold and combine kernels over its own partials; the partials, combined
+   (``combine_partials``), must match the reference too; one case's partials must match the
    contract computed in float64 chunk by chunk; partials hold no NaN, a row
    that sees nothing is ``(o, m, l) = (0, -inf, 0)``; the same call twice, and
    a sequence alone against the same sequence in a batch at another slot and
    rotation, give the same bits.
 2. **Timing**: one global layer of Muse Glimmer (Hkv = 2, G = 16, D = 128,
-   bf16) at ``--depth`` keys, n = 1, batches ``--batches``: the first pass
-   alone, against the K/V bytes at ``--bandwidth`` (the floor) and against
-   ``mx.fast.scaled_dot_product_attention`` on the same plane.
+   bf16) at ``--depth`` keys, n = 1, batches ``--batches``: the whole launch,
+   against the K/V bytes at ``--bandwidth`` (the floor) and against
+   ``mx.fast.scaled_dot_product_attention`` on the same plane (checked there
+   against the reference and the portable kernels' bits too).
 
 Prints PASS or FAIL (exit status 1) for section 1, then the timings.
 """
@@ -37,6 +40,7 @@ import numpy as np
 
 from muser_kv.core import attention, attention_cuda
 from muser_kv.core.attention import CHUNK, DecodeRead, KeyRead
+from muser_kv.core.kernels import KernelBackend
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
 TOL = {"bfloat16": 2.5e-2, "float16": 5e-3}
@@ -82,14 +86,36 @@ def kv_views(rng, specs, slots, hkv, d, dtype, layout):
     return view, vals
 
 
-def run_first_pass(q, keys, values, seqs, window, scale):
+def run_first_pass(q, keys, values, seqs, window, scale, sinks=None):
+    """``(out, partials, read, params)`` of one ``attend_mma`` launch."""
     b, hq, n, d = q.shape
     hkv = keys.shape[1]
     g = hq // hkv
     read = DecodeRead(keys, values, tuple(seqs), window)
     max_chunks = read.max_chunks(n)
-    params = attention_cuda.kernel_params(b, hkv, g, n, d, CHUNK, max_chunks, window or 0, seqs)
-    return attention_cuda.attend_partials_mma(q, keys, values, params, scale, max_chunks, n * g), read
+    params = attention_cuda.kernel_params(b, hkv, g, n, d, CHUNK, max_chunks, window or 0, seqs,
+                                          sinks=int(sinks is not None))
+    out, partials = attention_cuda.attend_mma(q, keys, values, params, scale, max_chunks, n * g,
+                                              sinks)
+    return out, partials, read, params
+
+
+def portable_combine(partials, params, n, g, dtype, sinks=None):
+    """The portable kernels' fold (``attend_merge``) and combine (``attend_combine``)
+    over the same partials: the arithmetic the fused tail follows, bit for bit."""
+    backend = KernelBackend("cuda")
+    b, hkv, chunks, ng, w = partials.shape
+    d = w - 2
+    groups = -(-chunks // attention.FOLD)
+    merged = backend.kernel("attend_merge")(
+        inputs=[partials, params, mx.array([attention.FOLD, groups, chunks], mx.int32)],
+        grid=(-(-(b * hkv * groups * ng * w) // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(b, hkv, groups, ng, w)], output_dtypes=[mx.float32])[0]
+    logits = mx.zeros((1,), mx.float32) if sinks is None else sinks
+    return backend.kernel("attend_combine")(
+        inputs=[merged, logits, params, mx.array([attention.FOLD, groups, 0], mx.int32)],
+        template=[("T", dtype)], grid=(-(-(b * hkv * g * n * d) // 256) * 256, 1, 1),
+        threadgroup=(256, 1, 1), output_shapes=[(b, hkv * g, n, d)], output_dtypes=[dtype])[0]
 
 
 def contract_partials(qf, kf, vf, seqs, n, g, window, scale, max_chunks):
@@ -154,22 +180,38 @@ def correctness(rng) -> bool:
         q = q.astype(DTYPES.get(qt, mx.float32))
         q = q.transpose(0, 2, 1, 3)  # mlx-lm's layout: strided for n > 1
         scale = 1.0 / np.sqrt(d)
-        partials, read = run_first_pass(q, keys, values, seqs, window, scale)
-        again, _ = run_first_pass(q, keys, values, seqs, window, scale)
+        sinks = (mx.array(rng.standard_normal(hkv * g).astype(np.float32)) if window == 512
+                 and n == 4 else None)  # GPT-OSS's per-head logit, on one case per type
+        fused, partials, read, params = run_first_pass(q, keys, values, seqs, window, scale, sinks)
+        again, _, _, _ = run_first_pass(q, keys, values, seqs, window, scale, sinks)
         out = attention_cuda.combine_partials(partials, n, g, mx.float32)
-        want = attention.reference(q, read, scale).astype(mx.float32)
-        mx.eval(partials, again, out, want)
+        unfused = portable_combine(partials, params, n, g, q.dtype, sinks)
+        want = attention.reference(q, read, scale, sinks).astype(mx.float32)
+        mx.eval(partials, again, out, want, fused, unfused)
         p = np.array(partials)
-        label = f"K/V {dt}, queries {qt}, D={d} Hkv={hkv} G={g} n={n} window={window} K {klayout} V {vlayout}"
+        label = (f"K/V {dt}, queries {qt}, D={d} Hkv={hkv} G={g} n={n} window={window} "
+                 f"K {klayout} V {vlayout}{' sinks' if sinks is not None else ''}")
         print(label)
-        err = float(np.abs(np.array(out) - np.array(want)).max())
-        good &= check("combined partials match attention.reference", err <= TOL[dt], f"max |err| {err:.2e}")
+        if sinks is None:
+            err = float(np.abs(np.array(out) - np.array(want)).max())
+            good &= check("combined partials match attention.reference", err <= TOL[dt],
+                          f"max |err| {err:.2e}")
+        ferr = float(np.abs(np.array(fused.astype(mx.float32)) - np.array(want)).max())
+        good &= check("the launch's output matches attention.reference", ferr <= TOL[dt],
+                      f"max |err| {ferr:.2e}")
+        good &= check("the launch's output is the fold and combine kernels' bits",
+                      np.array_equal(np.array(fused.astype(mx.float32)).view(np.uint32),
+                                     np.array(unfused.astype(mx.float32)).view(np.uint32)))
+        good &= check("the same launch twice: the same output bits",
+                      np.array_equal(np.array(fused.astype(mx.float32)).view(np.uint32),
+                                     np.array(again.astype(mx.float32)).view(np.uint32)))
         good &= check("no NaN in the partials", not np.isnan(p).any())
         empty = p[..., d] == -np.inf
         good &= check("a row that sees nothing is (0, -inf, 0)",
                       bool((p[empty][:, :d] == 0).all() and (p[empty][:, d + 1] == 0).all()))
-        good &= check("the same call twice: the same bits",
-                      np.array_equal(p.view(np.uint32), np.array(again).view(np.uint32)))
+        good &= check("the same call twice: the same partials' bits",
+                      np.array_equal(p.view(np.uint32), np.array(run_first_pass(
+                          q, keys, values, seqs, window, scale, sinks)[1]).view(np.uint32)))
         if dt == qt == "bfloat16" and n == 4 and window:
             want_p = contract_partials(np.array(q.astype(mx.float32)), kf, vf, seqs, n, g, window,
                                        scale, p.shape[2])
@@ -196,12 +238,14 @@ def correctness(rng) -> bool:
         ka = mx.array(ka_np).astype(dtype)
         va = mx.array(va_np).astype(dtype)
         alone = KeyRead(1, s0.end, s0.held, alone_spec["origin"], s0.wrap)
-        pa, _ = run_first_pass(q[1:2], ka, va, [alone], window, scale)
+        oa, pa, _, _ = run_first_pass(q[1:2], ka, va, [alone], window, scale, sinks)
         pa = np.array(pa)
         c = pa.shape[2]
         good &= check("a sequence alone and in a batch: the same bits",
                       np.array_equal(pa[0].view(np.uint32), p[1, :, :c].view(np.uint32))
-                      and bool((p[1, :, c:, :, d] == -np.inf).all()))
+                      and bool((p[1, :, c:, :, d] == -np.inf).all())
+                      and np.array_equal(np.array(oa.astype(mx.float32))[0].view(np.uint32),
+                                         np.array(fused.astype(mx.float32))[1].view(np.uint32)))
     return good
 
 
@@ -231,23 +275,31 @@ def time_batch(b: int, depth: int, bandwidth: float, reps: int) -> None:
     mx.eval(params, scales)
 
     def first(i):
-        return attention_cuda.attend_partials_mma(q, keys, values, params, scales[i % reps],
-                                                  max_chunks, n * g)
+        return attention_cuda.attend_mma(q, keys, values, params, scales[i % reps], max_chunks,
+                                         n * g)[0]
 
     def sdpa(i):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.088 + 1e-6 * i)
 
+    # at depth too: the launch against the reference, and against the portable kernels' bits
+    out, partials = attention_cuda.attend_mma(q, keys, values, params, scales[0], max_chunks, n * g)
+    want = attention.reference(q, read, float(scales[0].item()))
+    unfused = portable_combine(partials, params, n, g, q.dtype)
+    err = float(mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item())
+    same = bool(mx.array_equal(out, unfused).item())
     kv_bytes = 2 * b * hkv * depth * d * 2
     out_bytes = b * hkv * max_chunks * n * g * (d + 2) * 4
-    floor = (kv_bytes + out_bytes) / bandwidth
+    floor = kv_bytes / bandwidth
     t_first = time_calls(first, reps)
     t_sdpa = time_calls(sdpa, reps)
     _, _, blocks = attention_cuda.launch_geometry(b, hkv, max_chunks, n * g)
-    print(f"  B={b:>2}: first pass {t_first * 1e6:8.1f} us "
-          f"({(kv_bytes + out_bytes) / t_first / 1e12:5.2f} TB/s, floor {floor * 1e6:6.1f} us "
-          f"= {kv_bytes / 1e6:,.0f} MB K/V + {out_bytes / 1e6:,.1f} MB partials at "
-          f"{bandwidth / 1e12:.1f} TB/s, {floor / t_first:4.0%} of it; {blocks} blocks); "
-          f"mx.fast SDPA {t_sdpa * 1e6:8.1f} us")
+    print(f"  B={b:>2}: one launch {t_first * 1e6:8.1f} us "
+          f"({kv_bytes / t_first / 1e12:5.2f} TB/s of K/V, floor {floor * 1e6:6.1f} us "
+          f"= {kv_bytes / 1e6:,.0f} MB K/V at {bandwidth / 1e12:.2f} TB/s, {floor / t_first:4.0%} "
+          f"of it; {blocks} blocks, {out_bytes / 1e6:,.1f} MB partials); "
+          f"mx.fast SDPA {t_sdpa * 1e6:8.1f} us; vs reference {err:.1e} "
+          f"({'ok' if err <= TOL['bfloat16'] else 'FAIL'}), "
+          f"portable kernels' bits {'same' if same else 'DIFFER'}")
 
 
 def timing(depth: int, batches: List[int], bandwidth: float, reps: int) -> None:

@@ -27,6 +27,7 @@ constexpr int THREADS = 32 * WARPS;
 constexpr int ROWS = 16;     // query rows per M tile (mma's M)
 constexpr int TK = 16;       // keys per tile (two n8 tiles for S, one k16 step for PV)
 constexpr int STAGES = 2;    // cp.async ring depth per warp (attention_cuda.STAGES)
+constexpr int FOLD = 16;     // chunks folded into one partial (core.attention.FOLD)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -442,6 +443,163 @@ __device__ __forceinline__ void attend_partials(
     }
     out[e] = acc;
   }
+}
+
+// The sequence's chunk range a block's (b, .., mt) sees: the first chunk and
+// how many there are (core.attention.KeyRead.chunks), at most max_chunks.
+__device__ __forceinline__ int chunk_count(int end, int held, int n, int window, int chunk,
+                                           int max_chunks) {
+  const int start = end - held;
+  const int lo = window > 0 ? max(start, end - n - window + 1) : start;
+  if (chunk <= 0) return max_chunks;  // partials of NaN: carry them to the output
+  return lo >= end ? 0 : min(max_chunks, (end - 1) / chunk - lo / chunk + 1);
+}
+
+// The second half of one launch: the chunk partials of a (sequence, K/V head,
+// M tile) folded FOLD at a time, in ascending order against the group's max,
+// by the last block of each group to finish (a counter per group), then the
+// folds combined in ascending order against their common max (and the sink)
+// by the last fold to finish, written in T: the arithmetic of
+// kernels/attend_merge.inc and attend_combine.inc, statement for statement.
+// Which block comes last changes no sum: every sum runs over the partials in
+// ascending order, after all of them are written. Counters: zero at launch,
+// (groups + 1) per (b, h, mt); integer atomics only. A fold of a sequence's
+// single group is exact (its weight against itself is exp(0) = 1), so always
+// folding gives every sequence one rule whatever max_chunks the batch has.
+template <typename T, int HD>
+__device__ __forceinline__ void fold_and_combine(const float* sinks, const int32_t* params,
+                                                 int params_len, const float* partials,
+                                                 float* merged, int* counters, T* out) {
+  constexpr int OUTW = HD + 2;
+  extern __shared__ __align__(16) unsigned char muser_attend_smem[];
+  int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
+  float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
+
+  const int B = params[0], Hkv = params[1], G = params[2], n = params[3];
+  const int CHUNK = params[5], max_chunks = params[6], window = params[7];
+  const bool with_sinks = params_len - 5 * B == 9 && params[8] != 0;
+  const int nG = n * G;
+  const int MT = (nG + ROWS - 1) / ROWS;
+  int64_t blk = blockIdx.x;
+  const int mt = static_cast<int>(blk % MT);
+  blk /= MT;
+  const int c = static_cast<int>(blk % max_chunks);
+  blk /= max_chunks;
+  const int h = static_cast<int>(blk % Hkv);
+  const int b = static_cast<int>(blk / Hkv);
+  if (b >= B) return;
+  const int32_t* seq = params + (params_len - 5 * B) + 5 * b;
+  const int count = chunk_count(seq[1], seq[2], n, window, CHUNK, max_chunks);
+  const int tid = threadIdx.x;
+  const int rows_out = min(ROWS, nG - ROWS * mt);
+  const int groups = (max_chunks + FOLD - 1) / FOLD;
+  const int gi = c / FOLD;
+  int* ctr = counters + (static_cast<int64_t>(b * Hkv + h) * MT + mt) * (groups + 1);
+  const int64_t step = static_cast<int64_t>(nG) * OUTW;  // one chunk (or fold) further
+
+  // This block's partial is written; the last of its group folds the group.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) flags[0] = atomicAdd(ctr + gi, 1) == min(FOLD, max_chunks - gi * FOLD) - 1;
+  __syncthreads();
+  if (!flags[0]) return;
+  __threadfence();
+
+  const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
+  const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
+  float* fw = scratch;               // [FOLD][ROWS]: a chunk's weight, -inf: it saw nothing
+  float* ftop = fw + FOLD * ROWS;    // [ROWS]
+  if (tid < rows_out) {
+    float top = neg_inf();
+    for (int cc = c0; cc < c1; ++cc) {
+      const float m = __ldcg(pin + cc * step + tid * OUTW + HD);
+      if (m > top) top = m;
+    }
+    for (int cc = c0; cc < c1; ++cc) {
+      const float m = __ldcg(pin + cc * step + tid * OUTW + HD);
+      fw[(cc - c0) * ROWS + tid] = m != neg_inf() ? expf(m - top) : neg_inf();
+    }
+    ftop[tid] = top;
+  }
+  __syncthreads();
+  float* mout = merged + ((static_cast<int64_t>(b * Hkv + h) * groups + gi) * nG + ROWS * mt) * OUTW;
+  for (int e = tid; e < rows_out * OUTW; e += THREADS) {
+    const int r = e / OUTW, col = e % OUTW;
+    float acc = 0.0f;
+    if (col == HD) {
+      acc = ftop[r];
+    } else {
+      for (int cc = c0; cc < c1; ++cc) {
+        const float w = fw[(cc - c0) * ROWS + r];
+        if (w != neg_inf()) acc += w * __ldcg(pin + cc * step + e);
+      }
+    }
+    mout[e] = acc;
+  }
+
+  // This fold is written; the last fold combines them all.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) flags[1] = atomicAdd(ctr + groups, 1) == groups - 1;
+  __syncthreads();
+  if (!flags[1]) return;
+  __threadfence();
+
+  const float* gin = merged + (static_cast<int64_t>(b * Hkv + h) * groups * nG + ROWS * mt) * OUTW;
+  const int folds = (count + FOLD - 1) / FOLD;
+  float* cw = scratch;                   // [groups][ROWS], as fw
+  float* total_s = cw + groups * ROWS;   // [ROWS]
+  if (tid < rows_out) {
+    const int qhead = h * G + (ROWS * mt + tid) % G;
+    float top = neg_inf();
+    for (int f = 0; f < folds; ++f) {
+      const float m = __ldcg(gin + f * step + tid * OUTW + HD);
+      if (m > top) top = m;
+    }
+    const float sink = with_sinks ? sinks[qhead] : 0.0f;
+    if (with_sinks && sink > top) top = sink;
+    float total = 0.0f;
+    for (int f = 0; f < folds; ++f) {
+      const float m = __ldcg(gin + f * step + tid * OUTW + HD);
+      float w = neg_inf();
+      if (m != neg_inf()) {
+        w = expf(m - top);
+        total += w * __ldcg(gin + f * step + tid * OUTW + HD + 1);
+      }
+      cw[f * ROWS + tid] = w;
+    }
+    if (with_sinks) total += expf(sink - top);
+    total_s[tid] = total;
+  }
+  __syncthreads();
+  for (int e = tid; e < rows_out * HD; e += THREADS) {
+    const int r = e / HD, d = e % HD;
+    const int R = ROWS * mt + r;
+    float acc = 0.0f;
+    for (int f = 0; f < folds; ++f) {
+      const float w = cw[f * ROWS + r];
+      if (w != neg_inf()) acc += w * __ldcg(gin + f * step + r * OUTW + d);
+    }
+    const float total = total_s[r];
+    out[((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d] =
+        static_cast<T>(total > 0.0f ? acc / total : 0.0f);
+  }
+}
+
+// Decode attention in one launch: each block's chunk partial (attend_partials),
+// then the fold and the combine by the last blocks (fold_and_combine).
+template <typename T, typename P, int HD>
+__device__ __forceinline__ void attend(
+    const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
+    const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
+    const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
+    const float* scale_in, const float* sinks, const int32_t* params, int params_len,
+    const int32_t* counters, T* out, float* partials, float* merged) {
+  attend_partials<T, P, HD>(queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values, vs0,
+                            vs1, vs2, vs3, scale_in, params, params_len, partials);
+  // counters: an input MLX made zero for this launch alone (the launcher's), counted here
+  fold_and_combine<T, HD>(sinks, params, params_len, partials, merged,
+                          const_cast<int*>(counters), out);
 }
 
 }  // namespace muser_attend

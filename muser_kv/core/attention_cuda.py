@@ -1,10 +1,9 @@
-"""Decode attention's first pass on NVIDIA tensor cores (``mma.sync`` m16n8k16).
+"""Decode attention on NVIDIA tensor cores (``mma.sync`` m16n8k16), in one launch.
 
-``attend_partials_mma`` runs ``kernels/attend_mma.cu`` (body) with
+``attend_mma`` runs ``kernels/attend_mma.cu`` (body) with
 ``kernels/attend_mma.h`` (device helpers) through ``mx.fast.cuda_kernel``: one
 threadblock of ``THREADS`` threads per (sequence, K/V head, chunk, M tile of 16
-query rows). It writes the per-chunk partials that ``core.attention``'s
-combine consumes:
+query rows). Each block writes its chunk's partial:
 
 ``partials[b, h, c, r, :]`` (float32, ``D + 2`` wide) for query row
 ``r = i * G + g`` (token ``i``, head ``g`` of K/V head ``h``'s group) and chunk
@@ -13,11 +12,19 @@ combine consumes:
 ``exp(s_j - m)``; a row that sees no key of the chunk (or ``c >= count``) gets
 ``m = -inf``, ``l = 0``, ``o = 0``.
 
+Then, in the same launch, the last block of each group of ``FOLD`` chunks to
+finish folds the group (``merged``), and the last fold combines them into the
+output, with ``kernels/attend_merge.inc`` and ``attend_combine.inc``'s
+arithmetic: integer counters (``counters``, zeros made for the call) pick the
+block, and every sum runs in ascending order over partials already written,
+so the bits do not depend on which block comes last.
+
 ``params`` (int32): ``B, Hkv, G, n, D, CHUNK, max_chunks, window``, optionally
 the combine's ``sinks`` flag (``KernelBackend.attend``'s layout: the kernel
 finds the sequences at ``len(params) - 5 * B``), then per sequence ``slot,
 end, held, origin, wrap``. Queries may be f32, f16 or bf16 (``T``: rounded to
-the K/V type for the mma, a copy when they are of it already); K/V f16 or bf16.
+the K/V type for the mma, a copy when they are of it already; the output is
+``T``); K/V f16 or bf16.
 Within a chunk the arithmetic is fixed by position: four warps each take a
 quarter of the chunk's keys (tiles of 16, ascending), each with its own online
 softmax, combined warp 0..3 in order; P is rounded to the element type for the
@@ -34,10 +41,11 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Dict, Sequence, Tuple, Union, cast
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 
+from muser_kv.core import attention
 from muser_kv.core.attention import KeyRead
 
 #: Threads per block (4 warps); must match muser_attend::THREADS.
@@ -46,10 +54,12 @@ THREADS = 128
 ROWS = 16
 #: Head dims the kernel is built for (a template value: registers hold o).
 HEAD_DIMS = (64, 128, 256)
-INPUT_NAMES = ["queries", "keys", "values", "scale", "params"]
-OUTPUT_NAMES = ["partials"]
+INPUT_NAMES = ["queries", "keys", "values", "scale", "sinks", "params", "counters"]
+OUTPUT_NAMES = ["out", "partials", "merged"]
 #: Warps per block, keys per tile, cp.async ring depth (muser_attend::WARPS, TK, STAGES).
 WARPS, TILE_KEYS, STAGES = 4, 16, 2
+#: Chunks per fold (muser_attend::FOLD): the rule's ``attention.FOLD``.
+FOLD = attention.FOLD
 
 
 def shared_bytes(head_dim: int) -> int:
@@ -99,49 +109,75 @@ def launch_geometry(batch: int, kv_heads: int, max_chunks: int,
     return (THREADS * blocks, 1, 1), (THREADS, 1, 1), blocks
 
 
-def attend_partials_mma(queries: mx.array, keys: mx.array, values: mx.array,
-                        params: Union[mx.array, Sequence[int]], scale: Union[float, mx.array],
-                        max_chunks: int, n_g: int) -> mx.array:
-    """The first pass: ``[B, Hkv, max_chunks, n_g, D + 2]`` float32 partials.
+def most_chunks(head_dim: int) -> int:
+    """The most chunks a sequence may have: the combine keeps a weight per fold
+    and query row in the block's K/V rings (``fold_and_combine``)."""
+    floats = WARPS * STAGES * 2 * TILE_KEYS * (head_dim + 8) * 2 // 4 - 4
+    return (floats // ROWS - 1) * FOLD
+
+
+def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
+               params: Union[mx.array, Sequence[int]], scale: Union[float, mx.array],
+               max_chunks: int, n_g: int,
+               sinks: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+    """Decode attention, one launch: ``(out, partials)``, ``out`` ``[B, Hq, n,
+    D]`` in the queries' dtype and the chunk partials ``[B, Hkv, max_chunks,
+    n_g, D + 2]`` float32 it was combined from.
 
     ``queries`` ``[B, Hq, n, D]`` (f32, f16 or bf16, any strides),
     ``keys``/``values`` ``[S, Hkv, R, D]`` views of one type (f16 or bf16, any
     strides), ``params`` int32 as described in the module docstring (its D,
     n, G, max_chunks must agree with the shapes and arguments; ``max_chunks``
-    at least every sequence's count), ``scale`` a float or a float32 ``[1]``
-    array, ``n_g = n * G``."""
+    at least every sequence's count; a 9-int header's flag set when ``sinks``
+    are given), ``scale`` a float or a float32 ``[1]`` array, ``n_g = n * G``,
+    ``sinks`` float32 ``[Hq]`` or ``None``."""
     b, hq, n, d = queries.shape
     kv_heads = keys.shape[1]
     if queries.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-        raise ValueError(f"attend_partials_mma: queries f32, f16 or bf16, got {queries.dtype}")
+        raise ValueError(f"attend_mma: queries f32, f16 or bf16, got {queries.dtype}")
     if keys.dtype not in (mx.float16, mx.bfloat16) or values.dtype != keys.dtype:
-        raise ValueError(f"attend_partials_mma: keys and values f16 or bf16 of one type, got "
+        raise ValueError(f"attend_mma: keys and values f16 or bf16 of one type, got "
                          f"{keys.dtype} and {values.dtype}")
     if d not in HEAD_DIMS or keys.shape[3] != d or values.shape[3] != d:
-        raise ValueError(f"attend_partials_mma: head_dim {d} (keys {keys.shape[3]}), "
-                         f"supported {HEAD_DIMS}")
+        raise ValueError(f"attend_mma: head_dim {d} (keys {keys.shape[3]}), supported {HEAD_DIMS}")
     if hq % kv_heads or n_g != n * (hq // kv_heads) or max_chunks < 1:
-        raise ValueError(f"attend_partials_mma: n_g {n_g} != n * G for queries "
+        raise ValueError(f"attend_mma: n_g {n_g} != n * G for queries "
                          f"{tuple(queries.shape)} and {kv_heads} K/V heads")
+    if max_chunks > most_chunks(d):
+        raise ValueError(f"attend_mma: {max_chunks} chunks of {attention.CHUNK} keys; at head_dim "
+                         f"{d} the combine takes at most {most_chunks(d)}")
     if not isinstance(params, mx.array):
         params = mx.array(list(params), dtype=mx.int32)
     if params.dtype != mx.int32:
         params = params.astype(mx.int32)
     if params.ndim != 1 or params.size - 5 * b not in (8, 9):
-        raise ValueError(f"attend_partials_mma: params of {params.size} ints for {b} sequences: "
+        raise ValueError(f"attend_mma: params of {params.size} ints for {b} sequences: "
                          f"a header of 8 or 9, then 5 per sequence")
     if not isinstance(scale, mx.array):
         scale = mx.array([scale], dtype=mx.float32)
     elif scale.dtype != mx.float32 or scale.size != 1:
         scale = scale.astype(mx.float32).reshape(1)
+    if sinks is None:
+        sinks = _NO_SINKS[0]
+    elif sinks.dtype != mx.float32 or sinks.size != hq:
+        raise ValueError(f"attend_mma: sinks float32 [{hq}], got {sinks.dtype} {tuple(sinks.shape)}")
+    groups = -(-max_chunks // FOLD)
+    tiles = -(-n_g // ROWS)
+    counters = mx.zeros((b * kv_heads * tiles * (groups + 1),), dtype=mx.int32)
     grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g)
-    return _kernel(d)(
-        inputs=[queries, keys, values, scale, params],
+    out, partials, _ = _kernel(d)(
+        inputs=[queries, keys, values, scale, sinks, params, counters],
         template=[("T", queries.dtype), ("P", keys.dtype), ("HD", d)],
         grid=grid, threadgroup=threadgroup,
-        output_shapes=[(b, kv_heads, max_chunks, n_g, d + 2)],
-        output_dtypes=[mx.float32],
-    )[0]
+        output_shapes=[(b, hq, n, d), (b, kv_heads, max_chunks, n_g, d + 2),
+                       (b, kv_heads, groups, n_g, d + 2)],
+        output_dtypes=[queries.dtype, mx.float32, mx.float32],
+    )
+    return out, partials
+
+
+#: The sinks input when there are none (unread: the params' flag is 0).
+_NO_SINKS = [mx.zeros((1,), dtype=mx.float32)]
 
 
 def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim: int,
@@ -151,7 +187,7 @@ def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim:
     ``KernelBackend.attend``'s layout (9-int header, ``sinks`` at [8]);
     ``window`` 0: none."""
     if chunk <= 0 or chunk % (WARPS * TILE_KEYS):
-        raise ValueError(f"attend_partials_mma: CHUNK {chunk} is not a multiple of {WARPS * TILE_KEYS}")
+        raise ValueError(f"attend_mma: CHUNK {chunk} is not a multiple of {WARPS * TILE_KEYS}")
     out = [batch, kv_heads, group, queries, head_dim, chunk, max_chunks, window, sinks]
     for s in sequences:
         out += [s.slot, s.end, s.held, s.origin, s.wrap]

@@ -368,11 +368,14 @@ class KernelBackend(ReferenceBackend):
 
 
     def attend(self, queries, read, scale, sinks=None):
-        """Decode attention over ``read`` (``core.attention``'s rule): the
-        chunks' partials (``attend``; on CUDA ``attention_cuda``'s, on the
-        tensor cores), folded ``attention.FOLD`` at a time when a sequence has
-        more (``attend_merge``), then combined (``attend_combine``). The K/V
-        views go as they lie (their strides with them): no copy."""
+        """Decode attention over ``read`` (``core.attention``'s rule). On CUDA one
+        launch on the tensor cores (``attention_cuda.attend_mma``: the chunks'
+        partials, folded and combined by the last blocks). Elsewhere the chunks'
+        partials (``attend``), folded ``attention.FOLD`` at a time
+        (``attend_merge``), then combined (``attend_combine``); a sequence
+        folds to itself bit for bit when it has one group and no sinks, so the
+        fold is skipped then. The K/V views go as they lie (their strides with
+        them): no copy."""
         b, hq, n, d = attention.check_queries(queries, read)
         hkv = read.keys.shape[1]
         g = hq // hkv
@@ -380,20 +383,20 @@ class KernelBackend(ReferenceBackend):
         params = self._small((b, hkv, g, n, d, attention.CHUNK, chunks, read.window or 0,
                               int(sinks is not None), *sequences))
         scale_ = self._small(float(scale))
+        logits = None if sinks is None else sinks.astype(mx.float32)
         if self.name == "cuda" and d in attention_cuda.HEAD_DIMS:  # on the tensor cores
-            partials = attention_cuda.attend_partials_mma(
-                queries, read.keys, read.values, params, scale_, chunks, n * g)
-        else:
-            partials = self.kernel("attend")(
-                inputs=[queries, read.keys, read.values, scale_, params],
-                template=[("T", queries.dtype), ("P", read.keys.dtype)],
-                grid=_grid(b * hkv * chunks * n * g * (-(-d // 32))),
-                threadgroup=(THREADGROUP, 1, 1),
-                output_shapes=[(b, hkv, chunks, n * g, d + 2)], output_dtypes=[mx.float32],
-            )[0]
+            return attention_cuda.attend_mma(queries, read.keys, read.values, params, scale_,
+                                             chunks, n * g, logits)[0]
+        partials = self.kernel("attend")(
+            inputs=[queries, read.keys, read.values, scale_, params],
+            template=[("T", queries.dtype), ("P", read.keys.dtype)],
+            grid=_grid(b * hkv * chunks * n * g * (-(-d // 32))),
+            threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(b, hkv, chunks, n * g, d + 2)], output_dtypes=[mx.float32],
+        )[0]
         fold = attention.FOLD
         layout = self._small((1, chunks, 0))
-        if chunks > fold:
+        if chunks > fold or sinks is not None:
             groups = -(-chunks // fold)
             partials = self.kernel("attend_merge")(
                 inputs=[partials, params, self._small((fold, groups, chunks))],
@@ -401,9 +404,9 @@ class KernelBackend(ReferenceBackend):
                 output_shapes=[(b, hkv, groups, n * g, d + 2)], output_dtypes=[mx.float32],
             )[0]
             layout = self._small((fold, groups, 0))
-        logits = self._small(0.0) if sinks is None else sinks.astype(mx.float32)
         return self.kernel("attend_combine")(
-            inputs=[partials, logits, params, layout], template=[("T", queries.dtype)],
+            inputs=[partials, self._small(0.0) if logits is None else logits, params, layout],
+            template=[("T", queries.dtype)],
             grid=_grid(b * hq * n * d), threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[(b, hq, n, d)], output_dtypes=[queries.dtype],
         )[0]

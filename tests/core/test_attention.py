@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from muser_kv.core import attention
+from muser_kv.core import attention, attention_cuda
 from muser_kv.core.attention import CHUNK, DecodeRead, KeyRead
 from muser_kv.core.kernels import KernelBackend, get_backend
 
@@ -212,10 +212,11 @@ def test_the_metal_combine_takes_the_sinks(metal):
 
 
 def test_the_cuda_kernels_compile_with_nvrtc(monkeypatch):
-    """Every instantiation the CUDA backend asks for (the first pass for queries
-    of each input type over planes of each type, the fold, the combine by
-    output type), compiled by NVRTC for the H200 as MLX would, with a clean
-    log: 6 + 1 + 3 programs."""
+    """Every instantiation the CUDA backend asks for, compiled by NVRTC for the
+    H200 as MLX would, with a clean log: the tensor cores' one launch for
+    queries of each input type over planes of each type (6), and for a
+    head_dim they are not built for, the portable first pass (6), the fold
+    and the combine by output type (1 + 3)."""
     import os
 
     from nvrtc import Nvrtc, NvrtcUnavailable, recording_cuda_kernel
@@ -228,18 +229,20 @@ def test_the_cuda_kernels_compile_with_nvrtc(monkeypatch):
         pytest.skip(str(e))
     calls = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", recording_cuda_kernel(calls))
+    monkeypatch.setattr(attention_cuda, "_built", {})
     backend = KernelBackend("cuda")
     for plane in (mx.float16, mx.bfloat16):
         k, v = logical_rows(300, 0, plane)
         read = DecodeRead(*lay_out(k, v, 512, 3, token_major=True), (KeyRead(0, 300, 300, 3, 512),), 256)
-        deep = DecodeRead(*lay_out(*logical_rows(4500, 1, plane), 4608, 0),
-                          (KeyRead(0, 4500, 4500, 0, 4608),), None)
+        odd = DecodeRead(*lay_out(*logical_rows(4500, 1, plane, d=80), 4608, 0),
+                         (KeyRead(0, 4500, 4500, 0, 4608),), None)
         for dtype in (mx.float32, mx.float16, mx.bfloat16):
             backend.attend(queries(1, 2, 0, dtype), read, SCALE, mx.zeros((H * G,)))
-            backend.attend(queries(1, 1, 0, dtype), deep, SCALE)
+            backend.attend(queries(1, 1, 0, dtype, d=80), odd, SCALE)
     programs = {(c.func_name, c.cuda_source()): c for c in calls}
-    # the first pass on the tensor cores (T x P), the fold, the combine (T)
-    assert len(programs) == 6 + 1 + 3, sorted(name for name, _ in programs)
+    names = sorted(name for name, _ in programs)
+    assert len(programs) == 6 + 6 + 1 + 3, names
+    assert sum("attend_mma_d64" in name for name in names) == 6, names
     for call in programs.values():
         result = nvrtc.compile(call.cuda_source(), arch="sm_90", name_expressions=[call.name_expression])
         assert result.ok, f"{call.func_name}: {result.error}\n{result.log}"

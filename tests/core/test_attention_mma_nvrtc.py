@@ -1,13 +1,15 @@
-"""The tensor-core first pass of decode attention (kernels/attend_mma.{cu,h})
-compiles with NVRTC for sm_90a, exactly as MLX 0.32 wraps it, no GPU needed.
+"""Decode attention's tensor-core kernel (kernels/attend_mma.{cu,h}: the chunks'
+partials, folded and combined by the last blocks, in one launch) compiles with
+NVRTC for sm_90a, exactly as MLX 0.32 wraps it, no GPU needed.
 
-``attention_cuda.attend_partials_mma`` is driven with ``mx.fast.cuda_kernel``
+``attention_cuda.attend_mma`` is driven with ``mx.fast.cuda_kernel``
 replaced by a recorder, so what gets compiled is what the launcher hands MLX:
 the body, the header, the input and output names, the dtypes and the template
 values (T, P, HD). Each (T, P, HD) is compiled for sm_90a (H100/H200, what MLX
 targets there) with MLX's flags: the log must be clean, the PTX and CUBIN must
 hold the kernel MLX looks up, and the PTX must use the tensor-core path
-(mma.sync m16n8k16 with f32 accumulation, ldmatrix, cp.async). A second
+(mma.sync m16n8k16 with f32 accumulation, ldmatrix, cp.async) and no float
+atomics (the fold's counters are integers). A second
 compile with ``--ptxas-options=-v`` checks registers and spills: the occupancy
 the launcher's shared memory is sized for (3 blocks of 128 threads per SM at
 D = 128) needs at most 168 registers, and no spills at D <= 128.
@@ -90,8 +92,9 @@ def recorded():
             plane = mx.zeros((3, 10, 2, d), DTYPES[p])  # token-major: [S, R, H, D]
             kv = plane.transpose(0, 2, 1, 3)
             seqs = [KeyRead(0, 700, 600, 3, 10), KeyRead(2, 9, 9, 0, 10)]
-            params = attention_cuda.kernel_params(2, 2, 16, 4, d, 256, 3, 0, seqs)
-            attention_cuda.attend_partials_mma(q, kv, kv, params, 0.125, 3, 64)
+            params = attention_cuda.kernel_params(2, 2, 16, 4, d, 256, 3, 0, seqs, sinks=1)
+            attention_cuda.attend_mma(q, kv, kv, params, 0.125, 3, 64,
+                                      sinks=mx.zeros((32,), mx.float32))
     return rec
 
 
@@ -122,7 +125,9 @@ def test_launcher_geometry(recorded):
         assert launch["threadgroup"] == (128, 1, 1)
         assert launch["shared_memory"] == attention_cuda.shared_bytes(d)
         assert launch["ensure_row_contiguous"] is False
-        assert list(launch["output_shapes"][0]) == [2, 2, 3, 64, d + 2]
+        out, partials, merged = (list(shape) for shape in launch["output_shapes"])
+        assert out == [2, 32, 4, d] and partials == [2, 2, 3, 64, d + 2]
+        assert merged == [2, 2, 1, 64, d + 2]  # ceil(3 / FOLD) folds
         assert launch["name"] == attention_cuda.kernel_name(d)
     assert attention_cuda.shared_bytes(128) == 74_496  # 3 blocks per SM on H100/H200
     assert attention_cuda.shared_bytes(256) <= 227 * 1024
@@ -140,9 +145,13 @@ def test_signature_and_template(calls):
         "    const __nv_bfloat16* values,\n"
         "    const __grid_constant__ Strides values_strides,\n"
         "    const float* scale,\n"
+        "    const float* sinks,\n"
         "    const int32_t* params,\n"
         "    const __grid_constant__ Shape params_shape,\n"
-        "    float* partials) {\n"
+        "    const int32_t* counters,\n"
+        "    __nv_bfloat16* out,\n"
+        "    float* partials,\n"
+        "    float* merged) {\n"
         "  using T = __nv_bfloat16;\n"
         "  using P = __nv_bfloat16;\n"
         "  constexpr int HD = 128;\n"
@@ -160,8 +169,9 @@ def test_compiles_for_sm90a(nvrtc, calls, case):
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
-    # no float atomics anywhere
-    assert not re.search(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, re.M)
+    # the fold's counters are the only atomics: integer adds, never a float one
+    atomics = re.findall(r"^\s*(?:@%p\d+\s+)?((?:atom|red)\.\S+)", ptx, re.M)
+    assert atomics and all(a.endswith((".u32", ".s32")) and ".add" in a for a in atomics), atomics
 
 
 def test_compiles_with_mlx_default_includes(nvrtc, calls):
@@ -224,6 +234,7 @@ def test_shared_bytes_match_header(nvrtc, calls):
     checks += f"static_assert(muser_attend::STAGES == {attention_cuda.STAGES}, \"stages\");\n"
     checks += f"static_assert(muser_attend::WARPS == {attention_cuda.WARPS}, \"warps\");\n"
     checks += f"static_assert(muser_attend::TK == {attention_cuda.TILE_KEYS}, \"tile keys\");\n"
+    checks += f"static_assert(muser_attend::FOLD == {attention_cuda.FOLD}, \"fold\");\n"
     source = "#include <cuda/std/cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
     result = nvrtc.compile(source + header + checks, arch=ARCH)
     assert result.ok, result.log
