@@ -8,6 +8,8 @@
 #   bash benchmarks/device.sh decode     # decode f16 + bf16, aligned + unaligned max_context
 #   bash benchmarks/device.sh attention  # decode attention: its bit tests on the GPU, one layer
 #                                        # against MLX's and the floor, decode over 52 layers
+#   bash benchmarks/device.sh mixed      # batched decode at 131k, mixed lengths (16k..131k) beside
+#                                        # an equal batch of the same rows, B = 2, 8, 16, 32
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
 #   bash benchmarks/device.sh batched    # batched decode, B = 1, 2, 4, 8 at 8k and 32k
 #   bash benchmarks/device.sh floor      # batched decode at 131072 against the floor, B = 1..16, bf16
@@ -84,20 +86,29 @@ decode)
   done
   ;;
 attention)
-  # muser-kv's decode attention on this GPU: its bit tests, one layer against MLX's (cuDNN's,
-  # then MLX's own kernels) and the bytes floor, equal and mixed lengths; decode over 52 layers
+  # muser-kv's decode attention on this GPU: the launch checked against the reference and the
+  # portable kernels' bits, its bit tests, one layer against MLX's (cuDNN's, then MLX's own
+  # kernels) and the bytes floor, equal and mixed lengths; decode over 52 layers
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
+    *H200*) bw=4.8e12 ;; *) bw=3.35e12 ;; esac
+  b attention_check 120 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,4,8
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/core/test_attention.py \
     tests/caches/test_batch.py 2>&1 | tee "$out/attention_tests.log" | tail -12
   b attention 150 benchmarks/attention.py --contexts 32768,131072 --batches 1,8,32 \
-    --json "$out/attention_cudnn.json"
+    --bandwidth $bw --json "$out/attention_cudnn.json"
   b attention 150 benchmarks/attention.py --contexts 131072 --batches 2,8,16,32 \
-    --lengths-from 16384 --json "$out/attention_mixed_cudnn.json"
+    --lengths-from 16384 --bandwidth $bw --json "$out/attention_mixed_cudnn.json"
   export MLX_CUDA_USE_CUDNN_SDPA=0
   b attention 100 benchmarks/attention.py --contexts 32768,131072 --batches 1,8 --repeats 3 \
     --json "$out/attention_mlx.json"
   unset MLX_CUDA_USE_CUDNN_SDPA
   b decode 200 benchmarks/decode.py --dtype bfloat16 --depths 32768,131072 \
     --max-contexts 131590 --repeats 3 --modes pipelined --json "$out/decode_attention.json"
+  ;;
+mixed)
+  b mixed 580 benchmarks/batched.py --contexts 131072 --batches ${2:-2,8,16,32} --systems muser-kv \
+    --lengths-from 16384 --dtype bfloat16 --blocks 2 --sliding-layout head_major \
+    --fill-chunk 32768 --json "$out/mixed.json"
   ;;
 e2e)
   b e2e 560 benchmarks/end_to_end.py --dtypes "${2:-float16}" --json "$out/e2e_${2:-float16}.json"
