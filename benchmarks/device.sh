@@ -6,8 +6,9 @@
 #                                        # CUDA (pytest --shard K/N, 12 xdist workers), each
 #                                        # shard inside one ten-minute call
 #   bash benchmarks/device.sh decode     # decode f16 + bf16, aligned + unaligned max_context
-#   bash benchmarks/device.sh attention  # decode attention: its bit tests on the GPU, one layer
-#                                        # against MLX's and the floor, decode over 52 layers
+#   bash benchmarks/device.sh attention [own]  # decode attention: its bit tests on the GPU, one
+#                                        # layer against cuDNN's (own: MLX's own kernels too) and the
+#                                        # floor, decode over 52 layers
 #   bash benchmarks/device.sh mixed      # batched decode at 131k, mixed lengths (16k..131k) beside
 #                                        # an equal batch of the same rows, B = 2, 8, 16, 32
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
@@ -41,6 +42,8 @@
 #                                        # log-probability read under mlx-lm's BatchGenerator and
 #                                        # serve's ServeBatchGenerator, and steps/s (serve_concurrent.py)
 #   bash benchmarks/device.sh concurrent130  # 4 chats at once, 2k-130k (serve_concurrent.py)
+#   bash benchmarks/device.sh one130     # one 130k chat through HTTP against the in-process
+#                                        # BatchGenerator; then serve with MLX's attention (cuDNN)
 #   bash benchmarks/device.sh prefill32 "B..."  # a chat streams while a 32k prompt prefills: muser-kv
 #                                        # serve at each --prefill-budget B (default "0 512"; "mlx-lm":
 #                                        # mlx_lm.server), about 2 minutes each
@@ -98,10 +101,10 @@ attention)
     --bandwidth $bw --json "$out/attention_cudnn.json"
   b attention 150 benchmarks/attention.py --contexts 131072 --batches 2,8,16,32 \
     --lengths-from 16384 --bandwidth $bw --json "$out/attention_mixed_cudnn.json"
-  export MLX_CUDA_USE_CUDNN_SDPA=0
-  b attention 100 benchmarks/attention.py --contexts 32768,131072 --batches 1,8 --repeats 3 \
-    --json "$out/attention_mlx.json"
-  unset MLX_CUDA_USE_CUDNN_SDPA
+  if [ "${2:-}" = own ]; then  # MLX's own kernels too (MLX_CUDA_USE_CUDNN_SDPA=0)
+    MLX_CUDA_USE_CUDNN_SDPA=0 b attention 100 benchmarks/attention.py --contexts 32768,131072 \
+      --batches 1,8 --repeats 3 --json "$out/attention_mlx.json"
+  fi
   b decode 200 benchmarks/decode.py --dtype bfloat16 --depths 32768,131072 \
     --max-contexts 131590 --repeats 3 --modes pipelined --json "$out/decode_attention.json"
   ;;
@@ -212,6 +215,17 @@ reads)
   b reads 400 benchmarks/serve_concurrent.py --scenario reads --clients 1,4,16,1 --min-history 2048 \
     --history 4096 --answer 256 --geometry glimmer-real --dtype bfloat16 \
     --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --json "$out/reads.json"
+  ;;
+one130)
+  for attn in muser mlx; do
+    if [ $attn = muser ]; then systems=muser,reference; flags=""
+    else systems=muser; flags="--cuda-attention cudnn"; fi
+    MUSER_KV_ATTENTION=$attn b one130 330 benchmarks/serve_concurrent.py --clients 1 \
+      --history 130000 --min-history 130000 --answer 256 --systems $systems \
+      --serve-flags "$flags" --geometry glimmer-real --dtype bfloat16 \
+      --model-dir "${MODEL_DIR:-/tmp/glimmer-real-bf16}" --logs "$out/one130_$attn" \
+      --json "$out/one130_$attn.json"
+  done
   ;;
 concurrent130)
   b concurrent130 560 benchmarks/serve_concurrent.py --clients 4 --history 130000 \
