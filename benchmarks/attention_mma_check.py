@@ -302,10 +302,31 @@ def time_batch(b: int, depth: int, bandwidth: float, reps: int) -> None:
           f"portable kernels' bits {'same' if same else 'DIFFER'}")
 
 
-def timing(depth: int, batches: List[int], bandwidth: float, reps: int) -> None:
-    print(f"\nTiming: one global layer, Hkv=2 G=16 D=128 bf16, {depth:,} keys, n=1")
-    for b in batches:
-        time_batch(b, depth, bandwidth, reps)
+def use_stages(stages: int) -> None:
+    """Build the kernel with another ``cp.async`` ring depth (a tuning knob: the
+    header's ``STAGES``, the launcher's shared memory, a kernel name of its own
+    so MLX compiles it anew)."""
+    header = _HEADER.replace("constexpr int STAGES = 2;", f"constexpr int STAGES = {stages};")
+    assert stages == 2 or header != _HEADER
+    attention_cuda.STAGES = stages
+    attention_cuda.kernel_header = lambda: header
+    attention_cuda.kernel_name = lambda d: f"muser_kv_attend_mma_d{d}" + (
+        "" if stages == 2 else f"_s{stages}")
+    attention_cuda._built.clear()
+
+
+_HEADER = attention_cuda.kernel_header()
+
+
+def timing(depth: int, batches: List[int], bandwidth: float, reps: int,
+           stages: List[int]) -> None:
+    for st in stages:
+        use_stages(st)
+        print(f"\nTiming: one global layer, Hkv=2 G=16 D=128 bf16, {depth:,} keys, n=1, "
+              f"STAGES={st} ({attention_cuda.shared_bytes(128):,} B shared a block)")
+        for b in batches:
+            time_batch(b, depth, bandwidth, reps)
+    use_stages(2)
 
 
 def main(argv=None) -> int:
@@ -315,13 +336,15 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--stages", default="2", help="cp.async ring depths to time (e.g. 2,3,4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(f"device: {mx.default_device()}")
     ok = correctness(np.random.default_rng(args.seed))
     print("PASS" if ok else "FAIL")
     if not args.skip_timing:
-        timing(args.depth, [int(x) for x in args.batches.split(",")], args.bandwidth, args.reps)
+        timing(args.depth, [int(x) for x in args.batches.split(",")], args.bandwidth, args.reps,
+               [int(x) for x in args.stages.split(",")])
     return 0 if ok else 1
 
 

@@ -94,7 +94,8 @@ attention)
   # kernels) and the bytes floor, equal and mixed lengths; decode over 52 layers
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
     *H200*) bw=4.8e12 ;; *) bw=3.35e12 ;; esac
-  b attention_check 120 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,4,8
+  b attention_check 150 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,4,8 \
+    --stages 2,3,4
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/core/test_attention.py \
     tests/caches/test_batch.py 2>&1 | tee "$out/attention_tests.log" | tail -12
   b attention 150 benchmarks/attention.py --contexts 32768,131072 --batches 1,8,32 \
