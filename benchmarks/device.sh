@@ -9,6 +9,8 @@
 #   bash benchmarks/device.sh attention [own]  # decode attention: its bit tests on the GPU, one
 #                                        # layer against cuDNN's (own: MLX's own kernels too) and the
 #                                        # floor, decode over 52 layers
+#   bash benchmarks/device.sh check      # the tensor-core launch: PASS, one layer with and without
+#                                        # its fold and combine, at 131k and 32k
 #   bash benchmarks/device.sh mixed      # batched decode at 131k, mixed lengths (16k..131k) beside
 #                                        # an equal batch of the same rows, B = 2, 8, 16, 32
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
@@ -95,7 +97,7 @@ attention)
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
     *H200*) bw=4.8e12 ;; *) bw=3.35e12 ;; esac
   b attention_check 150 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,4,8 \
-    --stages 2,3,4
+    --stages ${STAGES_LIST:-2}
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/core/test_attention.py \
     tests/caches/test_batch.py 2>&1 | tee "$out/attention_tests.log" | tail -12
   b attention 150 benchmarks/attention.py --contexts 32768,131072 --batches 1,8,32 \
@@ -108,6 +110,14 @@ attention)
   fi
   b decode 200 benchmarks/decode.py --dtype bfloat16 --depths 32768,131072 \
     --max-contexts 131590 --repeats 3 --modes pipelined --json "$out/decode_attention.json"
+  ;;
+check)
+  # the tensor-core launch alone: PASS, then one layer at 131k and 32k, with and without its tail
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
+    *H200*) bw=4.8e12 ;; *) bw=3.35e12 ;; esac
+  b attention_check 200 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8
+  b attention_check 100 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 \
+    --depth 32768 --skip-check
   ;;
 mixed)
   b mixed 580 benchmarks/batched.py --contexts 131072 --batches ${2:-2,8,16,32} --systems muser-kv \

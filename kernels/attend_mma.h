@@ -505,36 +505,52 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   if (!flags[0]) return;
   __threadfence();
 
+  // Every load below is issued before its value is needed (the max and
+  // weight scores through shared memory, each element's FOLD chunks at once):
+  // the tail's time is a few L2 round trips, not one per chunk.
   const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
   const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
-  float* fw = scratch;               // [FOLD][ROWS]: a chunk's weight, -inf: it saw nothing
+  float* fw = scratch;               // [FOLD][ROWS]: a chunk's max, then its weight (-inf: unseen)
   float* ftop = fw + FOLD * ROWS;    // [ROWS]
+  for (int i = tid; i < FOLD * ROWS; i += THREADS) {
+    const int k = i / ROWS, r = i % ROWS;
+    fw[i] = c0 + k < c1 && r < rows_out ? __ldcg(pin + (c0 + k) * step + r * OUTW + HD) : neg_inf();
+  }
+  __syncthreads();
   if (tid < rows_out) {
     float top = neg_inf();
-    for (int cc = c0; cc < c1; ++cc) {
-      const float m = __ldcg(pin + cc * step + tid * OUTW + HD);
+    for (int k = 0; k < c1 - c0; ++k) {
+      const float m = fw[k * ROWS + tid];
       if (m > top) top = m;
     }
-    for (int cc = c0; cc < c1; ++cc) {
-      const float m = __ldcg(pin + cc * step + tid * OUTW + HD);
-      fw[(cc - c0) * ROWS + tid] = m != neg_inf() ? expf(m - top) : neg_inf();
+    for (int k = 0; k < c1 - c0; ++k) {
+      const float m = fw[k * ROWS + tid];
+      fw[k * ROWS + tid] = m != neg_inf() ? expf(m - top) : neg_inf();
     }
     ftop[tid] = top;
   }
   __syncthreads();
   float* mout = merged + ((static_cast<int64_t>(b * Hkv + h) * groups + gi) * nG + ROWS * mt) * OUTW;
-  for (int e = tid; e < rows_out * OUTW; e += THREADS) {
-    const int r = e / OUTW, col = e % OUTW;
-    float acc = 0.0f;
-    if (col == HD) {
-      acc = ftop[r];
-    } else {
-      for (int cc = c0; cc < c1; ++cc) {
-        const float w = fw[(cc - c0) * ROWS + r];
-        if (w != neg_inf()) acc += w * __ldcg(pin + cc * step + e);
+  constexpr int PAIRS = OUTW / 2;  // rows of o, m, l as 8-byte pairs (OUTW is even)
+  for (int e = tid; e < rows_out * PAIRS; e += THREADS) {
+    const int r = e / PAIRS, col = 2 * (e % PAIRS);
+    float2 v[FOLD];
+#pragma unroll
+    for (int k = 0; k < FOLD; ++k) {
+      v[k] = c0 + k < c1 ? __ldcg(reinterpret_cast<const float2*>(pin + (c0 + k) * step + r * OUTW + col))
+                         : make_float2(0.0f, 0.0f);
+    }
+    float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < FOLD; ++k) {
+      const float w = c0 + k < c1 ? fw[k * ROWS + r] : neg_inf();
+      if (w != neg_inf()) {
+        acc0 += w * v[k].x;
+        acc1 += w * v[k].y;
       }
     }
-    mout[e] = acc;
+    if (col == HD) acc0 = ftop[r];  // the pair (m, l): the group's max, its weighted sum
+    *reinterpret_cast<float2*>(mout + r * OUTW + col) = make_float2(acc0, acc1);
   }
 
   // This fold is written; the last fold combines them all.
@@ -547,24 +563,33 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
 
   const float* gin = merged + (static_cast<int64_t>(b * Hkv + h) * groups * nG + ROWS * mt) * OUTW;
   const int folds = (count + FOLD - 1) / FOLD;
-  float* cw = scratch;                   // [groups][ROWS], as fw
-  float* total_s = cw + groups * ROWS;   // [ROWS]
+  float* cw = scratch;                   // [groups][ROWS]: a fold's max, then its weight
+  float* cl = cw + groups * ROWS;        // [groups][ROWS]: its sum
+  float* total_s = cl + groups * ROWS;   // [ROWS]
+  for (int i = tid; i < folds * ROWS; i += THREADS) {
+    const int f = i / ROWS, r = i % ROWS;
+    const float2 ml = r < rows_out ? __ldcg(reinterpret_cast<const float2*>(gin + f * step + r * OUTW + HD))
+                                   : make_float2(neg_inf(), 0.0f);
+    cw[i] = ml.x;
+    cl[i] = ml.y;
+  }
+  __syncthreads();
   if (tid < rows_out) {
     const int qhead = h * G + (ROWS * mt + tid) % G;
     float top = neg_inf();
     for (int f = 0; f < folds; ++f) {
-      const float m = __ldcg(gin + f * step + tid * OUTW + HD);
+      const float m = cw[f * ROWS + tid];
       if (m > top) top = m;
     }
     const float sink = with_sinks ? sinks[qhead] : 0.0f;
     if (with_sinks && sink > top) top = sink;
     float total = 0.0f;
     for (int f = 0; f < folds; ++f) {
-      const float m = __ldcg(gin + f * step + tid * OUTW + HD);
+      const float m = cw[f * ROWS + tid];
       float w = neg_inf();
       if (m != neg_inf()) {
         w = expf(m - top);
-        total += w * __ldcg(gin + f * step + tid * OUTW + HD + 1);
+        total += w * cl[f * ROWS + tid];
       }
       cw[f * ROWS + tid] = w;
     }
@@ -572,17 +597,31 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
     total_s[tid] = total;
   }
   __syncthreads();
-  for (int e = tid; e < rows_out * HD; e += THREADS) {
-    const int r = e / HD, d = e % HD;
+  constexpr int BATCH = 8;  // folds whose loads are in flight at once
+  for (int e = tid; e < rows_out * (HD / 2); e += THREADS) {
+    const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
     const int R = ROWS * mt + r;
-    float acc = 0.0f;
-    for (int f = 0; f < folds; ++f) {
-      const float w = cw[f * ROWS + r];
-      if (w != neg_inf()) acc += w * __ldcg(gin + f * step + r * OUTW + d);
+    float acc0 = 0.0f, acc1 = 0.0f;
+    for (int f0 = 0; f0 < folds; f0 += BATCH) {
+      float2 v[BATCH];
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k) {
+        v[k] = f0 + k < folds ? __ldcg(reinterpret_cast<const float2*>(gin + (f0 + k) * step + r * OUTW + d))
+                              : make_float2(0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k) {
+        const float w = f0 + k < folds ? cw[(f0 + k) * ROWS + r] : neg_inf();
+        if (w != neg_inf()) {
+          acc0 += w * v[k].x;
+          acc1 += w * v[k].y;
+        }
+      }
     }
     const float total = total_s[r];
-    out[((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d] =
-        static_cast<T>(total > 0.0f ? acc / total : 0.0f);
+    T* o = out + ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d;
+    o[0] = static_cast<T>(total > 0.0f ? acc0 / total : 0.0f);
+    o[1] = static_cast<T>(total > 0.0f ? acc1 / total : 0.0f);
   }
 }
 

@@ -110,10 +110,10 @@ def launch_geometry(batch: int, kv_heads: int, max_chunks: int,
 
 
 def most_chunks(head_dim: int) -> int:
-    """The most chunks a sequence may have: the combine keeps a weight per fold
-    and query row in the block's K/V rings (``fold_and_combine``)."""
+    """The most chunks a sequence may have: the combine keeps a weight and a sum
+    per fold and query row in the block's K/V rings (``fold_and_combine``)."""
     floats = WARPS * STAGES * 2 * TILE_KEYS * (head_dim + 8) * 2 // 4 - 4
-    return (floats // ROWS - 1) * FOLD
+    return (floats // ROWS - 1) // 2 * FOLD
 
 
 def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
