@@ -15,7 +15,7 @@ query rows). Each block writes its chunk's partial:
 Then, in the same launch, the last block of each group of ``FOLD`` chunks to
 finish folds the group (``merged``), and the last fold combines them into the
 output, with ``kernels/attend_merge.inc`` and ``attend_combine.inc``'s
-arithmetic: integer counters (``counters``, zeros made for the call) pick the
+arithmetic: integer counters (``counters``, zeros of the call's own) pick the
 block, and every sum runs in ascending order over partials already written,
 so the bits do not depend on which block comes last.
 
@@ -39,6 +39,7 @@ registers a thread, no spills, NVRTC sm_90a). The kernel text ships as
 
 from __future__ import annotations
 
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union, cast
@@ -163,7 +164,7 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
         raise ValueError(f"attend_mma: sinks float32 [{hq}], got {sinks.dtype} {tuple(sinks.shape)}")
     groups = -(-max_chunks // FOLD)
     tiles = -(-n_g // ROWS)
-    counters = mx.zeros((b * kv_heads * tiles * (groups + 1),), dtype=mx.int32)
+    counters = _COUNTERS.take(b * kv_heads * tiles * (groups + 1))
     grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g)
     out, partials, _ = _kernel(d)(
         inputs=[queries, keys, values, scale, sinks, params, counters],
@@ -178,6 +179,34 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
 
 #: The sinks input when there are none (unread: the params' flag is 0).
 _NO_SINKS = [mx.zeros((1,), dtype=mx.float32)]
+
+
+class Counters:
+    """Zeroed int32 counters for the launches' folds, cut from one zeroed array
+    at a time: every launch counts in a slice of its own (no two launches, even
+    ones MLX runs at once, share a counter), and the zeros are one fill per
+    ``POOL`` counters rather than one more graph node per launch."""
+
+    POOL = 1 << 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: Optional[mx.array] = None
+        self._used = 0
+
+    def take(self, n: int) -> mx.array:
+        """``n`` counters, zero, used by nobody else."""
+        if n > self.POOL:
+            return mx.zeros((n,), dtype=mx.int32)
+        with self._lock:
+            if self._pool is None or self._used + n > self.POOL:
+                self._pool, self._used = mx.zeros((self.POOL,), dtype=mx.int32), 0
+            start = self._used
+            self._used += n
+            return self._pool[start:start + n]
+
+
+_COUNTERS = Counters()
 
 
 def kernel_params(batch: int, kv_heads: int, group: int, queries: int, head_dim: int,
