@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
+import numpy as np
 
 from muser_kv.core import attention
 from muser_kv.core.attention import KeyRead
@@ -177,8 +178,11 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
     return out, partials
 
 
-#: The sinks input when there are none (unread: the params' flag is 0).
-_NO_SINKS = [mx.zeros((1,), dtype=mx.float32)]
+#: The sinks input when there are none (unread: the params' flag is 0). Every
+#: array kept between calls is made from host data, never a lazy op: MLX's
+#: streams are per thread, and serve builds steps in threads other than the
+#: one that made it ("There is no Stream(gpu, 0) in current thread").
+_NO_SINKS = [mx.array([0.0], dtype=mx.float32)]
 
 
 class Counters:
@@ -200,7 +204,8 @@ class Counters:
             return mx.zeros((n,), dtype=mx.int32)
         with self._lock:
             if self._pool is None or self._used + n > self.POOL:
-                self._pool, self._used = mx.zeros((self.POOL,), dtype=mx.int32), 0
+                # host zeros, not mx.zeros: the pool outlives the thread that made it
+                self._pool, self._used = mx.array(np.zeros(self.POOL, np.int32)), 0
             start = self._used
             self._used += n
             return self._pool[start:start + n]

@@ -298,3 +298,40 @@ def test_each_launch_counts_in_zeros_of_its_own():
     taken = [counters.take(n) for n in (10, 30, 24, 5, 70, 3)]
     assert [t.shape for t in taken] == [(10,), (30,), (24,), (5,), (70,), (3,)]
     assert all(t.dtype == mx.int32 and not bool(mx.any(t).item()) for t in taken)
+
+
+def test_the_cuda_launch_works_from_any_thread(monkeypatch):
+    """serve warms up in one thread and steps in another, and MLX's streams are
+    per thread: an array the launcher keeps between calls, made by a lazy op in
+    one thread, fails in the next with "There is no Stream(gpu, 0) in current
+    thread". Here the kernel is a stand-in that evaluates its inputs."""
+    import threading
+
+    def evaluating_kernel(**_):
+        def launch(inputs, output_shapes, output_dtypes, **__):
+            mx.eval(inputs)
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", evaluating_kernel)
+    monkeypatch.setattr(attention_cuda, "_built", {})
+    counters = attention_cuda.Counters()
+    counters.take(4)  # the pool is made in this thread, and nothing evaluates it here
+    k, v = logical_rows(300, 0)
+    read = DecodeRead(*lay_out(k, v, 512, 3), (KeyRead(0, 300, 300, 3, 512),), None)
+    params = attention_cuda.kernel_params(1, H, G, 1, D, CHUNK, 2, 0, read.sequences)
+    q = queries(1, 1, 0)
+    mx.eval(q, read.keys, read.values)  # the test's own arrays, ready for any thread
+    errors = []
+
+    def step():
+        try:
+            mx.eval(counters.take(4))
+            mx.eval(attention_cuda.attend_mma(q, read.keys, read.values, params, SCALE, 2, G))
+        except Exception as e:  # the failure is the test's finding: keep it for the assert
+            errors.append(repr(e))
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert errors == []
