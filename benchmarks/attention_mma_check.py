@@ -25,6 +25,11 @@ Run on an NVIDIA machine with mlx-cuda (nothing here runs elsewhere):
    ``mx.fast.scaled_dot_product_attention`` on the same plane (checked there
    against the reference and the portable kernels' bits too).
 
+3. **Timeline** (``--timeline B,...``): one launch at ``--depth`` built with
+   ``MUSER_ATTEND_TIMELINE``, every block stamping the GPU clock at its phases
+   (start, Q tile, its tiles, the partial written, the fold, the combine):
+   how long a block's path takes, and when the last blocks run.
+
 Prints PASS or FAIL (exit status 1) for section 1, then the timings.
 """
 
@@ -339,6 +344,61 @@ def timing(depth: int, batches: List[int], bandwidth: float, reps: int,
     use_stages(2)
 
 
+def timeline(depth: int, b: int) -> None:
+    """One launch built with ``MUSER_ATTEND_TIMELINE``: every block's thread 0
+    stamps the GPU's clock at its phases (kernels/attend_mma.h), so where a
+    block's time goes, and when the last ones run, is read off the blocks
+    themselves."""
+    hkv, g, d, n = 2, 16, 128, 1
+    keys = mx.random.normal((b, hkv, depth, d)).astype(mx.bfloat16)
+    values = mx.random.normal((b, hkv, depth, d)).astype(mx.bfloat16)
+    q = mx.random.normal((b, hkv * g, n, d)).astype(mx.bfloat16)
+    seqs = [KeyRead(i, depth, depth, 0, depth) for i in range(b)]
+    chunks = DecodeRead(keys, values, tuple(seqs), None).max_chunks(n)
+    params = attention_cuda.kernel_params(b, hkv, g, n, d, CHUNK, chunks, 0, seqs)
+    kernel = mx.fast.cuda_kernel(
+        name=f"muser_kv_attend_mma_d{d}_timeline", input_names=attention_cuda.INPUT_NAMES,
+        output_names=attention_cuda.OUTPUT_NAMES + ["timeline"],
+        source=attention_cuda.kernel_source(),
+        header="#define MUSER_ATTEND_TIMELINE 1\n" + attention_cuda.kernel_header(),
+        ensure_row_contiguous=False, shared_memory=attention_cuda.shared_bytes(d))
+    grid, threadgroup, blocks = attention_cuda.launch_geometry(b, hkv, chunks, n * g)
+    groups = -(-chunks // attention.FOLD)
+
+    def launch():
+        counters = mx.zeros((b * hkv * (groups + 1),), mx.int32)
+        return kernel(
+            inputs=[q, keys, values, mx.array([d ** -0.5], mx.float32),
+                    mx.array([0.0], mx.float32), params, counters],
+            template=[("T", mx.bfloat16), ("P", mx.bfloat16), ("HD", d)], grid=grid,
+            threadgroup=threadgroup, init_value=0,
+            output_shapes=[(b, hkv * g, n, d), (b, hkv, chunks, n * g, d + 2),
+                           (b, hkv, groups, n * g, d + 2), (blocks * 8,)],
+            output_dtypes=[mx.bfloat16, mx.float32, mx.float32, mx.uint64])[3]
+
+    mx.eval(keys, values, q, launch())  # compiled, warm
+    stamps = np.array(launch()).astype(np.int64).reshape(blocks, 8)
+    t = (stamps[:, :7] - stamps[:, 0].min()) / 1e3  # us from the first block's start
+    t[stamps[:, :7] == 0] = np.nan
+    sms = len(set(stamps[:, 7].tolist()))
+
+    def med(x):
+        x = x[~np.isnan(x)]
+        return f"{np.median(x):6.1f}" if x.size else "     -"
+    print(f"\nTimeline: {depth:,} keys, B = {b}: {blocks} blocks on {sms} SMs, the launch's span "
+          f"{np.nanmax(t):.1f} us (starts {np.nanmin(t[:, 0]):.1f}..{np.nanmax(t[:, 0]):.1f} us)")
+    print(f"  per block, median us: params + Q tile {med(t[:, 1] - t[:, 0])}, warp 0's tiles "
+          f"{med(t[:, 2] - t[:, 1])}, the warps' combine + the write {med(t[:, 3] - t[:, 2])}, "
+          f"start to written {med(t[:, 3] - t[:, 0])}")
+    print(f"  fold blocks ({int((~np.isnan(t[:, 4])).sum())}): the counter to the fold {med(t[:, 4] - t[:, 3])}, "
+          f"the fold {med(t[:, 5] - t[:, 4])} (to the last fold's combine); the combine "
+          f"{med(t[:, 6] - t[:, 5])}; the last output at {np.nanmax(t[:, 6]):.1f} us")
+    ends = np.sort(t[:, 3][~np.isnan(t[:, 3])])
+    if ends.size:
+        print("  partials written by: " + ", ".join(f"{int(f * 100)} % at {ends[int(f * (len(ends) - 1))]:.1f} us"
+                                                    for f in (0.1, 0.5, 0.9, 1.0)))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s (H200 4.8e12, H100 3.35e12)")
@@ -347,6 +407,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--skip-check", action="store_true", help="the timings alone")
+    p.add_argument("--timeline", default="", help="B values: one launch each at --depth, its blocks' "
+                   "phases stamped (MUSER_ATTEND_TIMELINE)")
     p.add_argument("--stages", default="2", help="cp.async ring depths to time (e.g. 2,3,4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -355,6 +417,8 @@ def main(argv=None) -> int:
     if not args.skip_check:
         ok = correctness(np.random.default_rng(args.seed))
         print("PASS" if ok else "FAIL")
+    for b in [int(x) for x in args.timeline.split(",") if x]:
+        timeline(args.depth, b)
     if not args.skip_timing:
         timing(args.depth, [int(x) for x in args.batches.split(",")], args.bandwidth, args.reps,
                [int(x) for x in args.stages.split(",")])

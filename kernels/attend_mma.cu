@@ -10,4 +10,8 @@ muser_attend::attend<T, P, HD>(
     queries, queries_strides[0], queries_strides[1], queries_strides[2], queries_strides[3],
     keys, keys_strides[0], keys_strides[1], keys_strides[2], keys_strides[3],
     values, values_strides[0], values_strides[1], values_strides[2], values_strides[3],
-    scale, sinks, params, static_cast<int>(params_shape[0]), counters, out, partials, merged);
+    scale, sinks, params, static_cast<int>(params_shape[0]), counters, out, partials, merged
+#ifdef MUSER_ATTEND_TIMELINE
+    , timeline  // benchmarks/attention_mma_check.py --timeline's extra output
+#endif
+);

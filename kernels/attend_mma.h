@@ -20,6 +20,32 @@
 // Positions a sequence does not hold, and positions before the first any of
 // its queries sees, are never read: their shared rows are zeroed instead, and
 // their scores are -inf whatever the row holds (a select, never a multiply).
+// MUSER_ATTEND_TIMELINE (benchmarks/attention_mma_check.py --timeline defines it
+// in its own build): each block's thread 0 stamps %globaltimer at its phases
+// into an extra output, timeline[block * 8 + i] (7: the SM). Off, the stamps
+// are nothing.
+#ifdef MUSER_ATTEND_TIMELINE
+#define MUSER_TL_PARAM , unsigned long long* timeline
+#define MUSER_TL_ARG , timeline
+#define MUSER_STAMP(i)                                                            \
+  do {                                                                            \
+    if (threadIdx.x == 0) {                                                       \
+      unsigned long long t_;                                                      \
+      unsigned int sm_;                                                           \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                      \
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                            \
+      timeline[static_cast<int64_t>(blockIdx.x) * 8 + (i)] = t_;                  \
+      timeline[static_cast<int64_t>(blockIdx.x) * 8 + 7] = sm_;                   \
+    }                                                                             \
+  } while (0)
+#else
+#define MUSER_TL_PARAM
+#define MUSER_TL_ARG
+#define MUSER_STAMP(i) \
+  do {                 \
+  } while (0)
+#endif
+
 namespace muser_attend {
 
 constexpr int WARPS = 4;     // warps per block; each owns CHUNK / 4 keys
@@ -154,7 +180,8 @@ __device__ __forceinline__ void attend_partials(
     const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
     const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
     const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
-    const float* scale_in, const int32_t* params, int params_len, float* partials) {
+    const float* scale_in, const int32_t* params, int params_len, float* partials MUSER_TL_PARAM) {
+  MUSER_STAMP(0);  // the block starts
   static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
   constexpr int PITCH = pitch(HD);
   constexpr int VPR = HD / 8;  // 16-byte vectors per K/V row
@@ -294,6 +321,7 @@ __device__ __forceinline__ void attend_partials(
   }
 
   __syncthreads();  // q_s written
+  MUSER_STAMP(1);
 
   float o[HD / 8][4];
 #pragma unroll
@@ -388,6 +416,7 @@ __device__ __forceinline__ void attend_partials(
   }
   cp_async_wait<0>();
   __syncwarp();
+  MUSER_STAMP(2);  // this warp's tiles are done
 
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
@@ -469,7 +498,8 @@ __device__ __forceinline__ int chunk_count(int end, int held, int n, int window,
 template <typename T, int HD>
 __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32_t* params,
                                                  int params_len, const float* partials,
-                                                 float* merged, int* counters, T* out) {
+                                                 float* merged, int* counters, T* out MUSER_TL_PARAM) {
+  MUSER_STAMP(3);  // the partial is written (or the block had no key)
   constexpr int OUTW = HD + 2;
   extern __shared__ __align__(16) unsigned char muser_attend_smem[];
   int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
@@ -504,6 +534,7 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   __syncthreads();
   if (!flags[0]) return;
   __threadfence();
+  MUSER_STAMP(4);  // the last of its group: the fold starts
 
   // Every load below is issued before its value is needed (the max and
   // weight scores through shared memory, each element's FOLD chunks at once):
@@ -560,6 +591,7 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   __syncthreads();
   if (!flags[1]) return;
   __threadfence();
+  MUSER_STAMP(5);  // the last fold: the combine starts
 
   const float* gin = merged + (static_cast<int64_t>(b * Hkv + h) * groups * nG + ROWS * mt) * OUTW;
   const int folds = (count + FOLD - 1) / FOLD;
@@ -623,6 +655,7 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
     o[0] = static_cast<T>(total > 0.0f ? acc0 / total : 0.0f);
     o[1] = static_cast<T>(total > 0.0f ? acc1 / total : 0.0f);
   }
+  MUSER_STAMP(6);  // the output is written
 }
 
 // Decode attention in one launch: each block's chunk partial (attend_partials),
@@ -633,12 +666,12 @@ __device__ __forceinline__ void attend(
     const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
     const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
     const float* scale_in, const float* sinks, const int32_t* params, int params_len,
-    const int32_t* counters, T* out, float* partials, float* merged) {
+    const int32_t* counters, T* out, float* partials, float* merged MUSER_TL_PARAM) {
   attend_partials<T, P, HD>(queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values, vs0,
-                            vs1, vs2, vs3, scale_in, params, params_len, partials);
+                            vs1, vs2, vs3, scale_in, params, params_len, partials MUSER_TL_ARG);
   // counters: an input MLX made zero for this launch alone (the launcher's), counted here
   fold_and_combine<T, HD>(sinks, params, params_len, partials, merged,
-                          const_cast<int*>(counters), out);
+                          const_cast<int*>(counters), out MUSER_TL_ARG);
 }
 
 }  // namespace muser_attend

@@ -247,3 +247,21 @@ def test_broken_body_fails(nvrtc, calls):
                            arch=ARCH, name_expressions=[call.name_expression])
     assert not result.ok
     assert 'identifier "muser_undeclared" is undefined' in result.log, result.log
+
+
+def test_the_timeline_build_compiles_and_the_launch_has_no_stamps(nvrtc, calls):
+    """``attention_mma_check.py --timeline`` builds the kernel with
+    ``MUSER_ATTEND_TIMELINE`` and one more output: that build must compile (so
+    the profile stays at hand), and the launch users run must carry none of it."""
+    import dataclasses
+
+    call = calls[("bfloat16", "bfloat16", 128)]
+    timed = dataclasses.replace(call, name=call.name + "_timeline",
+                                header="#define MUSER_ATTEND_TIMELINE 1\n" + call.header,
+                                output_names=call.output_names + ["timeline"],
+                                output_dtypes=call.output_dtypes + [mx.uint64])
+    result = nvrtc.compile(timed.cuda_source(), arch=ARCH, name_expressions=[timed.name_expression])
+    _check_compiled(result, timed)
+    assert "%globaltimer" in result.ptx and "%smid" in result.ptx
+    plain = nvrtc.compile(call.cuda_source(), arch=ARCH, name_expressions=[call.name_expression])
+    assert plain.ok and "%globaltimer" not in plain.ptx
