@@ -168,6 +168,39 @@ __host__ __device__ constexpr int smem_bytes(int hd) {
   return q_bytes(hd) + WARPS * warp_bytes(hd) + comb_bytes();
 }
 
+// The sequence's chunk range a block's (b, .., mt) sees: how many chunks hold
+// a key some query sees (core.attention.KeyRead.chunks), at most max_chunks.
+__device__ __forceinline__ int chunk_count(int end, int held, int n, int window, int chunk,
+                                           int max_chunks) {
+  const int start = end - held;
+  const int lo = window > 0 ? max(start, end - n - window + 1) : start;
+  if (chunk <= 0) return max_chunks;  // partials of NaN: carry them to the output
+  return lo >= end ? 0 : min(max_chunks, (end - 1) / chunk - lo / chunk + 1);
+}
+
+// What a block is: the params' header, and this block's (b, h, c, mt) and
+// sequence, decoded from blockIdx (the grid's order: mt fastest, then the
+// chunk, the K/V head, the sequence).
+struct Block {
+  int B, Hkv, G, n, CHUNK, max_chunks, window, nG, MT, mt, c, h, b;
+  const int32_t* seq;  // slot, end, held, origin, wrap
+
+  __device__ __forceinline__ Block(const int32_t* params, int params_len) {
+    B = params[0], Hkv = params[1], G = params[2], n = params[3];
+    CHUNK = params[5], max_chunks = params[6], window = params[7];
+    nG = n * G;
+    MT = (nG + ROWS - 1) / ROWS;
+    int64_t blk = blockIdx.x;
+    mt = static_cast<int>(blk % MT);
+    blk /= MT;
+    c = static_cast<int>(blk % max_chunks);
+    blk /= max_chunks;
+    h = static_cast<int>(blk % Hkv);
+    b = static_cast<int>(blk / Hkv);
+    seq = params + (params_len - 5 * B) + 5 * (b < B ? b : 0);
+  }
+};
+
 // The first pass for one block; see the top of this file and
 // muser_kv/core/attention_cuda.py for the layout of params and partials.
 // Queries of type T (f32, f16 or bf16: rounded to P for the mma), K/V of type
@@ -194,21 +227,12 @@ __device__ __forceinline__ void attend_partials(
   unsigned char* rings = muser_attend_smem + q_bytes(HD);
   float* comb = reinterpret_cast<float*>(rings + WARPS * warp_bytes(HD));
 
-  const int B = params[0], Hkv = params[1], G = params[2], n = params[3];
-  const int CHUNK = params[5], max_chunks = params[6], window = params[7];
-  const int nG = n * G;
-  const int MT = (nG + ROWS - 1) / ROWS;
-
-  int64_t blk = blockIdx.x;
-  const int mt = static_cast<int>(blk % MT);
-  blk /= MT;
-  const int c = static_cast<int>(blk % max_chunks);
-  blk /= max_chunks;
-  const int h = static_cast<int>(blk % Hkv);
-  const int b = static_cast<int>(blk / Hkv);
+  const Block k(params, params_len);
+  const int B = k.B, Hkv = k.Hkv, G = k.G, n = k.n, CHUNK = k.CHUNK, window = k.window;
+  const int max_chunks = k.max_chunks, nG = k.nG, mt = k.mt, c = k.c, h = k.h, b = k.b;
   if (b >= B) return;
 
-  const int32_t* seq = params + (params_len - 5 * B) + 5 * b;
+  const int32_t* seq = k.seq;
   const int slot = seq[0], end = seq[1], held = seq[2], origin = seq[3], wrap = seq[4];
   const int start = end - held;  // first position held
   const int lo = window > 0 ? max(start, end - n - window + 1) : start;  // first position seen
@@ -222,7 +246,7 @@ __device__ __forceinline__ void attend_partials(
     return;
   }
   const int first = lo / CHUNK;
-  const int count = lo >= end ? 0 : (end - 1) / CHUNK - first + 1;
+  const int count = chunk_count(end, held, n, window, CHUNK, max_chunks);
   if (c >= count) {  // no key here: m = -inf, l = 0, o = 0 (block-uniform exit)
     for (int e = tid; e < rows_out * OUTW; e += THREADS) {
       out[e] = (e % OUTW == HD) ? neg_inf() : 0.0f;
@@ -474,16 +498,6 @@ __device__ __forceinline__ void attend_partials(
   }
 }
 
-// The sequence's chunk range a block's (b, .., mt) sees: the first chunk and
-// how many there are (core.attention.KeyRead.chunks), at most max_chunks.
-__device__ __forceinline__ int chunk_count(int end, int held, int n, int window, int chunk,
-                                           int max_chunks) {
-  const int start = end - held;
-  const int lo = window > 0 ? max(start, end - n - window + 1) : start;
-  if (chunk <= 0) return max_chunks;  // partials of NaN: carry them to the output
-  return lo >= end ? 0 : min(max_chunks, (end - 1) / chunk - lo / chunk + 1);
-}
-
 // The second half of one launch: the chunk partials of a (sequence, K/V head,
 // M tile) folded FOLD at a time, in ascending order against the group's max,
 // by the last block of each group to finish (a counter per group), then the
@@ -505,21 +519,12 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
   float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
 
-  const int B = params[0], Hkv = params[1], G = params[2], n = params[3];
-  const int CHUNK = params[5], max_chunks = params[6], window = params[7];
-  const bool with_sinks = params_len - 5 * B == 9 && params[8] != 0;
-  const int nG = n * G;
-  const int MT = (nG + ROWS - 1) / ROWS;
-  int64_t blk = blockIdx.x;
-  const int mt = static_cast<int>(blk % MT);
-  blk /= MT;
-  const int c = static_cast<int>(blk % max_chunks);
-  blk /= max_chunks;
-  const int h = static_cast<int>(blk % Hkv);
-  const int b = static_cast<int>(blk / Hkv);
-  if (b >= B) return;
-  const int32_t* seq = params + (params_len - 5 * B) + 5 * b;
-  const int count = chunk_count(seq[1], seq[2], n, window, CHUNK, max_chunks);
+  const Block k(params, params_len);
+  const int Hkv = k.Hkv, G = k.G, n = k.n, max_chunks = k.max_chunks, nG = k.nG, MT = k.MT;
+  const int mt = k.mt, c = k.c, h = k.h, b = k.b;
+  if (b >= k.B) return;
+  const bool with_sinks = params_len - 5 * k.B == 9 && params[8] != 0;
+  const int count = chunk_count(k.seq[1], k.seq[2], n, k.window, k.CHUNK, max_chunks);
   const int tid = threadIdx.x;
   const int rows_out = min(ROWS, nG - ROWS * mt);
   const int groups = (max_chunks + FOLD - 1) / FOLD;
