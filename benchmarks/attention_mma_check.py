@@ -393,6 +393,18 @@ def timeline(depth: int, b: int) -> None:
     print(f"  fold blocks ({int((~np.isnan(t[:, 4])).sum())}): the counter to the fold {med(t[:, 4] - t[:, 3])}, "
           f"the fold {med(t[:, 5] - t[:, 4])} (to the last fold's combine); the combine "
           f"{med(t[:, 6] - t[:, 5])}; the last output at {np.nanmax(t[:, 6]):.1f} us")
+    # blocks resident at once on one SM (occupancy as it ran): the most [start,
+    # written] intervals that overlap on any SM
+    most = 0
+    for sm in set(stamps[:, 7].tolist()):
+        on = (stamps[:, 7] == sm) & ~np.isnan(t[:, 3])
+        events = sorted([(x, 1) for x in t[on, 0]] + [(x, -1) for x in t[on, 3]],
+                        key=lambda e: (e[0], e[1]))
+        level = 0
+        for _, step in events:
+            level += step
+            most = max(most, level)
+    print(f"  blocks resident at once on an SM: at most {most}")
     ends = np.sort(t[:, 3][~np.isnan(t[:, 3])])
     if ends.size:
         print("  partials written by: " + ", ".join(f"{int(f * 100)} % at {ends[int(f * (len(ends) - 1))]:.1f} us"
