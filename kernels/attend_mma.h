@@ -227,12 +227,12 @@ __device__ __forceinline__ void attend_partials(
   unsigned char* rings = muser_attend_smem + q_bytes(HD);
   float* comb = reinterpret_cast<float*>(rings + WARPS * warp_bytes(HD));
 
-  const Block k(params, params_len);
-  const int B = k.B, Hkv = k.Hkv, G = k.G, n = k.n, CHUNK = k.CHUNK, window = k.window;
-  const int max_chunks = k.max_chunks, nG = k.nG, mt = k.mt, c = k.c, h = k.h, b = k.b;
+  const Block at(params, params_len);
+  const int B = at.B, Hkv = at.Hkv, G = at.G, n = at.n, CHUNK = at.CHUNK, window = at.window;
+  const int max_chunks = at.max_chunks, nG = at.nG, mt = at.mt, c = at.c, h = at.h, b = at.b;
   if (b >= B) return;
 
-  const int32_t* seq = k.seq;
+  const int32_t* seq = at.seq;
   const int slot = seq[0], end = seq[1], held = seq[2], origin = seq[3], wrap = seq[4];
   const int start = end - held;  // first position held
   const int lo = window > 0 ? max(start, end - n - window + 1) : start;  // first position seen
@@ -519,12 +519,12 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
   float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
 
-  const Block k(params, params_len);
-  const int Hkv = k.Hkv, G = k.G, n = k.n, max_chunks = k.max_chunks, nG = k.nG, MT = k.MT;
-  const int mt = k.mt, c = k.c, h = k.h, b = k.b;
-  if (b >= k.B) return;
-  const bool with_sinks = params_len - 5 * k.B == 9 && params[8] != 0;
-  const int count = chunk_count(k.seq[1], k.seq[2], n, k.window, k.CHUNK, max_chunks);
+  const Block at(params, params_len);
+  const int Hkv = at.Hkv, G = at.G, n = at.n, max_chunks = at.max_chunks, nG = at.nG, MT = at.MT;
+  const int mt = at.mt, c = at.c, h = at.h, b = at.b;
+  if (b >= at.B) return;
+  const bool with_sinks = params_len - 5 * at.B == 9 && params[8] != 0;
+  const int count = chunk_count(at.seq[1], at.seq[2], n, at.window, at.CHUNK, max_chunks);
   const int tid = threadIdx.x;
   const int rows_out = min(ROWS, nG - ROWS * mt);
   const int groups = (max_chunks + FOLD - 1) / FOLD;
