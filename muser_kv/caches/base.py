@@ -4,7 +4,8 @@ Two regimes, one class each, shaped like mlx-lm's ``KVCache`` /
 ``RotatingKVCache``: ``GlobalKVCache`` (``growing.py``: a plane that fills from
 row 0 and never wraps) and ``SlidingKVCache`` (``sliding.py``: a ring with its
 staging shadow and retained rows). ``MuseKVCache`` is what they share: the
-protocol members, the list and checkpoint hooks, state and sessions.
+protocol members, the list and checkpoint hooks and state; a cache's rows out
+and in (sessions) are ``LiveRows``'s (``live_rows.py``).
 
 A Muse model asks each layer type's first cache for ``make_mask(N, window_size)``
 before any layer runs, then every layer calls ``update_and_fetch``. So the mask
@@ -29,25 +30,25 @@ from __future__ import annotations
 
 import copy
 import weakref
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from operator import attrgetter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import mlx.core as mx
 
 from muser_kv.caches import cachelist, saved_state
+from muser_kv.caches.live_rows import LiveRows, Pair
 from muser_kv.caches.masks import DecodeMask
 from muser_kv.caches.writes import ContextOverflow
 from muser_kv.core import kernels
 from muser_kv.core.attention import DecodeRead, KeyRead
 from muser_kv.core.counts import count
-from muser_kv.core.geometry import LayerKind, canonical_rows
+from muser_kv.core.geometry import LayerKind
 from muser_kv.core.kernels import INPUT_DTYPES
 from muser_kv.core.planes import Planes
 from muser_kv.core.ring import Ring, Trim, Write
 
 Mask = Union[None, str, mx.array, DecodeMask]
-Pair = Tuple[mx.array, mx.array]
 #: ``(keys, values, meta_state, retained)``: see ``MuseKVCache.state``
 State = Tuple[mx.array, mx.array, Tuple[str, ...], Any]
 
@@ -63,7 +64,7 @@ def nothing_fetched() -> None:
     return None
 
 
-class MuseKVCache(ABC):
+class MuseKVCache(LiveRows):
     """One layer's cache for one sequence: planes, a ``Ring``, mlx-lm's protocol.
 
     ``offset`` is the logical position of the next token and is read-only: only
@@ -392,102 +393,6 @@ class MuseKVCache(ABC):
     def _adopt_retained(self, start: int, blocks: List[mx.array]) -> None:
         """Hold the retained rows a state carried (``_check_state_retained``'s
         answer; only a regime that retains rows gives one)."""
-
-    # -- sessions -------------------------------------------------------------------------
-
-    def snapshot(self) -> Tuple[int, mx.array, mx.array]:
-        """``(start, keys, values)``: the live rows as ``[len, H, D]`` (plane type)
-        in logical order from logical position ``start``; never rotated; fresh
-        buffers (a snapshot never aliases a plane)."""
-        k, v = self.backend.gather(*self.planes.physical(self.slot), self.layout, self.ring)
-        shape = (self.ring.len, self.kv_heads, self.head_dim)
-        return self.ring.origin_logical, k.reshape(shape), v.reshape(shape)
-
-    def live_rows(self, start: int, stop: int) -> Pair:
-        """``(keys, values)``: live rows ``[start, stop)`` as ``[stop - start, kv_dim]``
-        (plane type) in logical order, in fresh buffers (never a view of a plane)."""
-        ring = self.ring
-        if not ring.origin_logical <= start < stop <= ring.end:
-            raise ValueError(f"KV cache for layer {self.layer}: rows [{start}, {stop}) are not "
-                             f"live (live [{ring.origin_logical}, {ring.end}))")
-        run = Ring(ring.capacity, stop - start, start, ring.physical(start), self.layer)
-        return self.backend.gather(*self.planes.physical(self.slot), self.layout, run)
-
-    def install(self, start: int, keys: mx.array, values: mx.array) -> None:
-        """Replace the contents with logical rows ``[n, H, D]`` (plane type) starting
-        at ``start``, placed at rotation ``start % capacity``: exactly where a
-        sequentially built ring with this origin holds them (``Ring.installed``)."""
-        where = f"KV cache for layer {self.layer}"
-        n = keys.shape[0] if keys.ndim else 0
-        shape = (n, self.kv_heads, self.head_dim)
-        for name, x in (("keys", keys), ("values", values)):
-            if x.dtype != self.dtype:
-                raise TypeError(f"{where}: installed {name} must be {self.dtype}, got {x.dtype}")
-            if tuple(x.shape) != shape:
-                raise ValueError(f"{where}: installed {name} must be {shape}, got {tuple(x.shape)}")
-        ring = self.install_ring(start, n)
-        flat = (n, self.kv_dim)
-        one = self.install_shape(ring)
-        k, v = self.backend.install(keys.reshape(flat), values.reshape(flat), self.layout, ring, one)
-        self._installed(ring, k.reshape(one), v.reshape(one))
-
-    def install_shape(self, ring: Ring) -> Tuple[int, ...]:
-        """The one-slot memory shape (``memory_shape[1:]``) of the planes an
-        install leaving ``ring`` builds: canonical for its rows for a growing
-        sequence (``Planes.rows_for``), the preallocated size otherwise."""
-        rows = canonical_rows(ring.extent, self.capacity) if self.growing else self.planes.limit
-        return self.planes.memory_shape_for(rows)[1:]
-
-    def install_ring(self, start: int, n: int) -> Ring:
-        """The ring an install of ``n`` rows from ``start`` leaves (its live runs
-        say where each row goes), or ``ValueError`` for one this cache cannot hold."""
-        where = f"KV cache for layer {self.layer}"
-        capacity = self.capacity
-        if n > capacity or start < 0 or start + n > self.max_context:
-            raise ValueError(f"{where}: cannot install {n} rows from position {start} "
-                             f"(capacity {capacity}, max_context {self.max_context})")
-        if n < capacity and start != 0:
-            raise ValueError(f"{where}: a ring that is not full must start at position 0, "
-                             f"got {start}")
-        return Ring.installed(capacity, start, n, self.layer)
-
-    def install_planes(self, ring: Ring, keys: mx.array, values: mx.array) -> None:
-        """Adopt planes already holding ``ring``'s rows where its live runs put
-        them and zeros elsewhere (``install_ring``'s ring; one slot in memory
-        order, ``install_shape(ring)``): what ``install`` builds, made by a caller
-        that wrote the rows straight into them (``load_session``)."""
-        one = self.install_shape(ring)
-        for name, x in (("keys", keys), ("values", values)):
-            if x.dtype != self.dtype or tuple(x.shape) != one:
-                raise ValueError(f"KV cache for layer {self.layer}: installed {name} planes must "
-                                 f"be {self.dtype} {one}, got {x.dtype} {tuple(x.shape)}")
-        self._installed(ring, keys, values)
-
-    def _installed(self, ring: Ring, k: mx.array, v: mx.array) -> None:
-        if self.planes.slots == 1:
-            shape = (1,) + tuple(k.shape)
-            self.planes.set(k.reshape(shape), v.reshape(shape))
-        else:
-            fresh = Planes(kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=self.capacity,
-                           layout=self.layout, dtype=self.dtype, allocate=False,
-                           growing=self.planes.growing or self.growing)
-            fresh.set(k.reshape((1,) + tuple(k.shape)), v.reshape((1,) + tuple(v.shape)))
-            self.planes.reserve(ring.extent)
-            self.planes.copy_slot(self.slot, fresh)
-        self.ring.assign(ring)
-        self.replaced()
-        self.settle()
-
-    def undo_point(self) -> Any:
-        """What ``undo_to`` needs to put this cache back as it is now (the arrays
-        are values: keeping them costs nothing until the planes are rewritten)."""
-        return self.planes.k, self.planes.v, self.planes.rows, self.ring.copy()
-
-    def undo_to(self, point: Any) -> None:
-        """Put back what ``undo_point`` took (an install that failed part-way)."""
-        self.planes.k, self.planes.v, self.planes.rows, ring = point
-        self.ring.assign(ring)
-        self.replaced()
 
     # -- copies ----------------------------------------------------------------------------
 
