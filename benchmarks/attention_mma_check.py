@@ -108,19 +108,7 @@ def run_first_pass(q, keys, values, seqs, window, scale, sinks=None):
 def portable_combine(partials, params, n, g, dtype, sinks=None):
     """The portable kernels' fold (``attend_merge``) and combine (``attend_combine``)
     over the same partials: the arithmetic the fused tail follows, bit for bit."""
-    backend = KernelBackend("cuda")
-    b, hkv, chunks, ng, w = partials.shape
-    d = w - 2
-    groups = -(-chunks // attention.FOLD)
-    merged = backend.kernel("attend_merge")(
-        inputs=[partials, params, mx.array([attention.FOLD, groups, chunks], mx.int32)],
-        grid=(-(-(b * hkv * groups * ng * w) // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(b, hkv, groups, ng, w)], output_dtypes=[mx.float32])[0]
-    logits = mx.zeros((1,), mx.float32) if sinks is None else sinks
-    return backend.kernel("attend_combine")(
-        inputs=[merged, logits, params, mx.array([attention.FOLD, groups, 0], mx.int32)],
-        template=[("T", dtype)], grid=(-(-(b * hkv * g * n * d) // 256) * 256, 1, 1),
-        threadgroup=(256, 1, 1), output_shapes=[(b, hkv * g, n, d)], output_dtypes=[dtype])[0]
+    return KernelBackend("cuda").combine(partials, params, n, dtype, sinks, fold=True)
 
 
 def contract_partials(qf, kf, vf, seqs, n, g, window, scale, max_chunks):

@@ -160,7 +160,7 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
     elif scale.dtype != mx.float32 or scale.size != 1:
         scale = scale.astype(mx.float32).reshape(1)
     if sinks is None:
-        sinks = _NO_SINKS[0]
+        sinks = _NO_SINKS
     elif sinks.dtype != mx.float32 or sinks.size != hq:
         raise ValueError(f"attend_mma: sinks float32 [{hq}], got {sinks.dtype} {tuple(sinks.shape)}")
     groups = -(-max_chunks // FOLD)
@@ -182,7 +182,7 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
 #: array kept between calls is made from host data, never a lazy op: MLX's
 #: streams are per thread, and serve builds steps in threads other than the
 #: one that made it ("There is no Stream(gpu, 0) in current thread").
-_NO_SINKS = [mx.array([0.0], dtype=mx.float32)]
+_NO_SINKS = mx.array([0.0], dtype=mx.float32)
 
 
 class Counters:

@@ -394,21 +394,32 @@ class KernelBackend(ReferenceBackend):
             threadgroup=(THREADGROUP, 1, 1),
             output_shapes=[(b, hkv, chunks, n * g, d + 2)], output_dtypes=[mx.float32],
         )[0]
-        fold = attention.FOLD
+        return self.combine(partials, params, n, queries.dtype, logits,
+                            fold=chunks > attention.FOLD or sinks is not None)
+
+    def combine(self, partials: mx.array, params: mx.array, queries: int, dtype: mx.Dtype,
+                sinks: Optional[mx.array] = None, fold: bool = True) -> mx.array:
+        """The second half of decode attention over chunk partials ``[B, Hkv, C,
+        n*G, D + 2]`` (``attend``'s params, ``queries`` = n): folded
+        ``attention.FOLD`` at a time (``attend_merge``; skip it, ``fold=False``,
+        only where it is exact: one group and no sinks), then combined
+        (``attend_combine``) into ``[B, Hkv*G, n, D]`` of ``dtype``."""
+        b, hkv, chunks, rows, width = partials.shape
+        g, d = rows // queries, width - 2
         layout = self._small((1, chunks, 0))
-        if chunks > fold or sinks is not None:
-            groups = -(-chunks // fold)
+        if fold:
+            groups = -(-chunks // attention.FOLD)
             partials = self.kernel("attend_merge")(
-                inputs=[partials, params, self._small((fold, groups, chunks))],
-                grid=_grid(b * hkv * groups * n * g * (d + 2)), threadgroup=(THREADGROUP, 1, 1),
-                output_shapes=[(b, hkv, groups, n * g, d + 2)], output_dtypes=[mx.float32],
+                inputs=[partials, params, self._small((attention.FOLD, groups, chunks))],
+                grid=_grid(b * hkv * groups * rows * width), threadgroup=(THREADGROUP, 1, 1),
+                output_shapes=[(b, hkv, groups, rows, width)], output_dtypes=[mx.float32],
             )[0]
-            layout = self._small((fold, groups, 0))
+            layout = self._small((attention.FOLD, groups, 0))
         return self.kernel("attend_combine")(
-            inputs=[partials, self._small(0.0) if logits is None else logits, params, layout],
-            template=[("T", queries.dtype)],
-            grid=_grid(b * hq * n * d), threadgroup=(THREADGROUP, 1, 1),
-            output_shapes=[(b, hq, n, d)], output_dtypes=[queries.dtype],
+            inputs=[partials, self._small(0.0) if sinks is None else sinks, params, layout],
+            template=[("T", dtype)],
+            grid=_grid(b * hkv * g * queries * d), threadgroup=(THREADGROUP, 1, 1),
+            output_shapes=[(b, hkv * g, queries, d)], output_dtypes=[dtype],
         )[0]
 
     def _small(self, values: Union[float, Tuple[int, ...]]) -> mx.array:
