@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -44,6 +45,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: the line ``muser-kv serve`` writes once it listens
+LISTENING = re.compile(r"muser-kv serve: listening on http://127\.0\.0\.1:(\d+)")
+
 #: ``python -m muser_kv``, with the tests' stand-ins for mlx-lm's Metal kernels
 #: installed first (``mlx_lm_kernels``: Muse Spark's forward, off Apple silicon)
 WITH_STANDINS = ("import sys, mlx_lm_kernels; mlx_lm_kernels.install(); "
@@ -58,7 +62,7 @@ class Server:
 
     def __init__(self, model: Path, log: Path, *flags: str, mlx_lm_standins: bool = False,
                  env: Optional[Dict[str, str]] = None):
-        self.port = free_port()
+        self.port = 0  #: the port the server announced (``wait_ready``)
         self.log_path = log
         self._log = open(log, "w")
         env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT))
@@ -68,7 +72,7 @@ class Server:
             command = [sys.executable, "-c", WITH_STANDINS]
         self.proc = subprocess.Popen(
             [*command, "serve", "--model", str(model), "--host",
-             "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING", *flags],
+             "127.0.0.1", "--port", "0", "--log-level", "WARNING", *flags],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 
     def log(self) -> str:
@@ -88,10 +92,19 @@ class Server:
             return e.code
 
     def wait_ready(self) -> None:
+        """Wait for the port the server announces, then for it to answer /health.
+        The server binds port 0 itself: a port picked here and bound there later
+        could be bound meanwhile by another server, which would then answer."""
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            if not self.port:
+                found = LISTENING.search(self.whole_log())
+                if not found:
+                    time.sleep(0.2)
+                    continue
+                self.port = int(found.group(1))
             try:
                 if self.get("/health", timeout=2) == 200:
                     return

@@ -459,3 +459,14 @@ def test_metrics_count_what_the_clients_sent_under_load(servers):
     assert after["muser_kv_requests_waiting"] == after["muser_kv_requests_running"] == 0
     assert after["muser_kv_connections_open"] >= 1  # the scrape's own
     assert 'muser_kv_kv_store_tier_chunks{tier="memory"}' in after
+
+
+def test_the_server_announces_the_port_it_listens_on(servers):
+    """``--port 0`` (every server here) binds any free port; the line the server
+    writes once it listens names that port, in a URL a client can use as is."""
+    from muser_kv.serving.server.shutdown import listening_url
+
+    server = next(iter(servers.values()))
+    assert f"muser-kv serve: listening on http://127.0.0.1:{server.port}\n" in server.whole_log()
+    assert server.get("/health") == 200
+    assert listening_url(("::1", 8080, 0, 0)) == "http://[::1]:8080"

@@ -117,6 +117,13 @@ def connection_metrics(server: Any) -> Iterator[Any]:
            "within --connection-timeout (408)", server.timed_out)
 
 
+def listening_url(address: Any) -> str:
+    """The URL a listening socket's ``address`` answers on: its own port, the
+    one the kernel chose where ``--port 0`` asked for any free one."""
+    host, port = address[0], address[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve_until_drained(run: Callable[[type], Any], response_generator: Any) -> None:
     """Run the HTTP server (``run(server_class)``: mlx-lm's accept loop) within
     the connection limits of ``response_generator``'s flags, and drain it on
@@ -129,6 +136,7 @@ def serve_until_drained(run: Callable[[type], Any], response_generator: Any) -> 
     def started(server: Any) -> None:
         drain.started(server)
         metrics.sources.append(lambda: connection_metrics(server))
+        log.warning("muser-kv serve: listening on %s", listening_url(server.server_address))
 
     with drain.on_signals():
         run(server_class(ConnectionLimits.of(cli), started))
