@@ -171,6 +171,10 @@ class RedisMissing(RuntimeError):
     """No ``redis-server`` on PATH (Debian: ``apt-get install -y redis-server``)."""
 
 
+class PortTaken(AssertionError):
+    """The free port picked for a server was bound by another before it."""
+
+
 class RedisServer:
     """Debian's ``redis-server`` on a free loopback port, no persistence, its
     files in ``workdir``: ``url``, ``kill()`` (SIGKILL, as a crash),
@@ -185,10 +189,16 @@ class RedisServer:
         self.exe = exe
         self.workdir = Path(workdir)
         self.flags = flags
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: "subprocess.Popen[bytes] | None" = None
-        self.start()
+        for attempt in range(3):  # a port taken between free_port and redis's bind: another
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            try:
+                self.start()
+                return
+            except PortTaken:
+                if attempt == 2:
+                    raise
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -202,8 +212,12 @@ class RedisServer:
             if self.proc.poll() is not None:
                 raise AssertionError(f"redis-server exited {self.proc.returncode}:\n"
                                      f"{(self.workdir / 'redis.log').read_text()[-2000:]}")
-            if self.ping():
+            answering = self.pid()
+            if answering == self.proc.pid:
                 return
+            if answering is not None:  # another server holds the port; ours will exit
+                self.stop()
+                raise PortTaken(f"port {self.port} is another redis-server's (pid {answering})")
             time.sleep(0.02)
         self.stop()
         raise AssertionError(f"redis-server not answering on port {self.port} after 10 s")
@@ -215,6 +229,21 @@ class RedisServer:
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+    def pid(self) -> Optional[int]:
+        """The process id of the redis-server answering on the port (None: none answers)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"INFO server\r\n")
+                got = b""
+                while b"process_id:" not in got or not got.split(b"process_id:")[1].count(b"\r\n"):
+                    more = s.recv(4096)
+                    if not more:
+                        return None
+                    got += more
+                return int(got.split(b"process_id:")[1].split(b"\r\n")[0])
+        except (OSError, ValueError):
+            return None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -54,7 +54,8 @@ def test_the_test_extra_brings_no_cuda_wheels(extras):
 
 def test_ci_runs_the_readme_test_command_with_the_nvrtc_extra():
     readme_cmd = re.search(r"# 2\. install and run the tests\n(.+)\n", README).group(1)
-    assert '".[cpu,test]"' in readme_cmd and readme_cmd.endswith(".venv/bin/python -m pytest -q")
+    assert '".[cpu,test]"' in readme_cmd and readme_cmd.endswith(
+        ".venv/bin/python -m pytest -q -n 2 --dist loadfile")  # two workers: CI's two cores
     ci_cmd = next(line for line in CI.splitlines() if "pip install" in line)
     assert ci_cmd == readme_cmd.replace('".[cpu,test]"', '".[cpu,test,nvrtc]"')
     assert "export MUSER_KV_REQUIRE_NVRTC=1" in CI

@@ -656,3 +656,22 @@ def test_directory_something_not_a_file_at_a_chunks_path_is_a_miss_dropped_and_s
         assert t.put(key(1), blob(1)) and t.get(key(1)) == blob(1)  # stored anew, whole
     assert path.is_file() and t.contains(key(1))
     t.close()
+
+
+def test_a_redis_server_started_on_a_port_another_holds_moves_to_its_own(redis_server,
+                                                                       tmp_path, monkeypatch):
+    """The tests' ``RedisServer`` is the redis answering on its port: given a
+    port another redis-server holds (a free port taken before its bind), it
+    does not take that server's answers for its own but starts on another."""
+    import servers
+
+    ports = iter([redis_server.port])
+    real = servers.free_port
+    monkeypatch.setattr(servers, "free_port", lambda: next(ports, None) or real())
+    second = servers.RedisServer(tmp_path / "second")
+    try:
+        assert second.port != redis_server.port
+        assert second.pid() == second.proc.pid != redis_server.pid()
+        assert redis_server.pid() == redis_server.proc.pid
+    finally:
+        second.stop()
