@@ -54,7 +54,6 @@ and the decode steps per second.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import statistics
 import sys
@@ -151,45 +150,17 @@ def chats(args: argparse.Namespace, vocab: int, n: int, salt: int = 0) -> List[D
 def stream(port: int, chat: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     """One streaming chat completion at temperature 0: its status, the
     perf-counter time of every chunk with content, the answer, the usage."""
-    fields = {"messages": chat["messages"], "max_tokens": chat["max_tokens"], "temperature": 0,
-              "stream": True, "stream_options": {"include_usage": True}}
+    fields = {"messages": chat["messages"], "max_tokens": chat["max_tokens"], "temperature": 0}
     if chat.get("bias"):
         fields["logit_bias"] = chat["bias"]
-    body = json.dumps(fields).encode()
-    out: Dict[str, Any] = {"request": chat["name"], "status": None, "error": None,
-                           "answer": None, "chunks": [], "completion_tokens": None}
-    out["sent"] = t0 = time.perf_counter()
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        out["status"] = response.status
-        if response.status != 200:
-            out["error"] = response.read().decode(errors="replace")[:300]
-        else:
-            text: List[str] = []
-            for raw in response:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        out["chunks"].append(time.perf_counter())
-                        text.append(content)
-                if chunk.get("usage"):
-                    out["completion_tokens"] = chunk["usage"].get("completion_tokens")
-            out["answer"] = "".join(text).split()
-        conn.close()
-    except Exception as e:  # a dead server or a broken stream is this request's result
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["ended"] = time.perf_counter()
-    chunks = out["chunks"]
-    out["ttft_s"] = chunks[0] - t0 if chunks else None
-    gaps = [b - a for a, b in zip(chunks, chunks[1:])]
-    out["median_gap_ms"] = statistics.median(gaps) * 1e3 if gaps else None
-    return out
+    t0 = time.perf_counter()
+    got = S.stream_completion(port, fields, timeout)
+    gaps = [b - a for a, b in zip(got.chunks, got.chunks[1:])]
+    return {"request": chat["name"], "status": got.status, "error": got.error,
+            "answer": got.answer, "chunks": got.chunks,
+            "completion_tokens": got.usage.get("completion_tokens"), "sent": t0,
+            "ended": time.perf_counter(), "ttft_s": got.chunks[0] - t0 if got.chunks else None,
+            "median_gap_ms": statistics.median(gaps) * 1e3 if gaps else None}
 
 
 def drive(port: int, requests: List[Dict[str, Any]], timeout: float) -> Dict[str, Any]:

@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -270,27 +271,37 @@ class Server:
         self._log.close()
 
 
-def stream_chat(server: Server, messages: List[Dict[str, str]], max_tokens: int,
-                timeout: float) -> Dict[str, Any]:
-    """One streaming chat completion at temperature 0: its status, TTFT (to the
-    first chunk with content), the answer, the usage, and when it was sent and
-    ended (wall clock, to place the server's log lines)."""
-    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
-    out: Dict[str, Any] = {"status": None, "ttft_s": None, "answer": None, "error": None,
-                           "prompt_tokens": None, "cached_tokens": None}
-    sent = time.time()
-    t0 = time.perf_counter()
+@dataclass
+class Streamed:
+    """What one streamed chat completion gave: the HTTP status (None: no answer),
+    an error, the perf-counter time of each chunk with content, the text, and
+    the usage the last chunk carried."""
+
+    status: Optional[int] = None
+    error: Optional[str] = None
+    chunks: List[float] = field(default_factory=list)
+    text: List[str] = field(default_factory=list)
+    usage: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def answer(self) -> Optional[List[str]]:
+        return "".join(self.text).split() if self.status == 200 and not self.error else None
+
+
+def stream_completion(port: int, fields: Dict[str, Any], timeout: float) -> Streamed:
+    """POST ``fields`` (a chat completion, streamed with its usage) and read the
+    server-sent events to ``[DONE]``; a dead server or a broken stream is the
+    request's error, not an exception."""
+    body = json.dumps(dict(fields, stream=True, stream_options={"include_usage": True})).encode()
+    out = Streamed()
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-        conn.request("POST", "/v1/chat/completions", body,
-                     {"Content-Type": "application/json"})
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
-        out["status"] = response.status
+        out.status = response.status
         if response.status != 200:
-            out["error"] = response.read().decode(errors="replace")[:300]
+            out.error = response.read().decode(errors="replace")[:300]
         else:
-            text: List[str] = []
             for raw in response:
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -299,20 +310,30 @@ def stream_chat(server: Server, messages: List[Dict[str, str]], max_tokens: int,
                 for choice in chunk.get("choices") or []:
                     content = (choice.get("delta") or {}).get("content")
                     if content:
-                        if out["ttft_s"] is None:
-                            out["ttft_s"] = time.perf_counter() - t0
-                        text.append(content)
-                usage = chunk.get("usage")
-                if usage:
-                    out["prompt_tokens"] = usage.get("prompt_tokens")
-                    out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens")
-            out["answer"] = "".join(text).split()
+                        out.chunks.append(time.perf_counter())
+                        out.text.append(content)
+                out.usage = chunk.get("usage") or out.usage
         conn.close()
     except Exception as e:  # a dead server or a broken stream is this request's result
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["sent"], out["ended"] = sent, time.time()
-    out["total_s"] = time.perf_counter() - t0
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+def stream_chat(server: Server, messages: List[Dict[str, str]], max_tokens: int,
+                timeout: float) -> Dict[str, Any]:
+    """One streaming chat completion at temperature 0: its status, TTFT (to the
+    first chunk with content), the answer, the usage, and when it was sent and
+    ended (wall clock, to place the server's log lines)."""
+    sent = time.time()
+    t0 = time.perf_counter()
+    got = stream_completion(server.port, {"messages": messages, "max_tokens": max_tokens,
+                                          "temperature": 0}, timeout)
+    out: Dict[str, Any] = {
+        "status": got.status, "error": got.error, "answer": got.answer,
+        "ttft_s": got.chunks[0] - t0 if got.chunks else None,
+        "prompt_tokens": got.usage.get("prompt_tokens"),
+        "cached_tokens": (got.usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "sent": sent, "ended": time.time(), "total_s": time.perf_counter() - t0}
     if out["status"] != 200 or out["error"]:
         out["error"] = (out["error"] or "") + f" | last log line: {server.last_line()}"
     return out
