@@ -187,7 +187,9 @@ class Compiler:
         if target.exists():
             return target
         src = self.dir / f"kernel_{key}.cpp"
-        src.write_text(tu)
+        written = src.with_name(f"{src.name}.{os.getpid()}.tmp")
+        written.write_text(tu)
+        written.replace(src)  # whole: another test process may be compiling it
         what = f"the Metal text of {signature.name} ({src})"
         for attempt in range(2):
             tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
