@@ -212,6 +212,10 @@ def plan(history: int, answer: int) -> Dict[str, int]:
 # -- a server and the client -----------------------------------------------------------------
 
 
+#: muser-kv serve's line once it listens
+LISTENING = re.compile(r"muser-kv serve: listening on http://127\.0\.0\.1:(\d+)")
+
+
 def free_port() -> int:
     import socket
 
@@ -225,8 +229,12 @@ class Server:
     file; ``stop`` ends it (terminate, then kill)."""
 
     def __init__(self, system: str, model: Path, log: Path, flags: Sequence[str]):
-        self.system, self.port, self.log_path = system, free_port(), log
+        # muser-kv serve binds any free port and names it (``LISTENING``); mlx_lm.server
+        # takes one picked here and says once it has bound it (``BOUND``)
+        self.system, self.log_path = system, log
+        self.port = 0 if system == "muser" else free_port()
         module = ["-m", "muser_kv", "serve"] if system == "muser" else ["-m", "mlx_lm.server"]
+        self._start = len(log.read_text(errors="replace").splitlines()) if log.exists() else 0
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         self._log = open(log, "a")
@@ -244,12 +252,26 @@ class Server:
         lines = [x for x in self.lines() if x.strip()]
         return lines[-1] if lines else "(empty log)"
 
+    def bound(self) -> bool:
+        """Whether this server's own log says it listens on ``self.port`` (for
+        muser-kv serve, the port it chose, read into ``self.port``)."""
+        mine = "\n".join(self.lines()[self._start:])
+        if self.system == "muser":
+            found = LISTENING.search(mine)
+            if found:
+                self.port = int(found.group(1))
+            return found is not None
+        return f"Starting httpd at 127.0.0.1 on port {self.port}" in mine
+
     def wait_ready(self, timeout: float) -> Optional[str]:
         """``None`` once /health answers 200; else why not."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"exited {self.proc.returncode}: {self.last_line()}"
+            if not self.bound():  # until then another process may hold the port
+                time.sleep(0.2)
+                continue
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
                 conn.request("GET", "/health")
