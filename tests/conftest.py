@@ -42,6 +42,11 @@ def pytest_sessionfinish(session, exitstatus):
     metal_plugin.sessionfinish(session)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # pytest-xdist's: a worker ended
+    metal_plugin.testnodedown(node)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     metal_plugin.terminal_summary(terminalreporter)
 

@@ -27,6 +27,7 @@ usage error (it would only fail every test with "No Metal back-end").
 from __future__ import annotations
 
 import os
+from typing import Dict, Set
 
 import mlx.core as mx
 import pytest
@@ -99,8 +100,23 @@ def collection_modifyitems(config, items) -> None:
         items[:] = keep
 
 
+#: what xdist's workers' emulators ran, gathered in the controlling process
+#: (which runs no test): kernel calls by name, and the MLX texts compiled
+_workers_calls: Dict[str, int] = {}
+_workers_compiled: Set[str] = set()
+
+
+def _used() -> Dict[str, int]:
+    """Kernel calls by name (``muser_kv_`` dropped), this process's and its workers'."""
+    used = dict(_workers_calls)
+    for call in _installed.calls:
+        name = call.kernel.removeprefix("muser_kv_")
+        used[name] = used.get(name, 0) + 1
+    return used
+
+
 def _missing() -> list:
-    used = {call.kernel.removeprefix("muser_kv_") for call in _installed.calls}
+    used = _used()
     return [k for k in KERNELS if k not in used]
 
 
@@ -111,7 +127,7 @@ def _whole_suite(config) -> bool:
 
 def _failure(config) -> str:
     """Why this emulated run must fail although its tests passed, or ''."""
-    if not _installed.calls:
+    if not _used():
         return "no kernel went through the emulator"
     if _missing() and _whole_suite(config):
         return f"the whole suite never called {', '.join(_missing())}"
@@ -119,21 +135,34 @@ def _failure(config) -> str:
 
 
 def sessionfinish(session) -> None:
-    if _installed is not None and session.exitstatus == 0 and session.testscollected \
+    if _installed is None:
+        return
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:  # an xdist worker: its controller judges the whole run
+        output["metal_calls"] = _used()
+        output["metal_compiled"] = sorted(_installed.compiled)
+        return
+    if session.exitstatus == 0 and session.testscollected \
             and _failure(session.config):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def testnodedown(node) -> None:
+    """An xdist worker ended: add what its emulator ran to this run's account."""
+    output = getattr(node, "workeroutput", None) or {}
+    for name, n in output.get("metal_calls", {}).items():
+        _workers_calls[name] = _workers_calls.get(name, 0) + n
+    _workers_compiled.update(output.get("metal_compiled", ()))
 
 
 def terminal_summary(terminalreporter) -> None:
     if _installed is None:
         return
-    used = {}
-    for call in _installed.calls:
-        name = call.kernel.removeprefix("muser_kv_")
-        used[name] = used.get(name, 0) + 1
+    used = _used()
     failure = _failure(terminalreporter.config)
-    line = (f"emulated Metal: {len(_installed.calls)} kernel calls ("
+    line = (f"emulated Metal: {sum(used.values())} kernel calls ("
             + ", ".join(f"{k} {used.get(k, 0)}" for k in KERNELS)
-            + f"), {len(_installed.compiled)} distinct MLX texts compiled and run"
+            + f"), {len(_workers_compiled | set(_installed.compiled))} distinct MLX texts "
+            "compiled and run"
             + (f"; FAILED: {failure}" if failure else ""))
     terminalreporter.write_sep("=", line, red=bool(failure), green=not failure)
