@@ -69,6 +69,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import _harness as H
 import numpy as np
 
+from muser_kv.serving.server.shutdown import LISTENING
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' model writer, tokenizer and zoo
 
@@ -212,10 +214,6 @@ def plan(history: int, answer: int) -> Dict[str, int]:
 # -- a server and the client -----------------------------------------------------------------
 
 
-#: muser-kv serve's line once it listens
-LISTENING = re.compile(r"muser-kv serve: listening on http://127\.0\.0\.1:(\d+)")
-
-
 def free_port() -> int:
     import socket
 
@@ -229,8 +227,8 @@ class Server:
     file; ``stop`` ends it (terminate, then kill)."""
 
     def __init__(self, system: str, model: Path, log: Path, flags: Sequence[str]):
-        # muser-kv serve binds any free port and names it (``LISTENING``); mlx_lm.server
-        # takes one picked here and says once it has bound it (``BOUND``)
+        # muser-kv serve binds any free port and names it (``shutdown.LISTENING``);
+        # mlx_lm.server takes one picked here and says once it has bound it (``bound``)
         self.system, self.log_path = system, log
         self.port = 0 if system == "muser" else free_port()
         module = ["-m", "muser_kv", "serve"] if system == "muser" else ["-m", "mlx_lm.server"]

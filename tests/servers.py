@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
+
+from muser_kv.serving.server.shutdown import LISTENING
 
 ROOT = Path(__file__).resolve().parents[1]
 #: seconds a server may take to answer /health, and a request to be answered:
@@ -44,9 +45,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-#: the line ``muser-kv serve`` writes once it listens
-LISTENING = re.compile(r"muser-kv serve: listening on http://127\.0\.0\.1:(\d+)")
 
 #: ``python -m muser_kv``, with the tests' stand-ins for mlx-lm's Metal kernels
 #: installed first (``mlx_lm_kernels``: Muse Spark's forward, off Apple silicon)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -115,6 +116,11 @@ def connection_metrics(server: Any) -> Iterator[Any]:
            "(past --max-connections, or while shutting down)", server.refused)
     yield ("connections_timed_out_total", "counter", "requests whose body did not arrive "
            "within --connection-timeout (408)", server.timed_out)
+
+
+#: the line serve logs once it listens (``serve_until_drained``), its port a group:
+#: how a client that started it with ``--port 0`` finds the port
+LISTENING = re.compile(r"muser-kv serve: listening on http://(?:\[[^\]]+\]|[^\s:/]+):(\d+)")
 
 
 def listening_url(address: Any) -> str:
