@@ -23,7 +23,9 @@ Run on an NVIDIA machine with mlx-cuda (nothing here runs elsewhere):
    bf16) at ``--depth`` keys, n = 1, batches ``--batches``: the whole launch,
    against the K/V bytes at ``--bandwidth`` (the floor) and against
    ``mx.fast.scaled_dot_product_attention`` on the same plane (checked there
-   against the reference and the portable kernels' bits too).
+   against the reference and the portable kernels' bits too); independent
+   launches in one graph (which the GPU may overlap), then chained, each
+   call's queries waiting on the last one's output, as a decode's layers are.
 
 3. **Timeline** (``--timeline B,...``): one launch at ``--depth`` built with
    ``MUSER_ATTEND_TIMELINE``, every block stamping the GPU clock at its phases
@@ -198,6 +200,15 @@ def correctness(rng) -> bool:
         good &= check("the same launch twice: the same output bits",
                       np.array_equal(np.array(fused.astype(mx.float32)).view(np.uint32),
                                      np.array(again.astype(mx.float32)).view(np.uint32)))
+        spans_same = True
+        for span in attention_cuda.SPANS[1:]:
+            fs, ps = attention_cuda.attend_mma(q, keys, values, params, scale, p.shape[2], n * g,
+                                               sinks, span=span)
+            spans_same &= (np.array_equal(np.array(ps).view(np.uint32), p.view(np.uint32))
+                           and np.array_equal(np.array(fs.astype(mx.float32)).view(np.uint32),
+                                              np.array(fused.astype(mx.float32)).view(np.uint32)))
+        good &= check(f"blocks of {attention_cuda.SPANS[1:]} chunks: the same partials' and "
+                      "output's bits", spans_same)
         good &= check("no NaN in the partials", not np.isnan(p).any())
         empty = p[..., d] == -np.inf
         good &= check("a row that sees nothing is (0, -inf, 0)",
@@ -253,7 +264,25 @@ def time_calls(make, reps: int, trials: int = 3) -> float:
     return best
 
 
-def time_batch(b: int, depth: int, bandwidth: float, reps: int) -> None:
+def time_chained(call, q, reps: int, trials: int = 3) -> float:
+    """Seconds per call when each call's queries wait on the previous call's
+    output (``q + 0 * out``), as a decode's layers do: the launch's latency,
+    where ``time_calls`` lets independent launches overlap."""
+    def run():
+        x = call(0, q)
+        for i in range(1, reps):
+            x = call(i, q + 0 * x)
+        return x
+    mx.eval(run())
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        mx.eval(run())
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def time_batch(b: int, depth: int, bandwidth: float, reps: int, span: int = 1) -> None:
     hkv, g, d, n = 2, 16, 128, 1
     dtype = mx.bfloat16
     keys = mx.random.normal((b, hkv, depth, d)).astype(dtype)
@@ -269,13 +298,14 @@ def time_batch(b: int, depth: int, bandwidth: float, reps: int) -> None:
 
     def first(i):
         return attention_cuda.attend_mma(q, keys, values, params, scales[i % reps], max_chunks,
-                                         n * g)[0]
+                                         n * g, span=span)[0]
 
     def sdpa(i):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.088 + 1e-6 * i)
 
     # at depth too: the launch against the reference, and against the portable kernels' bits
-    out, partials = attention_cuda.attend_mma(q, keys, values, params, scales[0], max_chunks, n * g)
+    out, partials = attention_cuda.attend_mma(q, keys, values, params, scales[0], max_chunks, n * g,
+                                              span=span)
     want = attention.reference(q, read, float(scales[0].item()))
     unfused = portable_combine(partials, params, n, g, q.dtype)
     err = float(mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item())
@@ -285,18 +315,25 @@ def time_batch(b: int, depth: int, bandwidth: float, reps: int) -> None:
     floor = kv_bytes / bandwidth
     t_first = time_calls(first, reps)
     t_sdpa = time_calls(sdpa, reps)
-    _, _, blocks = attention_cuda.launch_geometry(b, hkv, max_chunks, n * g)
-    print(f"  B={b:>2}: one launch {t_first * 1e6:8.1f} us "
+    c_first = time_chained(lambda i, x: attention_cuda.attend_mma(
+        x, keys, values, params, scales[i % reps], max_chunks, n * g, span=span)[0], q, reps)
+    c_sdpa = time_chained(lambda i, x: mx.fast.scaled_dot_product_attention(
+        x, keys, values, scale=0.088 + 1e-6 * i), q, reps)
+    _, _, blocks = attention_cuda.launch_geometry(b, hkv, max_chunks, n * g, span)
+    print(f"  B={b:>2} span {span:>2}: one launch {t_first * 1e6:8.1f} us "
           f"({kv_bytes / t_first / 1e12:5.2f} TB/s of K/V, floor {floor * 1e6:6.1f} us "
           f"= {kv_bytes / 1e6:,.0f} MB K/V at {bandwidth / 1e12:.2f} TB/s, {floor / t_first:4.0%} "
           f"of it; {blocks} blocks, {out_bytes / 1e6:,.1f} MB partials); "
           f"mx.fast SDPA {t_sdpa * 1e6:8.1f} us; vs reference {err:.1e} "
           f"({'ok' if err <= TOL['bfloat16'] else 'FAIL'}), "
           f"portable kernels' bits {'same' if same else 'DIFFER'}")
+    print(f"         chained (each on the last one's output): one launch {c_first * 1e6:8.1f} us "
+          f"({floor / c_first:4.0%} of the floor); mx.fast SDPA {c_sdpa * 1e6:8.1f} us; "
+          f"SDPA / launch {c_sdpa / c_first:.2f}")
 
 
-_TAIL = """  fold_and_combine<T, HD>(sinks, params, params_len, partials, merged,
-                          const_cast<int*>(counters), out);"""
+_TAIL = """  fold_and_combine<T, HD, SPAN>(sinks, params, params_len, partials, merged,
+                          const_cast<int*>(counters), out MUSER_TL_ARG);"""
 
 
 def use_stages(stages: int, tail: bool = True) -> None:
@@ -311,7 +348,7 @@ def use_stages(stages: int, tail: bool = True) -> None:
         header = header.replace(_TAIL, "")
     attention_cuda.STAGES = stages
     attention_cuda.kernel_header = lambda: header
-    attention_cuda.kernel_name = lambda d: f"muser_kv_attend_mma_d{d}" + (
+    attention_cuda.kernel_name = lambda d, span=1: f"muser_kv_attend_mma_d{d}_x{span}" + (
         "" if stages == 2 else f"_s{stages}") + ("" if tail else "_first")
     attention_cuda._built.clear()
 
@@ -320,19 +357,21 @@ _HEADER = attention_cuda.kernel_header()
 
 
 def timing(depth: int, batches: List[int], bandwidth: float, reps: int,
-           stages: List[int]) -> None:
+           stages: List[int], spans: List[int]) -> None:
     for st in stages:
         for tail in (True, False):
             use_stages(st, tail)
             print(f"\nTiming: one global layer, Hkv=2 G=16 D=128 bf16, {depth:,} keys, n=1, "
-                  f"STAGES={st} ({attention_cuda.shared_bytes(128):,} B shared a block)"
+                  f"STAGES={st} ({attention_cuda.shared_bytes(128):,} B shared a block, "
+                  f"{attention_cuda.shared_bytes(128, 2):,} with a span)"
                   + ("" if tail else ": the first pass alone (checks meaningless)"))
             for b in batches:
-                time_batch(b, depth, bandwidth, reps)
+                for span in spans:
+                    time_batch(b, depth, bandwidth, reps, span)
     use_stages(2)
 
 
-def timeline(depth: int, b: int) -> None:
+def timeline(depth: int, b: int, span: int = 1) -> None:
     """One launch built with ``MUSER_ATTEND_TIMELINE``: every block's thread 0
     stamps the GPU's clock at its phases (kernels/attend_mma.h), so where a
     block's time goes, and when the last ones run, is read off the blocks
@@ -345,12 +384,12 @@ def timeline(depth: int, b: int) -> None:
     chunks = DecodeRead(keys, values, tuple(seqs), None).max_chunks(n)
     params = attention_cuda.kernel_params(b, hkv, g, n, d, CHUNK, chunks, 0, seqs)
     kernel = mx.fast.cuda_kernel(
-        name=f"muser_kv_attend_mma_d{d}_timeline", input_names=attention_cuda.INPUT_NAMES,
+        name=f"muser_kv_attend_mma_d{d}_x{span}_timeline", input_names=attention_cuda.INPUT_NAMES,
         output_names=attention_cuda.OUTPUT_NAMES + ["timeline"],
         source=attention_cuda.kernel_source(),
         header="#define MUSER_ATTEND_TIMELINE 1\n" + attention_cuda.kernel_header(),
-        ensure_row_contiguous=False, shared_memory=attention_cuda.shared_bytes(d))
-    grid, threadgroup, blocks = attention_cuda.launch_geometry(b, hkv, chunks, n * g)
+        ensure_row_contiguous=False, shared_memory=attention_cuda.shared_bytes(d, span))
+    grid, threadgroup, blocks = attention_cuda.launch_geometry(b, hkv, chunks, n * g, span)
     groups = -(-chunks // attention.FOLD)
 
     def launch():
@@ -358,7 +397,7 @@ def timeline(depth: int, b: int) -> None:
         return kernel(
             inputs=[q, keys, values, mx.array([d ** -0.5], mx.float32),
                     mx.array([0.0], mx.float32), params, counters],
-            template=[("T", mx.bfloat16), ("P", mx.bfloat16), ("HD", d)], grid=grid,
+            template=[("T", mx.bfloat16), ("P", mx.bfloat16), ("HD", d), ("SPAN", span)], grid=grid,
             threadgroup=threadgroup, init_value=0,
             output_shapes=[(b, hkv * g, n, d), (b, hkv, chunks, n * g, d + 2),
                            (b, hkv, groups, n * g, d + 2), (blocks * 8,)],
@@ -373,7 +412,7 @@ def timeline(depth: int, b: int) -> None:
     def med(x):
         x = x[~np.isnan(x)]
         return f"{np.median(x):6.1f}" if x.size else "     -"
-    print(f"\nTimeline: {depth:,} keys, B = {b}: {blocks} blocks on {sms} SMs, the launch's span "
+    print(f"\nTimeline: {depth:,} keys, B = {b}, span {span}: {blocks} blocks on {sms} SMs, the launch's span "
           f"{np.nanmax(t):.1f} us (starts {np.nanmin(t[:, 0]):.1f}..{np.nanmax(t[:, 0]):.1f} us)")
     print(f"  per block, median us: params + Q tile {med(t[:, 1] - t[:, 0])}, warp 0's tiles "
           f"{med(t[:, 2] - t[:, 1])}, the warps' combine + the write {med(t[:, 3] - t[:, 2])}, "
@@ -410,6 +449,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", default="", help="B values: one launch each at --depth, its blocks' "
                    "phases stamped (MUSER_ATTEND_TIMELINE)")
     p.add_argument("--stages", default="2", help="cp.async ring depths to time (e.g. 2,3,4)")
+    p.add_argument("--spans", default="1", help="chunks a block takes in turn, to time (e.g. 1,2,4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(f"device: {mx.default_device()}")
@@ -417,11 +457,13 @@ def main(argv=None) -> int:
     if not args.skip_check:
         ok = correctness(np.random.default_rng(args.seed))
         print("PASS" if ok else "FAIL")
+    spans = [int(x) for x in args.spans.split(",")]
     for b in [int(x) for x in args.timeline.split(",") if x]:
-        timeline(args.depth, b)
+        for span in spans:
+            timeline(args.depth, b, span)
     if not args.skip_timing:
         timing(args.depth, [int(x) for x in args.batches.split(",")], args.bandwidth, args.reps,
-               [int(x) for x in args.stages.split(",")])
+               [int(x) for x in args.stages.split(",")], spans)
     return 0 if ok else 1
 
 

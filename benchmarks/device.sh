@@ -11,7 +11,7 @@
 #                                        # floor, decode over 52 layers
 #   bash benchmarks/device.sh check      # the tensor-core launch: PASS, one layer with and without
 #                                        # its fold and combine, at 131k and 32k, and its blocks'
-#                                        # phases (--timeline)
+#                                        # phases (--timeline), for each span (SPANS=1,2,4,8,16)
 #   bash benchmarks/device.sh mixed      # batched decode at 131k, mixed lengths (16k..131k) beside
 #                                        # an equal batch of the same rows, B = 2, 8, 16, 32
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
@@ -116,10 +116,10 @@ check)
   # the tensor-core launch alone: PASS, then one layer at 131k and 32k, with and without its tail
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
     *H200*) bw=4.8e12 ;; *) bw=3.35e12 ;; esac
-  b attention_check 200 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 \
-    --timeline 1,8
-  b attention_check 100 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 \
-    --depth 32768 --skip-check --timeline 1,8
+  b attention_check 240 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 \
+    --timeline 1,8 --spans ${SPANS:-1,2,4,8,16}
+  b attention_check 120 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 \
+    --depth 32768 --skip-check --timeline 1,8 --spans ${SPANS:-1,2,4,8,16}
   ;;
 mixed)
   b mixed 580 benchmarks/batched.py --contexts 131072 --batches ${2:-2,8,16,32} --systems muser-kv \

@@ -1,8 +1,9 @@
 // muser-kv decode attention, first pass, CUDA tensor-core form (header: file scope).
 //
-// One threadblock (4 warps, 128 threads) per (sequence b, K/V head h, chunk c,
-// M tile mt): the M tile is 16 query rows r = i*G + g (token i, head g of the
-// group) of the n*G rows that share K/V head h. The chunk's CHUNK keys (by
+// One threadblock (4 warps, 128 threads) per (sequence b, K/V head h, SPAN
+// consecutive chunks from c, M tile mt), taking its chunks in turn: the M tile
+// is 16 query rows r = i*G + g (token i, head g of the group) of the n*G rows
+// that share K/V head h. The chunk's CHUNK keys (by
 // logical position) are split into tiles of 16; warp w owns the CHUNK/64
 // consecutive tiles starting at key w*CHUNK/4 of the chunk and runs its own
 // online softmax over them in ascending position; the 4 warps' (m, l, o) are
@@ -164,8 +165,12 @@ __host__ __device__ constexpr int pitch(int hd) { return hd + 8; }  // halves pe
 __host__ __device__ constexpr int q_bytes(int hd) { return ROWS * pitch(hd) * 2; }
 __host__ __device__ constexpr int warp_bytes(int hd) { return STAGES * 2 * TK * pitch(hd) * 2; }
 __host__ __device__ constexpr int comb_bytes() { return ROWS * 8 * 4; }
-__host__ __device__ constexpr int smem_bytes(int hd) {
-  return q_bytes(hd) + WARPS * warp_bytes(hd) + comb_bytes();
+// A warp's (m, l, o) for the combine of the chunk's four warps: in the warp's
+// own ring when the block has one chunk (the ring is no longer read then), in
+// a region of its own when the next chunk's tiles are already in the ring.
+__host__ __device__ constexpr int scratch_bytes(int hd) { return 4 * (2 * ROWS + ROWS * (hd + 8)); }
+__host__ __device__ constexpr int smem_bytes(int hd, int span) {
+  return q_bytes(hd) + WARPS * warp_bytes(hd) + comb_bytes() + (span > 1 ? WARPS * scratch_bytes(hd) : 0);
 }
 
 // The sequence's chunk range a block's (b, .., mt) sees: how many chunks hold
@@ -178,14 +183,16 @@ __device__ __forceinline__ int chunk_count(int end, int held, int n, int window,
   return lo >= end ? 0 : min(max_chunks, (end - 1) / chunk - lo / chunk + 1);
 }
 
-// What a block is: the params' header, and this block's (b, h, c, mt) and
+// What a block is: the params' header, and this block's (b, h, span, mt) and
 // sequence, decoded from blockIdx (the grid's order: mt fastest, then the
-// chunk, the K/V head, the sequence).
+// span of `span` chunks, the K/V head, the sequence). c: the span's first
+// chunk; chunks: how many of its chunks are below max_chunks. A span never
+// straddles two fold groups (span divides FOLD).
 struct Block {
-  int B, Hkv, G, n, CHUNK, max_chunks, window, nG, MT, mt, c, h, b;
+  int B, Hkv, G, n, CHUNK, max_chunks, window, nG, MT, mt, c, chunks, h, b;
   const int32_t* seq;  // slot, end, held, origin, wrap
 
-  __device__ __forceinline__ Block(const int32_t* params, int params_len) {
+  __device__ __forceinline__ Block(const int32_t* params, int params_len, int span) {
     B = params[0], Hkv = params[1], G = params[2], n = params[3];
     CHUNK = params[5], max_chunks = params[6], window = params[7];
     nG = n * G;
@@ -193,8 +200,10 @@ struct Block {
     int64_t blk = blockIdx.x;
     mt = static_cast<int>(blk % MT);
     blk /= MT;
-    c = static_cast<int>(blk % max_chunks);
-    blk /= max_chunks;
+    const int spans = (max_chunks + span - 1) / span;
+    c = static_cast<int>(blk % spans) * span;
+    chunks = min(span, max_chunks - c);
+    blk /= spans;
     h = static_cast<int>(blk % Hkv);
     b = static_cast<int>(blk / Hkv);
     seq = params + (params_len - 5 * B) + 5 * (b < B ? b : 0);
@@ -207,8 +216,11 @@ struct Block {
 // P (f16 or bf16). Strides are in elements. params_len: params' length, whose
 // header is 8 ints (B .. window) or 9 (the combine's sinks flag at [8]): the
 // sequences' five ints each end it. Needs blockDim.x == THREADS and
-// smem_bytes(HD) bytes of dynamic shared memory.
-template <typename T, typename P, int HD>
+// smem_bytes(HD, SPAN) bytes of dynamic shared memory. A block takes SPAN
+// consecutive chunks in turn, each exactly as a block of its own would (its
+// own partial, the same sums): the warps' copies run on into the next chunk's
+// tiles while the block combines and writes the last one's.
+template <typename T, typename P, int HD, int SPAN>
 __device__ __forceinline__ void attend_partials(
     const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
     const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
@@ -220,16 +232,22 @@ __device__ __forceinline__ void attend_partials(
   constexpr int VPR = HD / 8;  // 16-byte vectors per K/V row
   constexpr int OUTW = HD + 2; // o, m, l
   constexpr int OPITCH = HD + 8;  // floats per row of a warp's o in the combine
-  static_assert(4 * (2 * ROWS + ROWS * OPITCH) <= warp_bytes(HD), "combine scratch fits a warp's ring");
+  static_assert(scratch_bytes(HD) == 4 * (2 * ROWS + ROWS * OPITCH), "the combine's scratch");
+  static_assert(scratch_bytes(HD) <= warp_bytes(HD), "combine scratch fits a warp's ring");
+  static_assert(SPAN >= 1 && FOLD % SPAN == 0, "a span lies in one fold group");
 
   extern __shared__ __align__(16) unsigned char muser_attend_smem[];
   unsigned short* q_s = reinterpret_cast<unsigned short*>(muser_attend_smem);
   unsigned char* rings = muser_attend_smem + q_bytes(HD);
   float* comb = reinterpret_cast<float*>(rings + WARPS * warp_bytes(HD));
+  // warp w's (m, l, o) for the combine: scr + w * scr_stride (see scratch_bytes)
+  unsigned char* const scr = SPAN == 1 ? rings : reinterpret_cast<unsigned char*>(comb + ROWS * 8);
+  constexpr int scr_stride = SPAN == 1 ? warp_bytes(HD) : scratch_bytes(HD);
 
-  const Block at(params, params_len);
+  const Block at(params, params_len, SPAN);
   const int B = at.B, Hkv = at.Hkv, G = at.G, n = at.n, CHUNK = at.CHUNK, window = at.window;
   const int max_chunks = at.max_chunks, nG = at.nG, mt = at.mt, c = at.c, h = at.h, b = at.b;
+  const int chunks = at.chunks;
   if (b >= B) return;
 
   const int32_t* seq = at.seq;
@@ -239,25 +257,36 @@ __device__ __forceinline__ void attend_partials(
 
   const int tid = threadIdx.x;
   const int rows_out = min(ROWS, nG - ROWS * mt);
+  // chunk c + j's partial: out + j * step
   float* out = partials + ((static_cast<int64_t>(b * Hkv + h) * max_chunks + c) * nG + ROWS * mt) * OUTW;
+  const int64_t step = static_cast<int64_t>(nG) * OUTW;
 
   if (CHUNK <= 0 || CHUNK % (WARPS * TK) != 0) {  // not a tiling of the chunk: say so loudly
-    for (int e = tid; e < rows_out * OUTW; e += THREADS) out[e] = __int_as_float(0x7fc00000);
+    for (int j = 0; j < chunks; ++j) {
+      for (int e = tid; e < rows_out * OUTW; e += THREADS) out[j * step + e] = __int_as_float(0x7fc00000);
+    }
     return;
   }
   const int first = lo / CHUNK;
   const int count = chunk_count(end, held, n, window, CHUNK, max_chunks);
-  if (c >= count) {  // no key here: m = -inf, l = 0, o = 0 (block-uniform exit)
+  // chunks c .. c + live - 1 hold keys; the rest get m = -inf, l = 0, o = 0
+  const int live = max(0, min(chunks, count - c));
+  for (int j = live; j < chunks; ++j) {
     for (int e = tid; e < rows_out * OUTW; e += THREADS) {
-      out[e] = (e % OUTW == HD) ? neg_inf() : 0.0f;
+      out[j * step + e] = (e % OUTW == HD) ? neg_inf() : 0.0f;
     }
-    return;
   }
+  if (live == 0) return;  // block-uniform
 
   const int warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int tiles = CHUNK / (WARPS * TK);  // per warp
-  const int warp_pos = (first + c) * CHUNK + warp * tiles * TK;
+  const int per_chunk = CHUNK / (WARPS * TK);  // a warp's tiles of one chunk
+  const int tiles = live * per_chunk;          // ... of the span, in turn
+  const int warp_pos = (first + c) * CHUNK + warp * per_chunk * TK;
+  // the first position of the warp's tile `tile` (chunk tile / per_chunk)
+  auto tile_pos = [&](int tile) {
+    return warp_pos + (tile / per_chunk) * CHUNK + (tile % per_chunk) * TK;
+  };
   unsigned char* ring = rings + warp * warp_bytes(HD);
 
   // Positions each of this lane's two rows (g, g + 8) sees: [rlo, rhi].
@@ -288,12 +317,12 @@ __device__ __forceinline__ void attend_partials(
 
   // A tile is loaded and computed iff it holds a position in [lo, end).
   auto tile_live = [&](int tile) {
-    const int p0 = warp_pos + tile * TK;
+    const int p0 = tile_pos(tile);
     return p0 + TK > lo && p0 < end;
   };
   auto issue = [&](int tile) {
     if (!tile_live(tile)) return;
-    const int p0 = warp_pos + tile * TK;
+    const int p0 = tile_pos(tile);
     unsigned short* k_s = reinterpret_cast<unsigned short*>(ring + (tile % STAGES) * 2 * TK * PITCH * 2);
     unsigned short* v_s = k_s + TK * PITCH;
     for (int e = lane; e < TK * VPR; e += 32) {
@@ -362,11 +391,77 @@ __device__ __forceinline__ void attend_partials(
   const int k_off = (r8 + 8 * (sel >> 1)) * PITCH + 8 * (sel & 1);
   const int v_off = (r8 + 8 * (sel & 1)) * PITCH + 8 * (sel >> 1);
 
+  // Chunk c + j is done: the warps' (m, l, o) combined in warp order 0..3 and
+  // written as its partial; the accumulators start over for the next chunk.
+  auto finish = [&](int j) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      l[k] += __shfl_xor_sync(0xffffffffu, l[k], 1);
+      l[k] += __shfl_xor_sync(0xffffffffu, l[k], 2);
+    }
+
+    // This warp's (m, l, o) into its scratch.
+    float* ms = reinterpret_cast<float*>(scr + warp * scr_stride);
+    float* ls = ms + ROWS;
+    float* os = ls + ROWS;  // [ROWS][OPITCH]
+    if (t == 0) {
+      ms[g] = m[0];
+      ms[g + 8] = m[1];
+      ls[g] = l[0];
+      ls[g + 8] = l[1];
+    }
+#pragma unroll
+    for (int jj = 0; jj < HD / 8; ++jj) {
+      *reinterpret_cast<float2*>(os + g * OPITCH + 8 * jj + 2 * t) = make_float2(o[jj][0], o[jj][1]);
+      *reinterpret_cast<float2*>(os + (g + 8) * OPITCH + 8 * jj + 2 * t) = make_float2(o[jj][2], o[jj][3]);
+    }
+    __syncthreads();
+
+    // Combine warps 0..3 in order against their common max.
+    if (tid < ROWS) {
+      float top = neg_inf();
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        top = fmaxf(top, reinterpret_cast<const float*>(scr + w * scr_stride)[tid]);
+      }
+      comb[tid * 8] = top;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float mw = reinterpret_cast<const float*>(scr + w * scr_stride)[tid];
+        comb[tid * 8 + 1 + w] = mw == neg_inf() ? 0.0f : expf(mw - top);
+      }
+    }
+    __syncthreads();
+
+    for (int e = tid; e < rows_out * OUTW; e += THREADS) {
+      const int r = e / OUTW, col = e % OUTW;
+      float acc;
+      if (col == HD) {
+        acc = comb[r * 8];
+      } else {
+        const int idx = col < HD ? 2 * ROWS + r * OPITCH + col : ROWS + r;  // o or l
+        acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+          acc += comb[r * 8 + 1 + w] * reinterpret_cast<const float*>(scr + w * scr_stride)[idx];
+        }
+      }
+      out[j * step + e] = acc;
+    }
+    if (SPAN > 1) {
+      __syncthreads();  // every thread is done reading the scratch and comb
+#pragma unroll
+      for (int jj = 0; jj < HD / 8; ++jj) o[jj][0] = o[jj][1] = o[jj][2] = o[jj][3] = 0.0f;
+      m[0] = m[1] = neg_inf();
+      l[0] = l[1] = 0.0f;
+    }
+  };
+
   for (int tile = 0; tile < tiles; ++tile) {
     cp_async_wait<STAGES - 1>();  // this lane's copies of `tile` have landed
     __syncwarp();                 // ... and every lane's, visibly
     if (tile_live(tile)) {
-      const int p0 = warp_pos + tile * TK;
+      const int p0 = tile_pos(tile);
       const unsigned short* k_s =
           reinterpret_cast<const unsigned short*>(ring + (tile % STAGES) * 2 * TK * PITCH * 2);
       const uint32_t k_lane = smem_addr(k_s + k_off);
@@ -437,65 +532,14 @@ __device__ __forceinline__ void attend_partials(
     __syncwarp();  // every lane is done reading this stage before it is refilled
     if (tile + STAGES < tiles) issue(tile + STAGES);
     cp_async_commit();
+    if (SPAN > 1 && tile % per_chunk == per_chunk - 1 && tile + 1 < tiles) {
+      finish(tile / per_chunk);  // the next chunk's first tiles are in flight meanwhile
+    }
   }
   cp_async_wait<0>();
   __syncwarp();
   MUSER_STAMP(2);  // this warp's tiles are done
-
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    l[k] += __shfl_xor_sync(0xffffffffu, l[k], 1);
-    l[k] += __shfl_xor_sync(0xffffffffu, l[k], 2);
-  }
-
-  // This warp's (m, l, o) into its own ring (the ring is no longer read).
-  float* ms = reinterpret_cast<float*>(ring);
-  float* ls = ms + ROWS;
-  float* os = ls + ROWS;  // [ROWS][OPITCH]
-  if (t == 0) {
-    ms[g] = m[0];
-    ms[g + 8] = m[1];
-    ls[g] = l[0];
-    ls[g + 8] = l[1];
-  }
-#pragma unroll
-  for (int j = 0; j < HD / 8; ++j) {
-    *reinterpret_cast<float2*>(os + g * OPITCH + 8 * j + 2 * t) = make_float2(o[j][0], o[j][1]);
-    *reinterpret_cast<float2*>(os + (g + 8) * OPITCH + 8 * j + 2 * t) = make_float2(o[j][2], o[j][3]);
-  }
-  __syncthreads();
-
-  // Combine warps 0..3 in order against their common max.
-  if (tid < ROWS) {
-    float top = neg_inf();
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      top = fmaxf(top, reinterpret_cast<const float*>(rings + w * warp_bytes(HD))[tid]);
-    }
-    comb[tid * 8] = top;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float mw = reinterpret_cast<const float*>(rings + w * warp_bytes(HD))[tid];
-      comb[tid * 8 + 1 + w] = mw == neg_inf() ? 0.0f : expf(mw - top);
-    }
-  }
-  __syncthreads();
-
-  for (int e = tid; e < rows_out * OUTW; e += THREADS) {
-    const int r = e / OUTW, col = e % OUTW;
-    float acc;
-    if (col == HD) {
-      acc = comb[r * 8];
-    } else {
-      const int at = col < HD ? 2 * ROWS + r * OPITCH + col : ROWS + r;  // o or l
-      acc = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        acc += comb[r * 8 + 1 + w] * reinterpret_cast<const float*>(rings + w * warp_bytes(HD))[at];
-      }
-    }
-    out[e] = acc;
-  }
+  finish(live - 1);
 }
 
 // The second half of one launch: the chunk partials of a (sequence, K/V head,
@@ -509,7 +553,7 @@ __device__ __forceinline__ void attend_partials(
 // (groups + 1) per (b, h, mt); integer atomics only. A fold of a sequence's
 // single group is exact (its weight against itself is exp(0) = 1), so always
 // folding gives every sequence one rule whatever max_chunks the batch has.
-template <typename T, int HD>
+template <typename T, int HD, int SPAN>
 __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32_t* params,
                                                  int params_len, const float* partials,
                                                  float* merged, int* counters, T* out MUSER_TL_PARAM) {
@@ -519,7 +563,7 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
   float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
 
-  const Block at(params, params_len);
+  const Block at(params, params_len, SPAN);
   const int Hkv = at.Hkv, G = at.G, n = at.n, max_chunks = at.max_chunks, nG = at.nG, MT = at.MT;
   const int mt = at.mt, c = at.c, h = at.h, b = at.b;
   if (b >= at.B) return;
@@ -535,15 +579,18 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   // This block's partial is written; the last of its group folds the group.
   __threadfence();
   __syncthreads();
-  if (tid == 0) flags[0] = atomicAdd(ctr + gi, 1) == min(FOLD, max_chunks - gi * FOLD) - 1;
+  // (the block's chunks count at once: its span lies in group gi)
+  if (tid == 0) flags[0] = atomicAdd(ctr + gi, at.chunks) + at.chunks == min(FOLD, max_chunks - gi * FOLD);
   __syncthreads();
   if (!flags[0]) return;
   __threadfence();
   MUSER_STAMP(4);  // the last of its group: the fold starts
 
-  // Every load below is issued before its value is needed (the max and
-  // weight scores through shared memory, each element's FOLD chunks at once):
-  // the tail's time is a few L2 round trips, not one per chunk.
+  // Every load below is issued before its value is needed: the max and
+  // weight scores through shared memory, then all of a thread's elements,
+  // several chunks (folds) of each, in flight at once. The tail's time is a
+  // few L2 round trips, not one per element and chunk; each element still
+  // sums its chunks in ascending order.
   const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
   const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
   float* fw = scratch;               // [FOLD][ROWS]: a chunk's max, then its weight (-inf: unseen)
@@ -568,25 +615,50 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   __syncthreads();
   float* mout = merged + ((static_cast<int64_t>(b * Hkv + h) * groups + gi) * nG + ROWS * mt) * OUTW;
   constexpr int PAIRS = OUTW / 2;  // rows of o, m, l as 8-byte pairs (OUTW is even)
-  for (int e = tid; e < rows_out * PAIRS; e += THREADS) {
-    const int r = e / PAIRS, col = 2 * (e % PAIRS);
-    float2 v[FOLD];
+  constexpr int FE = (ROWS * PAIRS + THREADS - 1) / THREADS;  // a thread's elements
+  constexpr int FK = FE * FOLD <= 40 ? FOLD : (40 / FE > 0 ? 40 / FE : 1);  // chunks a round
+  const int pairs = rows_out * PAIRS;
+  float facc[FE][2];
 #pragma unroll
-    for (int k = 0; k < FOLD; ++k) {
-      v[k] = c0 + k < c1 ? __ldcg(reinterpret_cast<const float2*>(pin + (c0 + k) * step + r * OUTW + col))
-                         : make_float2(0.0f, 0.0f);
-    }
-    float acc0 = 0.0f, acc1 = 0.0f;
+  for (int j = 0; j < FE; ++j) facc[j][0] = facc[j][1] = 0.0f;
+  for (int k0 = 0; k0 < FOLD; k0 += FK) {
+    float2 v[FE][FK];
 #pragma unroll
-    for (int k = 0; k < FOLD; ++k) {
-      const float w = c0 + k < c1 ? fw[k * ROWS + r] : neg_inf();
-      if (w != neg_inf()) {
-        acc0 += w * v[k].x;
-        acc1 += w * v[k].y;
+    for (int j = 0; j < FE; ++j) {
+      const int e = tid + j * THREADS;
+      const int r = e / PAIRS, col = 2 * (e % PAIRS);
+#pragma unroll
+      for (int kk = 0; kk < FK; ++kk) {
+        const int k = k0 + kk;
+        v[j][kk] = e < pairs && k < FOLD && c0 + k < c1
+                       ? __ldcg(reinterpret_cast<const float2*>(pin + (c0 + k) * step + r * OUTW + col))
+                       : make_float2(0.0f, 0.0f);
       }
     }
-    if (col == HD) acc0 = ftop[r];  // the pair (m, l): the group's max, its weighted sum
-    *reinterpret_cast<float2*>(mout + r * OUTW + col) = make_float2(acc0, acc1);
+#pragma unroll
+    for (int j = 0; j < FE; ++j) {
+      const int e = tid + j * THREADS;
+      const int r = e / PAIRS;
+#pragma unroll
+      for (int kk = 0; kk < FK; ++kk) {
+        const int k = k0 + kk;
+        const float w = e < pairs && k < FOLD && c0 + k < c1 ? fw[k * ROWS + r] : neg_inf();
+        if (w != neg_inf()) {
+          facc[j][0] += w * v[j][kk].x;
+          facc[j][1] += w * v[j][kk].y;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < FE; ++j) {
+    const int e = tid + j * THREADS;
+    if (e < pairs) {
+      const int r = e / PAIRS, col = 2 * (e % PAIRS);
+      // the pair (m, l): the group's max, its weighted sum
+      const float a0 = col == HD ? ftop[r] : facc[j][0];
+      *reinterpret_cast<float2*>(mout + r * OUTW + col) = make_float2(a0, facc[j][1]);
+    }
   }
 
   // This fold is written; the last fold combines them all.
@@ -603,12 +675,24 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   float* cw = scratch;                   // [groups][ROWS]: a fold's max, then its weight
   float* cl = cw + groups * ROWS;        // [groups][ROWS]: its sum
   float* total_s = cl + groups * ROWS;   // [ROWS]
-  for (int i = tid; i < folds * ROWS; i += THREADS) {
-    const int f = i / ROWS, r = i % ROWS;
-    const float2 ml = r < rows_out ? __ldcg(reinterpret_cast<const float2*>(gin + f * step + r * OUTW + HD))
-                                   : make_float2(neg_inf(), 0.0f);
-    cw[i] = ml.x;
-    cl[i] = ml.y;
+  constexpr int ML = 8;  // (m, l) pairs a thread has in flight
+  for (int i0 = tid; i0 < folds * ROWS; i0 += ML * THREADS) {
+    float2 ml[ML];
+#pragma unroll
+    for (int k = 0; k < ML; ++k) {
+      const int i = i0 + k * THREADS, f = i / ROWS, r = i % ROWS;
+      ml[k] = i < folds * ROWS && r < rows_out
+                  ? __ldcg(reinterpret_cast<const float2*>(gin + f * step + r * OUTW + HD))
+                  : make_float2(neg_inf(), 0.0f);
+    }
+#pragma unroll
+    for (int k = 0; k < ML; ++k) {
+      const int i = i0 + k * THREADS;
+      if (i < folds * ROWS) {
+        cw[i] = ml[k].x;
+        cl[i] = ml[k].y;
+      }
+    }
   }
   __syncthreads();
   if (tid < rows_out) {
@@ -634,48 +718,68 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
     total_s[tid] = total;
   }
   __syncthreads();
-  constexpr int BATCH = 8;  // folds whose loads are in flight at once
-  for (int e = tid; e < rows_out * (HD / 2); e += THREADS) {
-    const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
-    const int R = ROWS * mt + r;
-    float acc0 = 0.0f, acc1 = 0.0f;
-    for (int f0 = 0; f0 < folds; f0 += BATCH) {
-      float2 v[BATCH];
+  constexpr int CE = (ROWS * (HD / 2) + THREADS - 1) / THREADS;  // a thread's elements
+  constexpr int CB = 32 / CE > 0 ? 32 / CE : 1;                   // folds a round
+  const int elems = rows_out * (HD / 2);
+  float cacc[CE][2];
 #pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
-        v[k] = f0 + k < folds ? __ldcg(reinterpret_cast<const float2*>(gin + (f0 + k) * step + r * OUTW + d))
-                              : make_float2(0.0f, 0.0f);
+  for (int j = 0; j < CE; ++j) cacc[j][0] = cacc[j][1] = 0.0f;
+  for (int f0 = 0; f0 < folds; f0 += CB) {
+    float2 v[CE][CB];
+#pragma unroll
+    for (int j = 0; j < CE; ++j) {
+      const int e = tid + j * THREADS;
+      const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
+#pragma unroll
+      for (int k = 0; k < CB; ++k) {
+        v[j][k] = e < elems && f0 + k < folds
+                      ? __ldcg(reinterpret_cast<const float2*>(gin + (f0 + k) * step + r * OUTW + d))
+                      : make_float2(0.0f, 0.0f);
       }
+    }
 #pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
-        const float w = f0 + k < folds ? cw[(f0 + k) * ROWS + r] : neg_inf();
+    for (int j = 0; j < CE; ++j) {
+      const int e = tid + j * THREADS;
+      const int r = e / (HD / 2);
+#pragma unroll
+      for (int k = 0; k < CB; ++k) {
+        const float w = e < elems && f0 + k < folds ? cw[(f0 + k) * ROWS + r] : neg_inf();
         if (w != neg_inf()) {
-          acc0 += w * v[k].x;
-          acc1 += w * v[k].y;
+          cacc[j][0] += w * v[j][k].x;
+          cacc[j][1] += w * v[j][k].y;
         }
       }
     }
-    const float total = total_s[r];
-    T* o = out + ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d;
-    o[0] = static_cast<T>(total > 0.0f ? acc0 / total : 0.0f);
-    o[1] = static_cast<T>(total > 0.0f ? acc1 / total : 0.0f);
+  }
+#pragma unroll
+  for (int j = 0; j < CE; ++j) {
+    const int e = tid + j * THREADS;
+    if (e < elems) {
+      const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
+      const int R = ROWS * mt + r;
+      const float total = total_s[r];
+      T* o = out + ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d;
+      o[0] = static_cast<T>(total > 0.0f ? cacc[j][0] / total : 0.0f);
+      o[1] = static_cast<T>(total > 0.0f ? cacc[j][1] / total : 0.0f);
+    }
   }
   MUSER_STAMP(6);  // the output is written
 }
 
-// Decode attention in one launch: each block's chunk partial (attend_partials),
-// then the fold and the combine by the last blocks (fold_and_combine).
-template <typename T, typename P, int HD>
+// Decode attention in one launch: each block's chunk partials (attend_partials,
+// SPAN chunks a block), then the fold and the combine by the last blocks
+// (fold_and_combine).
+template <typename T, typename P, int HD, int SPAN>
 __device__ __forceinline__ void attend(
     const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
     const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
     const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
     const float* scale_in, const float* sinks, const int32_t* params, int params_len,
     const int32_t* counters, T* out, float* partials, float* merged MUSER_TL_PARAM) {
-  attend_partials<T, P, HD>(queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values, vs0,
+  attend_partials<T, P, HD, SPAN>(queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values, vs0,
                             vs1, vs2, vs3, scale_in, params, params_len, partials MUSER_TL_ARG);
   // counters: an input MLX made zero for this launch alone (the launcher's), counted here
-  fold_and_combine<T, HD>(sinks, params, params_len, partials, merged,
+  fold_and_combine<T, HD, SPAN>(sinks, params, params_len, partials, merged,
                           const_cast<int*>(counters), out MUSER_TL_ARG);
 }
 

@@ -30,10 +30,16 @@ quarter of the chunk's keys (tiles of 16, ascending), each with its own online
 softmax, combined warp 0..3 in order; P is rounded to the element type for the
 P.V product and ``l`` sums exactly the rounded weights.
 
-Launch: ``grid = (128 * B * Hkv * max_chunks * ceil(n*G / 16), 1, 1)`` (MLX
-counts threads), ``threadgroup = (128, 1, 1)``, ``shared_bytes(D)`` of dynamic
-shared memory (74,496 at D = 128: three blocks per H100/H200 SM; 128
-registers a thread, no spills, NVRTC sm_90a). The kernel text ships as
+A block may take ``span`` consecutive chunks in turn (``SPANS``,
+``span_for``), its copies running on into the next chunk's tiles while it
+writes the last one's partial; each chunk's sums are the same whichever block
+computes them.
+
+Launch: ``grid = (128 * B * Hkv * ceil(max_chunks / span) * ceil(n*G / 16), 1,
+1)`` (MLX counts threads), ``threadgroup = (128, 1, 1)``, ``shared_bytes(D,
+span)`` of dynamic shared memory (74,496 at D = 128 and span 1: three blocks
+per H100/H200 SM; 109,824 with a span: two; at most 168 registers a thread,
+no spills, NVRTC sm_90a). The kernel text ships as
 ``*.cu``/``*.h`` in ``kernels/``: a wheel needs ``*.cu`` in the package data.
 """
 
@@ -64,12 +70,14 @@ WARPS, TILE_KEYS, STAGES = 4, 16, 2
 FOLD = attention.FOLD
 
 
-def shared_bytes(head_dim: int) -> int:
+def shared_bytes(head_dim: int, span: int = 1) -> int:
     """Dynamic shared memory per block (muser_attend::smem_bytes): the Q tile,
     each warp's 2-stage K/V ring of 16-key tiles (rows padded to D + 8 halves),
-    the combine's weights."""
+    the combine's weights; with ``span`` > 1 each warp's (m, l, o) for the
+    combine in a region of its own (the ring holds the next chunk's tiles)."""
     pitch = head_dim + 8
-    return ROWS * pitch * 2 + WARPS * STAGES * 2 * TILE_KEYS * pitch * 2 + ROWS * 8 * 4
+    scratch = WARPS * 4 * (2 * ROWS + ROWS * pitch) if span > 1 else 0
+    return ROWS * pitch * 2 + WARPS * STAGES * 2 * TILE_KEYS * pitch * 2 + ROWS * 8 * 4 + scratch
 
 
 def _text(name: str) -> str:
@@ -87,27 +95,49 @@ def kernel_header() -> str:
     return _text("attend_mma.h")
 
 
-def kernel_name(head_dim: int) -> str:
-    return f"muser_kv_attend_mma_d{head_dim}"
+def kernel_name(head_dim: int, span: int = 1) -> str:
+    return f"muser_kv_attend_mma_d{head_dim}" + (f"_x{span}" if span > 1 else "")
 
 
-_built: Dict[int, Callable] = {}
+_built: Dict[Tuple[int, int], Callable] = {}
 
 
-def _kernel(head_dim: int) -> Callable:
-    """One kernel object per head_dim: its shared memory is fixed at build time."""
-    if head_dim not in _built:
-        _built[head_dim] = cast(Callable, mx.fast.cuda_kernel(
-            name=kernel_name(head_dim), input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
+def _kernel(head_dim: int, span: int) -> Callable:
+    """One kernel object per (head_dim, span): its shared memory is fixed at build time."""
+    if (head_dim, span) not in _built:
+        _built[head_dim, span] = cast(Callable, mx.fast.cuda_kernel(
+            name=kernel_name(head_dim, span), input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
             source=kernel_source(), header=kernel_header(), ensure_row_contiguous=False,
-            shared_memory=shared_bytes(head_dim)))
-    return _built[head_dim]
+            shared_memory=shared_bytes(head_dim, span)))
+    return _built[head_dim, span]
 
 
-def launch_geometry(batch: int, kv_heads: int, max_chunks: int,
-                    n_g: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int], int]:
-    """``(grid, threadgroup, blocks)``: MLX's grid counts threads."""
-    blocks = batch * kv_heads * max_chunks * (-(-n_g // ROWS))
+#: Chunks a block may take in turn (muser_attend's SPAN): divisors of FOLD, so
+#: that a block's chunks lie in one fold group.
+SPANS = (1, 2, 4, 8, 16)
+#: A launch takes blocks of ``LONG_SPAN`` chunks when a sequence has at least
+#: ``LONG_CHUNKS`` chunks and that grid keeps ``FULL_GRID`` blocks, else one
+#: chunk a block; ``FULL_GRID`` 0: always one. The span moves no bit: every
+#: chunk's partial is the same sums whichever block computes it. Off: on an
+#: H100 one launch at 131k, B = 1, takes longer with any span than without
+#: (fewer blocks stream longer), and decode over 52 layers slows at 131k
+#: (docs/performance.md, "Decode attention").
+LONG_SPAN, LONG_CHUNKS, FULL_GRID = 16, 128, 0
+
+
+def span_for(batch: int, kv_heads: int, max_chunks: int, n_g: int) -> int:
+    """The span a launch of this shape takes (``LONG_SPAN``, ``FULL_GRID``)."""
+    if FULL_GRID and max_chunks >= LONG_CHUNKS and \
+            launch_geometry(batch, kv_heads, max_chunks, n_g, LONG_SPAN)[2] >= FULL_GRID:
+        return LONG_SPAN
+    return 1
+
+
+def launch_geometry(batch: int, kv_heads: int, max_chunks: int, n_g: int,
+                    span: int = 1) -> Tuple[Tuple[int, int, int], Tuple[int, int, int], int]:
+    """``(grid, threadgroup, blocks)``: MLX's grid counts threads; a block per
+    (sequence, K/V head, ``span`` chunks, M tile)."""
+    blocks = batch * kv_heads * -(-max_chunks // span) * (-(-n_g // ROWS))
     return (THREADS * blocks, 1, 1), (THREADS, 1, 1), blocks
 
 
@@ -120,8 +150,8 @@ def most_chunks(head_dim: int) -> int:
 
 def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
                params: Union[mx.array, Sequence[int]], scale: Union[float, mx.array],
-               max_chunks: int, n_g: int,
-               sinks: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+               max_chunks: int, n_g: int, sinks: Optional[mx.array] = None,
+               span: Optional[int] = None) -> Tuple[mx.array, mx.array]:
     """Decode attention, one launch: ``(out, partials)``, ``out`` ``[B, Hq, n,
     D]`` in the queries' dtype and the chunk partials ``[B, Hkv, max_chunks,
     n_g, D + 2]`` float32 it was combined from.
@@ -132,7 +162,8 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
     n, G, max_chunks must agree with the shapes and arguments; ``max_chunks``
     at least every sequence's count; a 9-int header's flag set when ``sinks``
     are given), ``scale`` a float or a float32 ``[1]`` array, ``n_g = n * G``,
-    ``sinks`` float32 ``[Hq]`` or ``None``."""
+    ``sinks`` float32 ``[Hq]`` or ``None``; ``span``: chunks a block takes in
+    turn (of ``SPANS``; ``None``: ``span_for``'s), which changes no bit."""
     b, hq, n, d = queries.shape
     kv_heads = keys.shape[1]
     if queries.dtype not in (mx.float32, mx.float16, mx.bfloat16):
@@ -163,13 +194,17 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
         sinks = _NO_SINKS
     elif sinks.dtype != mx.float32 or sinks.size != hq:
         raise ValueError(f"attend_mma: sinks float32 [{hq}], got {sinks.dtype} {tuple(sinks.shape)}")
+    if span is None:
+        span = span_for(b, kv_heads, max_chunks, n_g)
+    elif span not in SPANS:
+        raise ValueError(f"attend_mma: span {span}, one of {SPANS}")
     groups = -(-max_chunks // FOLD)
     tiles = -(-n_g // ROWS)
     counters = _COUNTERS.take(b * kv_heads * tiles * (groups + 1))
-    grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g)
-    out, partials, _ = _kernel(d)(
+    grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g, span)
+    out, partials, _ = _kernel(d, span)(
         inputs=[queries, keys, values, scale, sinks, params, counters],
-        template=[("T", queries.dtype), ("P", keys.dtype), ("HD", d)],
+        template=[("T", queries.dtype), ("P", keys.dtype), ("HD", d), ("SPAN", span)],
         grid=grid, threadgroup=threadgroup,
         output_shapes=[(b, hq, n, d), (b, kv_heads, max_chunks, n_g, d + 2),
                        (b, kv_heads, groups, n_g, d + 2)],

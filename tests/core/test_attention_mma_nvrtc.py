@@ -5,14 +5,16 @@ NVRTC for sm_90a, exactly as MLX 0.32 wraps it, no GPU needed.
 ``attention_cuda.attend_mma`` is driven with ``mx.fast.cuda_kernel``
 replaced by a recorder, so what gets compiled is what the launcher hands MLX:
 the body, the header, the input and output names, the dtypes and the template
-values (T, P, HD). Each (T, P, HD) is compiled for sm_90a (H100/H200, what MLX
+values (T, P, HD, SPAN). Each (T, P, HD) is compiled for sm_90a (H100/H200, what MLX
 targets there) with MLX's flags: the log must be clean, the PTX and CUBIN must
 hold the kernel MLX looks up, and the PTX must use the tensor-core path
 (mma.sync m16n8k16 with f32 accumulation, ldmatrix, cp.async) and no float
 atomics (the fold's counters are integers). A second
 compile with ``--ptxas-options=-v`` checks registers and spills: the occupancy
 the launcher's shared memory is sized for (3 blocks of 128 threads per SM at
-D = 128) needs at most 168 registers, and no spills at D <= 128.
+D = 128) needs at most 168 registers, and no spills at D <= 128. Each span a
+block may take (``attention_cuda.SPANS``) compiles too, with its own shared
+memory and grid.
 
 Skips like the other NVRTC tests when the wheels are missing (required in CI
 with ``MUSER_KV_REQUIRE_NVRTC=1``).
@@ -95,14 +97,29 @@ def recorded():
             params = attention_cuda.kernel_params(2, 2, 16, 4, d, 256, 3, 0, seqs, sinks=1)
             attention_cuda.attend_mma(q, kv, kv, params, 0.125, 3, 64,
                                       sinks=mx.zeros((32,), mx.float32))
+        for span in SPANS[1:]:
+            q = mx.zeros((2, 32, 1, 128), mx.bfloat16)
+            kv = mx.zeros((3, 2, 8000, 128), mx.bfloat16)  # head-major planes
+            seqs = [KeyRead(0, 7000, 7000, 0, 8000), KeyRead(2, 300, 300, 0, 8000)]
+            params = attention_cuda.kernel_params(2, 2, 16, 1, 128, 256, 28, 0, seqs)
+            attention_cuda.attend_mma(q, kv, kv, params, 0.125, 28, 16, span=span)
     return rec
+
+
+SPANS = attention_cuda.SPANS
 
 
 @pytest.fixture(scope="module")
 def calls(recorded):
     names = {v: k for k, v in DTYPES.items()}
     return {(names[dict(c.template)["T"]], names[dict(c.template)["P"]], dict(c.template)["HD"]): c
-            for c in recorded.calls}
+            for c in recorded.calls if dict(c.template)["SPAN"] == 1}
+
+
+@pytest.fixture(scope="module")
+def span_calls(recorded):
+    """span -> the (bf16, bf16, 128) launch that takes it."""
+    return {dict(c.template)["SPAN"]: c for c in recorded.calls if dict(c.template)["SPAN"] > 1}
 
 
 def _check_compiled(result, call: KernelCall) -> None:
@@ -118,7 +135,7 @@ def _check_compiled(result, call: KernelCall) -> None:
 def test_launcher_geometry(recorded):
     """One block of 128 threads per (sequence, K/V head, chunk, 16-row M tile),
     the header's shared memory, strided inputs passed as they are."""
-    assert len(recorded.launches) == len(CASES)
+    assert len(recorded.launches) == len(CASES) + len(SPANS) - 1
     for launch, (_, _, d) in zip(recorded.launches, CASES):
         blocks = 2 * 2 * 3 * 4  # B, Hkv, max_chunks, ceil(64 / 16)
         assert launch["grid"] == (128 * blocks, 1, 1)
@@ -131,13 +148,48 @@ def test_launcher_geometry(recorded):
         assert launch["name"] == attention_cuda.kernel_name(d)
     assert attention_cuda.shared_bytes(128) == 74_496  # 3 blocks per SM on H100/H200
     assert attention_cuda.shared_bytes(256) <= 227 * 1024
+    for launch, span in zip(recorded.launches[len(CASES):], SPANS[1:]):
+        blocks = 2 * 2 * -(-28 // span)  # B, Hkv, spans of 28 chunks, one M tile
+        assert launch["grid"] == (128 * blocks, 1, 1)
+        assert launch["shared_memory"] == attention_cuda.shared_bytes(128, span)
+        assert launch["name"] == attention_cuda.kernel_name(128, span)
+        assert launch["output_shapes"][1] == (2, 2, 28, 16, 130)  # a partial per chunk
+    assert 2 * attention_cuda.shared_bytes(128, 2) <= 227 * 1024  # 2 blocks per SM
+
+
+def test_span_is_chosen_by_the_grid(monkeypatch):
+    """``span_for``: one chunk a block unless ``FULL_GRID`` is set; then
+    ``LONG_SPAN`` chunks for long sequences whose grid still has that many blocks."""
+    assert attention_cuda.span_for(8, 2, 512, 16) == 1    # off by default
+    monkeypatch.setattr(attention_cuda, "FULL_GRID", 512)
+    assert attention_cuda.span_for(8, 2, 512, 16) == 16   # 512 blocks of 16 chunks
+    assert attention_cuda.span_for(1, 2, 512, 16) == 1    # 64: too few
+    assert attention_cuda.span_for(64, 2, 5, 16) == 1     # a sliding layer's few chunks
+    with pytest.raises(ValueError, match="span 3"):
+        attention_cuda.attend_mma(mx.zeros((1, 32, 1, 128), mx.bfloat16),
+                                  mx.zeros((1, 2, 512, 128), mx.bfloat16),
+                                  mx.zeros((1, 2, 512, 128), mx.bfloat16),
+                                  [1, 2, 16, 1, 128, 256, 2, 0, 0, 512, 512, 0, 512],
+                                  0.1, 2, 16, span=3)
+
+
+@pytest.mark.parametrize("span", SPANS[1:])
+def test_each_span_compiles_without_spills(nvrtc, span_calls, span):
+    call = span_calls[span]
+    result = nvrtc.compile(call.cuda_source(), arch=ARCH, name_expressions=[call.name_expression])
+    _check_compiled(result, call)
+    log = _ptxas_verbose(nvrtc, call.cuda_source())
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills.group(1) == "0" and spills.group(2) == "0", log
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert regs <= 255, log  # 2 blocks x 128 threads per SM
 
 
 def test_signature_and_template(calls):
     call = calls[("bfloat16", "bfloat16", 128)]
     source = call.cuda_source(default_header="")
     assert (
-        "__global__ void custom_kernel_muser_kv_attend_mma_d128_bfloat16_t_bfloat16_t_128(\n"
+        "__global__ void custom_kernel_muser_kv_attend_mma_d128_bfloat16_t_bfloat16_t_128_1(\n"
         "    const __nv_bfloat16* queries,\n"
         "    const __grid_constant__ Strides queries_strides,\n"
         "    const __nv_bfloat16* keys,\n"
@@ -155,6 +207,7 @@ def test_signature_and_template(calls):
         "  using T = __nv_bfloat16;\n"
         "  using P = __nv_bfloat16;\n"
         "  constexpr int HD = 128;\n"
+        "  constexpr int SPAN = 1;\n"
     ) in source
 
 
@@ -227,8 +280,8 @@ def test_shared_bytes_match_header(nvrtc, calls):
     """The launcher's shared memory is the header's smem_bytes(HD)."""
     header = calls[("bfloat16", "bfloat16", 128)].header
     checks = "".join(
-        f"static_assert(muser_attend::smem_bytes({d}) == {attention_cuda.shared_bytes(d)}, "
-        f"\"smem {d}\");\n" for d in attention_cuda.HEAD_DIMS)
+        f"static_assert(muser_attend::smem_bytes({d}, {s}) == {attention_cuda.shared_bytes(d, s)}, "
+        f"\"smem {d} {s}\");\n" for d in attention_cuda.HEAD_DIMS for s in (1, 2, 16))
     checks += f"static_assert(muser_attend::THREADS == {attention_cuda.THREADS}, \"threads\");\n"
     checks += f"static_assert(muser_attend::ROWS == {attention_cuda.ROWS}, \"rows\");\n"
     checks += f"static_assert(muser_attend::STAGES == {attention_cuda.STAGES}, \"stages\");\n"
@@ -265,3 +318,22 @@ def test_the_timeline_build_compiles_and_the_launch_has_no_stamps(nvrtc, calls):
     assert "%globaltimer" in result.ptx and "%smid" in result.ptx
     plain = nvrtc.compile(call.cuda_source(), arch=ARCH, name_expressions=[call.name_expression])
     assert plain.ok and "%globaltimer" not in plain.ptx
+
+
+def test_the_first_pass_alone_build_compiles(nvrtc, calls):
+    """``attention_mma_check.py`` times the first pass alone by cutting the
+    launch's fold-and-combine call out of the header (its ``_TAIL``): that text
+    must be the header's call, word for word, and the cut kernel must compile."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import attention_mma_check
+
+    call = calls[("bfloat16", "bfloat16", 128)]
+    assert call.header.count(attention_mma_check._TAIL) == 1
+    first = dataclasses.replace(call, name=call.name + "_first",
+                                header=call.header.replace(attention_mma_check._TAIL, ""))
+    result = nvrtc.compile(first.cuda_source(), arch=ARCH, name_expressions=[first.name_expression])
+    assert result.ok, result.log  # (FOLD unreferenced there: a warning, not an error)
