@@ -361,16 +361,30 @@ __device__ __forceinline__ void attend_partials(
     cp_async_commit();
   }
 
-  // Q tile [16][HD] as P's 16-bit patterns; rows past n*G are +0.
-  for (int e = tid; e < ROWS * HD; e += THREADS) {
-    const int r = e / HD, d = e % HD;
-    const int R = ROWS * mt + r;
-    unsigned short v = 0;
-    if (R < nG) {
-      const int i = R / G, hg = h * G + R % G;
-      v = query_bits<T, P>(queries, b * qs0 + hg * qs1 + i * qs2 + d * qs3);
+  // Q tile [16][HD] as P's 16-bit patterns; rows past n*G are +0. A thread's
+  // loads (up to 16) are all issued before it stores one: a round trip to
+  // memory, behind the K/V copies just issued, rather than one per element.
+  constexpr int QPT = ROWS * HD / THREADS;  // elements a thread moves
+  constexpr int QB = QPT < 16 ? QPT : 16;   // ... in flight at once
+  static_assert(QPT * THREADS == ROWS * HD && QPT % QB == 0, "the Q tile's split");
+#pragma unroll
+  for (int k0 = 0; k0 < QPT; k0 += QB) {
+    unsigned short v[QB];
+#pragma unroll
+    for (int k = 0; k < QB; ++k) {
+      const int e = tid + (k0 + k) * THREADS;
+      const int R = ROWS * mt + e / HD, d = e % HD;
+      v[k] = 0;
+      if (R < nG) {
+        const int i = R / G, hg = h * G + R % G;
+        v[k] = query_bits<T, P>(queries, b * qs0 + hg * qs1 + i * qs2 + d * qs3);
+      }
     }
-    q_s[r * PITCH + d] = v;
+#pragma unroll
+    for (int k = 0; k < QB; ++k) {
+      const int e = tid + (k0 + k) * THREADS;
+      q_s[(e / HD) * PITCH + e % HD] = v[k];
+    }
   }
 
   __syncthreads();  // q_s written
