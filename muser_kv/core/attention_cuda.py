@@ -87,12 +87,29 @@ def _text(name: str) -> str:
         return (Path(__file__).resolve().parents[2] / "kernels" / name).read_text()
 
 
+def compact(text: str) -> str:
+    """``text`` without its comments, blank lines and indentation, every other
+    character kept: MLX builds a launch's whole source from the header at every
+    call and hashes it at every evaluation, so each byte of it is host time in
+    every layer of every step (36.6 KB of text, 23.7 KB of code). An NVRTC
+    error's line numbers count this text's lines."""
+    out = []
+    for line in text.splitlines():
+        code = line.strip()
+        at = code.find("//")
+        if at >= 0 and '"' not in code[:at]:  # a comment, not text inside a string
+            code = code[:at].rstrip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
+
+
 def kernel_source() -> str:
-    return _text("attend_mma.cu")
+    return compact(_text("attend_mma.cu"))
 
 
 def kernel_header() -> str:
-    return _text("attend_mma.h")
+    return compact(_text("attend_mma.h"))
 
 
 def kernel_name(head_dim: int, span: int = 1) -> str:

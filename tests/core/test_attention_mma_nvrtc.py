@@ -337,3 +337,26 @@ def test_the_first_pass_alone_build_compiles(nvrtc, calls):
                                 header=call.header.replace(attention_mma_check._TAIL, ""))
     result = nvrtc.compile(first.cuda_source(), arch=ARCH, name_expressions=[first.name_expression])
     assert result.ok, result.log  # (FOLD unreferenced there: a warning, not an error)
+
+
+def test_the_text_mlx_gets_is_the_kernel_without_its_comments():
+    """MLX builds and hashes a launch's whole source at every call, so the
+    launcher hands it the kernel's text compacted (``attention_cuda.compact``):
+    the same tokens, line for line, without comments, blank lines or indentation."""
+    from pathlib import Path
+
+    def tokens(text):
+        return [t for line in text.splitlines() for t in re.sub(r"//.*$", "", line).split()]
+
+    kernels = Path(attention_cuda.__file__).resolve().parents[2] / "kernels"
+    for name, built in (("attend_mma.h", attention_cuda.kernel_header()),
+                        ("attend_mma.cu", attention_cuda.kernel_source())):
+        text = (kernels / name).read_text()
+        assert tokens(built) == tokens(text), name
+        assert "//" not in built and "\n\n" not in built and "\n " not in built, name
+        # a continued macro stays continued: the same lines end in a backslash
+        assert sum(x.rstrip().endswith("\\") for x in built.splitlines()) == \
+            sum(x.rstrip().endswith("\\") for x in text.splitlines()), name
+    assert len(attention_cuda.kernel_header()) < 0.7 * len((kernels / "attend_mma.h").read_text())
+    # a comment's slashes inside a string are text, not a comment
+    assert attention_cuda.compact('  x = "a // b";  // c\n\n') == 'x = "a // b";  // c\n'
