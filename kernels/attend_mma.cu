@@ -4,7 +4,8 @@
 // strides, in elements), scale float32 [1], sinks float32 [Hq] (or [1],
 // unread), params int32, counters int32 (zeros); outputs: out [B, Hq, n, D]
 // (T), partials float32 [B, Hkv, max_chunks, n*G, D + 2], merged float32
-// [B, Hkv, ceil(max_chunks / FOLD), n*G, D + 2]. Templates: T, P, HD (D),
+// [B, Hkv, ceil(max_chunks / FOLD), n*G, D + 2] (the folds: not written when
+// the batch has one fold group and no sinks). Templates: T, P, HD (D),
 // SPAN (chunks a block takes in turn: 1, 2, 4, 8 or 16). One block of
 // muser_attend::THREADS threads per (b, h, SPAN chunks, 16-row M tile).
 muser_attend::attend<T, P, HD, SPAN>(

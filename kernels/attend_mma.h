@@ -682,10 +682,11 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
       const int r = e / PAIRS, d = 2 * (e % PAIRS);
       if (e < pairs && d < HD) {
         const int R = ROWS * mt + r;
-        const float total = lrow[r];
+        // + 0.0f: the combine's 0 + 1 * x, which makes a -0 of x +0 as there
+        const float total = lrow[r] + 0.0f;
         T* o = out + ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d;
-        o[0] = static_cast<T>(total > 0.0f ? facc[j][0] / total : 0.0f);
-        o[1] = static_cast<T>(total > 0.0f ? facc[j][1] / total : 0.0f);
+        o[0] = static_cast<T>(total > 0.0f ? (facc[j][0] + 0.0f) / total : 0.0f);
+        o[1] = static_cast<T>(total > 0.0f ? (facc[j][1] + 0.0f) / total : 0.0f);
       }
     }
     MUSER_STAMP(6);
