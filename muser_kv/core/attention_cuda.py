@@ -48,7 +48,7 @@ from __future__ import annotations
 import threading
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union, cast
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import mlx.core as mx
 import numpy as np
@@ -92,13 +92,21 @@ def compact(text: str) -> str:
     character kept: MLX builds a launch's whole source from the header at every
     call and hashes it at every evaluation, so each byte of it is host time in
     every layer of every step (36.6 KB of text, 23.7 KB of code). An NVRTC
-    error's line numbers count this text's lines."""
-    out = []
-    for line in text.splitlines():
+    error's line numbers count this text's lines. A text whose meaning the
+    cut could change (a continued line followed by one it drops, a backslash
+    before trailing blanks) is refused."""
+    out: List[str] = []
+    continued = False
+    for number, line in enumerate(text.splitlines(), 1):
         code = line.strip()
         at = code.find("//")
         if at >= 0 and '"' not in code[:at]:  # a comment, not text inside a string
             code = code[:at].rstrip()
+        if code.endswith("\\") and not line.endswith("\\"):
+            raise ValueError(f"compact: line {number} would end in a backslash it does not end in")
+        if continued and not code:
+            raise ValueError(f"compact: line {number} continues a line and would be dropped")
+        continued = code.endswith("\\")
         if code:
             out.append(code)
     return "\n".join(out) + "\n"
@@ -197,7 +205,10 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
         raise ValueError(f"attend_mma: {max_chunks} chunks of {attention.CHUNK} keys; at head_dim "
                          f"{d} the combine takes at most {most_chunks(d)}")
     if not isinstance(params, mx.array):
-        params = mx.array(list(params), dtype=mx.int32)
+        params = list(params)
+        if len(params) - 5 * b == 9 and params[8] and sinks is None:
+            raise ValueError("attend_mma: params ask for sinks (header [8]) and none are given")
+        params = mx.array(params, dtype=mx.int32)
     if params.dtype != mx.int32:
         params = params.astype(mx.int32)
     if params.ndim != 1 or params.size - 5 * b not in (8, 9):

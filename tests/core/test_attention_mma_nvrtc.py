@@ -360,3 +360,21 @@ def test_the_text_mlx_gets_is_the_kernel_without_its_comments():
     assert len(attention_cuda.kernel_header()) < 0.7 * len((kernels / "attend_mma.h").read_text())
     # a comment's slashes inside a string are text, not a comment
     assert attention_cuda.compact('  x = "a // b";  // c\n\n') == 'x = "a // b";  // c\n'
+    assert attention_cuda.compact("#define X a \\\n    b\n") == "#define X a \\\nb\n"
+    # a cut that would change the text's meaning is refused, not made
+    for text in ("#define X a \\\n\nb\n",       # a continued line's next line dropped
+                 "#define X a \\\n  // c\nb\n",  # ... a comment line
+                 "#define X a \\  \nb\n",         # a backslash before trailing blanks
+                 "x = a \\ // c\nb\n"):           # ... before a comment
+        with pytest.raises(ValueError, match="compact: line"):
+            attention_cuda.compact(text)
+
+
+def test_params_that_ask_for_sinks_need_sinks():
+    """A 9-int header whose sinks flag is set, with no sinks given, would have
+    the kernel read past its one-element stand-in: refused before the launch."""
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    kv = mx.zeros((1, 2, 512, 128), mx.bfloat16)
+    params = [1, 2, 16, 1, 128, 256, 2, 0, 1, 0, 512, 512, 0, 512]
+    with pytest.raises(ValueError, match="ask for sinks"):
+        attention_cuda.attend_mma(q, kv, kv, params, 0.1, 2, 16)
