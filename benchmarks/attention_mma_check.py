@@ -253,15 +253,21 @@ def correctness(rng) -> bool:
     return good
 
 
-def time_calls(make, reps: int, trials: int = 3) -> float:
-    """Seconds per call: ``reps`` independent calls in one graph, best of ``trials``."""
-    mx.eval(make(0))
+def best_time(run, reps: int, trials: int = 3) -> float:
+    """Seconds per call of ``run()`` (``reps`` calls, evaluated together), after a
+    warm run, best of ``trials``."""
+    mx.eval(run())
     best = float("inf")
     for _ in range(trials):
         t0 = time.perf_counter()
-        mx.eval([make(i) for i in range(reps)])
+        mx.eval(run())
         best = min(best, (time.perf_counter() - t0) / reps)
     return best
+
+
+def time_calls(make, reps: int, trials: int = 3) -> float:
+    """Seconds per call: ``reps`` independent calls in one graph."""
+    return best_time(lambda: [make(i) for i in range(reps)], reps, trials)
 
 
 def time_chained(call, q, reps: int, trials: int = 3) -> float:
@@ -273,13 +279,7 @@ def time_chained(call, q, reps: int, trials: int = 3) -> float:
         for i in range(1, reps):
             x = call(i, q + 0 * x)
         return x
-    mx.eval(run())
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        mx.eval(run())
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
+    return best_time(run, reps, trials)
 
 
 def time_batch(b: int, depth: int, bandwidth: float, reps: int, span: int = 1) -> None:
