@@ -556,6 +556,49 @@ __device__ __forceinline__ void attend_partials(
   finish(live - 1);
 }
 
+// acc[j] for element e = threadIdx.x + j * THREADS of `elems` (row e / PER_ROW,
+// columns 2 * (e % PER_ROW) and the next): the sum over sources s < `sources`,
+// in ascending order, of weight[s * ROWS + row] * src[s * step + row * OUTW +
+// col], a source of weight -inf skipped: the fold's and the combine's
+// arithmetic (kernels/attend_merge.inc, attend_combine.inc). K sources of every
+// element a thread owns are loaded at once: the time is a few L2 round trips,
+// not one per element and source. MOST: a bound on `sources` known when
+// compiling (0: none), which lets the compiler unroll the rounds.
+template <int E, int K, int PER_ROW, int OUTW, int MOST>
+__device__ __forceinline__ void ascending_sums(float (&acc)[E][2], const float* src, int64_t step,
+                                               const float* weight, int elems, int sources) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < E; ++j) acc[j][0] = acc[j][1] = 0.0f;
+  for (int s0 = 0; s0 < (MOST > 0 ? MOST : sources); s0 += K) {
+    float2 v[E][K];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int e = tid + j * THREADS;
+      const int r = e / PER_ROW, col = 2 * (e % PER_ROW);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        v[j][k] = e < elems && s0 + k < sources
+                      ? __ldcg(reinterpret_cast<const float2*>(src + (s0 + k) * step + r * OUTW + col))
+                      : make_float2(0.0f, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int e = tid + j * THREADS;
+      const int r = e / PER_ROW;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const float w = e < elems && s0 + k < sources ? weight[(s0 + k) * ROWS + r] : neg_inf();
+        if (w != neg_inf()) {
+          acc[j][0] += w * v[j][k].x;
+          acc[j][1] += w * v[j][k].y;
+        }
+      }
+    }
+  }
+}
+
 // The second half of one launch: the chunk partials of a (sequence, K/V head,
 // M tile) folded FOLD at a time, in ascending order against the group's max,
 // by the last block of each group to finish (a counter per group), then the
@@ -600,11 +643,8 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   __threadfence();
   MUSER_STAMP(4);  // the last of its group: the fold starts
 
-  // Every load below is issued before its value is needed: the max and
-  // weight scores through shared memory, then all of a thread's elements,
-  // several chunks (folds) of each, in flight at once. The tail's time is a
-  // few L2 round trips, not one per element and chunk; each element still
-  // sums its chunks in ascending order.
+  // The max and weight scores go through shared memory, loaded all at once;
+  // the sums are ascending_sums' (a few L2 round trips).
   const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
   const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
   float* fw = scratch;               // [FOLD][ROWS]: a chunk's max, then its weight (-inf: unseen)
@@ -632,38 +672,8 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   constexpr int FE = (ROWS * PAIRS + THREADS - 1) / THREADS;  // a thread's elements
   constexpr int FK = FE * FOLD <= 40 ? FOLD : (40 / FE > 0 ? 40 / FE : 1);  // chunks a round
   const int pairs = rows_out * PAIRS;
-  float facc[FE][2];
-#pragma unroll
-  for (int j = 0; j < FE; ++j) facc[j][0] = facc[j][1] = 0.0f;
-  for (int k0 = 0; k0 < FOLD; k0 += FK) {
-    float2 v[FE][FK];
-#pragma unroll
-    for (int j = 0; j < FE; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / PAIRS, col = 2 * (e % PAIRS);
-#pragma unroll
-      for (int kk = 0; kk < FK; ++kk) {
-        const int k = k0 + kk;
-        v[j][kk] = e < pairs && k < FOLD && c0 + k < c1
-                       ? __ldcg(reinterpret_cast<const float2*>(pin + (c0 + k) * step + r * OUTW + col))
-                       : make_float2(0.0f, 0.0f);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < FE; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / PAIRS;
-#pragma unroll
-      for (int kk = 0; kk < FK; ++kk) {
-        const int k = k0 + kk;
-        const float w = e < pairs && k < FOLD && c0 + k < c1 ? fw[k * ROWS + r] : neg_inf();
-        if (w != neg_inf()) {
-          facc[j][0] += w * v[j][kk].x;
-          facc[j][1] += w * v[j][kk].y;
-        }
-      }
-    }
-  }
+  float facc[FE][2];  // the group's chunks c0 .. c1 - 1 (c1 <= c0 + FOLD)
+  ascending_sums<FE, FK, PAIRS, OUTW, FOLD>(facc, pin + c0 * step, step, fw, pairs, c1 - c0);
   if (groups == 1 && !with_sinks) {
     // The batch's only fold: the combine would weigh it by exp(m - m) = 1 and
     // sum nothing else, so its output is this fold's o / l, bit for bit; it is
@@ -764,35 +774,7 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   constexpr int CB = 32 / CE > 0 ? 32 / CE : 1;                   // folds a round
   const int elems = rows_out * (HD / 2);
   float cacc[CE][2];
-#pragma unroll
-  for (int j = 0; j < CE; ++j) cacc[j][0] = cacc[j][1] = 0.0f;
-  for (int f0 = 0; f0 < folds; f0 += CB) {
-    float2 v[CE][CB];
-#pragma unroll
-    for (int j = 0; j < CE; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
-#pragma unroll
-      for (int k = 0; k < CB; ++k) {
-        v[j][k] = e < elems && f0 + k < folds
-                      ? __ldcg(reinterpret_cast<const float2*>(gin + (f0 + k) * step + r * OUTW + d))
-                      : make_float2(0.0f, 0.0f);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < CE; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / (HD / 2);
-#pragma unroll
-      for (int k = 0; k < CB; ++k) {
-        const float w = e < elems && f0 + k < folds ? cw[(f0 + k) * ROWS + r] : neg_inf();
-        if (w != neg_inf()) {
-          cacc[j][0] += w * v[j][k].x;
-          cacc[j][1] += w * v[j][k].y;
-        }
-      }
-    }
-  }
+  ascending_sums<CE, CB, HD / 2, OUTW, 0>(cacc, gin, step, cw, elems, folds);
 #pragma unroll
   for (int j = 0; j < CE; ++j) {
     const int e = tid + j * THREADS;
