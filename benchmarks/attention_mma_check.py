@@ -332,7 +332,7 @@ def time_batch(b: int, depth: int, bandwidth: float, reps: int, span: int = 1) -
           f"SDPA / launch {c_sdpa / c_first:.2f}")
 
 
-_TAIL = """fold_and_combine<T, HD, SPAN>(sinks, params, params_len, partials, merged,
+_TAIL = """fold_and_combine<T, HD, SPAN>(at, sinks, params, params_len, partials, merged,
 const_cast<int*>(counters), out MUSER_TL_ARG);"""  # as attention_cuda.compact leaves it
 
 
@@ -400,14 +400,14 @@ def timeline(depth: int, b: int, span: int = 1) -> None:
             template=[("T", mx.bfloat16), ("P", mx.bfloat16), ("HD", d), ("SPAN", span)], grid=grid,
             threadgroup=threadgroup, init_value=0,
             output_shapes=[(b, hkv * g, n, d), (b, hkv, chunks, n * g, d + 2),
-                           (b, hkv, groups, n * g, d + 2), (blocks * 8,)],
+                           (b, hkv, groups, n * g, d + 2), (blocks * 16,)],
             output_dtypes=[mx.bfloat16, mx.float32, mx.float32, mx.uint64])[3]
 
     mx.eval(keys, values, q, launch())  # compiled, warm
-    stamps = np.array(launch()).astype(np.int64).reshape(blocks, 8)
-    t = (stamps[:, :7] - stamps[:, 0].min()) / 1e3  # us from the first block's start
-    t[stamps[:, :7] == 0] = np.nan
-    sms = len(set(stamps[:, 7].tolist()))
+    stamps = np.array(launch()).astype(np.int64).reshape(blocks, 16)
+    t = (stamps[:, :15] - stamps[:, 0].min()) / 1e3  # us from the first block's start
+    t[stamps[:, :15] == 0] = np.nan
+    sms = len(set(stamps[:, 15].tolist()))
 
     def med(x):
         x = x[~np.isnan(x)]
@@ -420,11 +420,20 @@ def timeline(depth: int, b: int, span: int = 1) -> None:
     print(f"  fold blocks ({int((~np.isnan(t[:, 4])).sum())}): the counter to the fold {med(t[:, 4] - t[:, 3])}, "
           f"the fold {med(t[:, 5] - t[:, 4])} (to the last fold's combine); the combine "
           f"{med(t[:, 6] - t[:, 5])}; the last output at {np.nanmax(t[:, 6]):.1f} us")
+    last = int(np.nanargmax(t[:, 6]))  # the block that wrote the output last
+    w = t[last]
+
+    def span(a, z):
+        return f"{w[z] - w[a]:.1f}" if not np.isnan(w[z] - w[a]) else "-"
+    print(f"  the last output's block: its fold's weights {span(4, 7)}, sums {span(7, 8)}, write "
+          f"and fence {span(8, 9)}, counter {span(9, 5)}; the combine's weights {span(5, 11)}, "
+          f"sums {span(11, 12)}, into shared memory {span(12, 10)}, the write {span(10, 6)}; "
+          f"single fold: its sums staged and written {span(8, 6)}")
     # blocks resident at once on one SM (occupancy as it ran): the most [start,
     # written] intervals that overlap on any SM
     most = 0
-    for sm in set(stamps[:, 7].tolist()):
-        on = (stamps[:, 7] == sm) & ~np.isnan(t[:, 3])
+    for sm in set(stamps[:, 15].tolist()):
+        on = (stamps[:, 15] == sm) & ~np.isnan(t[:, 3])
         events = sorted([(x, 1) for x in t[on, 0]] + [(x, -1) for x in t[on, 3]],
                         key=lambda e: (e[0], e[1]))
         level = 0

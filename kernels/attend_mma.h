@@ -23,7 +23,7 @@
 // their scores are -inf whatever the row holds (a select, never a multiply).
 // MUSER_ATTEND_TIMELINE (benchmarks/attention_mma_check.py --timeline defines it
 // in its own build): each block's thread 0 stamps %globaltimer at its phases
-// into an extra output, timeline[block * 8 + i] (7: the SM). Off, the stamps
+// into an extra output, timeline[block * 16 + i] (15: the SM). Off, the stamps
 // are nothing.
 #ifdef MUSER_ATTEND_TIMELINE
 #define MUSER_TL_PARAM , unsigned long long* timeline
@@ -35,8 +35,8 @@
       unsigned int sm_;                                                           \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                      \
       asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                            \
-      timeline[static_cast<int64_t>(blockIdx.x) * 8 + (i)] = t_;                  \
-      timeline[static_cast<int64_t>(blockIdx.x) * 8 + 7] = sm_;                   \
+      timeline[static_cast<int64_t>(blockIdx.x) * 16 + (i)] = t_;                 \
+      timeline[static_cast<int64_t>(blockIdx.x) * 16 + 15] = sm_;                 \
     }                                                                             \
   } while (0)
 #else
@@ -197,15 +197,17 @@ struct Block {
     CHUNK = params[5], max_chunks = params[6], window = params[7];
     nG = n * G;
     MT = (nG + ROWS - 1) / ROWS;
-    int64_t blk = blockIdx.x;
-    mt = static_cast<int>(blk % MT);
-    blk /= MT;
-    const int spans = (max_chunks + span - 1) / span;
+    // 32-bit unsigned: a 64-bit division is a long subroutine, and every
+    // instruction here is fetched cold at the block's start
+    unsigned blk = blockIdx.x;
+    mt = static_cast<int>(blk % static_cast<unsigned>(MT));
+    blk /= static_cast<unsigned>(MT);
+    const unsigned spans = static_cast<unsigned>((max_chunks + span - 1) / span);
     c = static_cast<int>(blk % spans) * span;
     chunks = min(span, max_chunks - c);
     blk /= spans;
-    h = static_cast<int>(blk % Hkv);
-    b = static_cast<int>(blk / Hkv);
+    h = static_cast<int>(blk % static_cast<unsigned>(Hkv));
+    b = static_cast<int>(blk / static_cast<unsigned>(Hkv));
     seq = params + (params_len - 5 * B) + 5 * (b < B ? b : 0);
   }
 };
@@ -222,7 +224,7 @@ struct Block {
 // tiles while the block combines and writes the last one's.
 template <typename T, typename P, int HD, int SPAN>
 __device__ __forceinline__ void attend_partials(
-    const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
+    const Block& at, const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
     const P* keys, int64_t ks0, int64_t ks1, int64_t ks2, int64_t ks3,
     const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
     const float* scale_in, const int32_t* params, int params_len, float* partials MUSER_TL_PARAM) {
@@ -244,7 +246,6 @@ __device__ __forceinline__ void attend_partials(
   unsigned char* const scr = SPAN == 1 ? rings : reinterpret_cast<unsigned char*>(comb + ROWS * 8);
   constexpr int scr_stride = SPAN == 1 ? warp_bytes(HD) : scratch_bytes(HD);
 
-  const Block at(params, params_len, SPAN);
   const int B = at.B, Hkv = at.Hkv, G = at.G, n = at.n, CHUNK = at.CHUNK, window = at.window;
   const int max_chunks = at.max_chunks, nG = at.nG, mt = at.mt, c = at.c, h = at.h, b = at.b;
   const int chunks = at.chunks;
@@ -361,9 +362,16 @@ __device__ __forceinline__ void attend_partials(
     cp_async_commit();
   }
 
-  // Q tile [16][HD] as P's 16-bit patterns; rows past n*G are +0. A thread's
-  // loads (up to 16) are all issued before it stores one: a round trip to
-  // memory, behind the K/V copies just issued, rather than one per element.
+  // Q tile [16][HD] as P's 16-bit patterns; rows past n*G are +0. Each row's
+  // offset is computed once (comb is not used before the first chunk is
+  // done); a thread's loads (up to 16) are all issued before it stores one: a
+  // round trip to memory, behind the K/V copies just issued.
+  int64_t* qrow = reinterpret_cast<int64_t*>(comb);
+  if (tid < ROWS && ROWS * mt + tid < nG) {
+    const int R = ROWS * mt + tid;
+    qrow[tid] = b * qs0 + (h * G + R % G) * qs1 + (R / G) * qs2;
+  }
+  __syncthreads();
   constexpr int QPT = ROWS * HD / THREADS;  // elements a thread moves
   constexpr int QB = QPT < 16 ? QPT : 16;   // ... in flight at once
   static_assert(QPT * THREADS == ROWS * HD && QPT % QB == 0, "the Q tile's split");
@@ -373,12 +381,8 @@ __device__ __forceinline__ void attend_partials(
 #pragma unroll
     for (int k = 0; k < QB; ++k) {
       const int e = tid + (k0 + k) * THREADS;
-      const int R = ROWS * mt + e / HD, d = e % HD;
-      v[k] = 0;
-      if (R < nG) {
-        const int i = R / G, hg = h * G + R % G;
-        v[k] = query_bits<T, P>(queries, b * qs0 + hg * qs1 + i * qs2 + d * qs3);
-      }
+      const int r = e / HD;
+      v[k] = ROWS * mt + r < nG ? query_bits<T, P>(queries, qrow[r] + (e % HD) * qs3) : 0;
     }
 #pragma unroll
     for (int k = 0; k < QB; ++k) {
@@ -556,177 +560,113 @@ __device__ __forceinline__ void attend_partials(
   finish(live - 1);
 }
 
+// Copies `floats` floats (a source's rows; an even count, `src` 8-byte
+// aligned) from global memory (L2: other blocks wrote them) to shared `dst`
+// (16-byte aligned): 16-byte cp.async when `src` is 16-byte aligned (every
+// copy in flight at once, no register held), else 8-byte loads.
+__device__ __forceinline__ void stage_rows(float* dst, const float* src, int floats) {
+  const int tid = threadIdx.x;
+  if ((reinterpret_cast<unsigned long long>(src) & 15) == 0) {
+#pragma unroll 1
+    for (int i = tid; i < floats / 4; i += THREADS) cp_async16(smem_addr(dst + 4 * i), src + 4 * i);
+    if (tid == 0 && floats % 4) {
+      *reinterpret_cast<float2*>(dst + floats - 2) = __ldcg(reinterpret_cast<const float2*>(src + floats - 2));
+    }
+  } else {
+#pragma unroll 4
+    for (int i = tid; i < floats / 2; i += THREADS) {
+      reinterpret_cast<float2*>(dst)[i] = __ldcg(reinterpret_cast<const float2*>(src) + i);
+    }
+  }
+}
+
 // acc[j] for element e = threadIdx.x + j * THREADS of `elems` (row e / PER_ROW,
 // columns 2 * (e % PER_ROW) and the next): the sum over sources s < `sources`,
 // in ascending order, of weight[s * ROWS + row] * src[s * step + row * OUTW +
 // col], a source of weight -inf skipped: the fold's and the combine's
-// arithmetic (kernels/attend_merge.inc, attend_combine.inc). K sources of every
-// element a thread owns are loaded at once: the time is a few L2 round trips,
-// not one per element and source. MOST: a bound on `sources` known when
-// compiling (0: none), which lets the compiler unroll the rounds.
-template <int E, int K, int PER_ROW, int OUTW, int MOST>
-__device__ __forceinline__ void ascending_sums(float (&acc)[E][2], const float* src, int64_t step,
-                                               const float* weight, int elems, int sources) {
+// arithmetic (kernels/attend_merge.inc, attend_combine.inc). The sources'
+// `floats` floats each come into shared `stage`, `batch` sources at a time,
+// all of a batch's copies in flight at once, in loops that stay loops (this
+// code runs once a launch). Block-uniform arguments; every thread calls it.
+template <int E, int PER_ROW, int OUTW>
+__device__ __forceinline__ void staged_sums(float (&acc)[E][2], const float* src, int64_t step,
+                                            const float* weight, int elems, int sources,
+                                            int floats, float* stage, int batch) {
   const int tid = threadIdx.x;
+  const int spitch = (floats + 3) & ~3;  // a source's floats in the stage (16-byte aligned)
 #pragma unroll
   for (int j = 0; j < E; ++j) acc[j][0] = acc[j][1] = 0.0f;
-  for (int s0 = 0; s0 < (MOST > 0 ? MOST : sources); s0 += K) {
-    float2 v[E][K];
+#pragma unroll 1
+  for (int s0 = 0; s0 < sources; s0 += batch) {
+    const int nb = min(batch, sources - s0);
+    __syncthreads();  // the last batch is read: the stage may be refilled
+#pragma unroll 1
+    for (int k = 0; k < nb; ++k) stage_rows(stage + k * spitch, src + (s0 + k) * step, floats);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll 1
+    for (int k = 0; k < nb; ++k) {
+      const float* in = stage + k * spitch;
+      const float* wk = weight + (s0 + k) * ROWS;
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / PER_ROW, col = 2 * (e % PER_ROW);
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        v[j][k] = e < elems && s0 + k < sources
-                      ? __ldcg(reinterpret_cast<const float2*>(src + (s0 + k) * step + r * OUTW + col))
-                      : make_float2(0.0f, 0.0f);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / PER_ROW;
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const float w = e < elems && s0 + k < sources ? weight[(s0 + k) * ROWS + r] : neg_inf();
-        if (w != neg_inf()) {
-          acc[j][0] += w * v[j][k].x;
-          acc[j][1] += w * v[j][k].y;
+      for (int j = 0; j < E; ++j) {
+        const int e = tid + j * THREADS;
+        if (e < elems) {
+          const int r = e / PER_ROW, col = 2 * (e % PER_ROW);
+          const float w = wk[r];
+          if (w != neg_inf()) {
+            const float2 v = *reinterpret_cast<const float2*>(in + r * OUTW + col);
+            acc[j][0] += w * v.x;
+            acc[j][1] += w * v.y;
+          }
         }
       }
     }
   }
 }
 
-// The second half of one launch: the chunk partials of a (sequence, K/V head,
-// M tile) folded FOLD at a time, in ascending order against the group's max,
-// by the last block of each group to finish (a counter per group), then the
-// folds combined in ascending order against their common max (and the sink)
-// by the last fold to finish, written in T: the arithmetic of
-// kernels/attend_merge.inc and attend_combine.inc, statement for statement.
-// Which block comes last changes no sum: every sum runs over the partials in
-// ascending order, after all of them are written. Counters: zero at launch,
-// (groups + 1) per (b, h, mt); integer atomics only. A fold of a sequence's
-// single group is exact (its weight against itself is exp(0) = 1), so always
-// folding gives every sequence one rule whatever max_chunks the batch has.
-template <typename T, int HD, int SPAN>
-__device__ __forceinline__ void fold_and_combine(const float* sinks, const int32_t* params,
-                                                 int params_len, const float* partials,
-                                                 float* merged, int* counters, T* out MUSER_TL_PARAM) {
-  MUSER_STAMP(3);  // the partial is written (or the block had no key)
+// The M tile's output rows: res[r * HD + d] / total[r] in T (0 where the
+// total is not > 0), row r at out + orow[r]. One loop for every path.
+template <typename T, int HD>
+__device__ __forceinline__ void write_rows(T* out, const int64_t* orow, const float* res,
+                                           const float* total, int rows_out) {
+#pragma unroll 1
+  for (int e = threadIdx.x; e < rows_out * (HD / 2); e += THREADS) {
+    const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
+    const float t = total[r];
+    const float2 x = *reinterpret_cast<const float2*>(res + r * HD + d);
+    T* o = out + orow[r] + d;
+    o[0] = static_cast<T>(t > 0.0f ? x.x / t : 0.0f);
+    o[1] = static_cast<T>(t > 0.0f ? x.y / t : 0.0f);
+  }
+}
+
+// Shared memory of the second half, in floats from the block's K/V rings
+// (no longer read), after the two counters' flags (4 ints): each output
+// row's offset (int64, ROWS), the fold's max (ROWS), each row's total (ROWS),
+// then the weights: the fold's [FOLD][ROWS], or the combine's weight and sum
+// [groups][ROWS] each; then the stage (staged_sums), as many sources as fit.
+constexpr int TAIL_FIXED = 2 * ROWS + 2 * ROWS;  // orow (as floats), ftop, totals
+__host__ __device__ constexpr int ring_floats(int hd) { return WARPS * warp_bytes(hd) / 4 - 4; }
+__host__ __device__ constexpr int stage_pitch(int hd) { return (ROWS * (hd + 2) + 3) & ~3; }
+
+// The combine (kernels/attend_combine.inc) by the last fold of a (sequence,
+// K/V head, M tile): `folds` folds at gin, `step` floats apart, against their
+// common max (and the sink of each row's query head, when `sinks`): each
+// row's total into `totals`, and the sums it divides, [rows_out][HD], into
+// shared memory, whose address it returns. `wts`: the shared weights and
+// stage (fold_and_combine's layout); query heads head0 + (row0 + r) % G.
+template <int HD>
+__device__ __forceinline__ float* combine_folds(const float* gin, int64_t step, int groups, int folds,
+                                                int rows_out, int head0, int G, int row0,
+                                                const float* sinks, float* wts,
+                                                float* totals MUSER_TL_PARAM) {
   constexpr int OUTW = HD + 2;
-  extern __shared__ __align__(16) unsigned char muser_attend_smem[];
-  int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
-  float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
-
-  const Block at(params, params_len, SPAN);
-  const int Hkv = at.Hkv, G = at.G, n = at.n, max_chunks = at.max_chunks, nG = at.nG, MT = at.MT;
-  const int mt = at.mt, c = at.c, h = at.h, b = at.b;
-  if (b >= at.B) return;
-  const bool with_sinks = params_len - 5 * at.B == 9 && params[8] != 0;
-  const int count = chunk_count(at.seq[1], at.seq[2], n, at.window, at.CHUNK, max_chunks);
   const int tid = threadIdx.x;
-  const int rows_out = min(ROWS, nG - ROWS * mt);
-  const int groups = (max_chunks + FOLD - 1) / FOLD;
-  const int gi = c / FOLD;
-  int* ctr = counters + (static_cast<int64_t>(b * Hkv + h) * MT + mt) * (groups + 1);
-  const int64_t step = static_cast<int64_t>(nG) * OUTW;  // one chunk (or fold) further
-
-  // This block's partial is written; the last of its group folds the group.
-  __threadfence();
-  __syncthreads();
-  // (the block's chunks count at once: its span lies in group gi)
-  if (tid == 0) flags[0] = atomicAdd(ctr + gi, at.chunks) + at.chunks == min(FOLD, max_chunks - gi * FOLD);
-  __syncthreads();
-  if (!flags[0]) return;
-  __threadfence();
-  MUSER_STAMP(4);  // the last of its group: the fold starts
-
-  // The max and weight scores go through shared memory, loaded all at once;
-  // the sums are ascending_sums' (a few L2 round trips).
-  const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
-  const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
-  float* fw = scratch;               // [FOLD][ROWS]: a chunk's max, then its weight (-inf: unseen)
-  float* ftop = fw + FOLD * ROWS;    // [ROWS]
-  for (int i = tid; i < FOLD * ROWS; i += THREADS) {
-    const int k = i / ROWS, r = i % ROWS;
-    fw[i] = c0 + k < c1 && r < rows_out ? __ldcg(pin + (c0 + k) * step + r * OUTW + HD) : neg_inf();
-  }
-  __syncthreads();
-  if (tid < rows_out) {
-    float top = neg_inf();
-    for (int k = 0; k < c1 - c0; ++k) {
-      const float m = fw[k * ROWS + tid];
-      if (m > top) top = m;
-    }
-    for (int k = 0; k < c1 - c0; ++k) {
-      const float m = fw[k * ROWS + tid];
-      fw[k * ROWS + tid] = m != neg_inf() ? expf(m - top) : neg_inf();
-    }
-    ftop[tid] = top;
-  }
-  __syncthreads();
-  float* mout = merged + ((static_cast<int64_t>(b * Hkv + h) * groups + gi) * nG + ROWS * mt) * OUTW;
-  constexpr int PAIRS = OUTW / 2;  // rows of o, m, l as 8-byte pairs (OUTW is even)
-  constexpr int FE = (ROWS * PAIRS + THREADS - 1) / THREADS;  // a thread's elements
-  constexpr int FK = FE * FOLD <= 40 ? FOLD : (40 / FE > 0 ? 40 / FE : 1);  // chunks a round
-  const int pairs = rows_out * PAIRS;
-  float facc[FE][2];  // the group's chunks c0 .. c1 - 1 (c1 <= c0 + FOLD)
-  ascending_sums<FE, FK, PAIRS, OUTW, FOLD>(facc, pin + c0 * step, step, fw, pairs, c1 - c0);
-  if (groups == 1 && !with_sinks) {
-    // The batch's only fold: the combine would weigh it by exp(m - m) = 1 and
-    // sum nothing else, so its output is this fold's o / l, bit for bit; it is
-    // written here, without the counter and the second pass over L2.
-    MUSER_STAMP(5);
-    float* lrow = ftop + ROWS;  // [ROWS]: each row's l
-#pragma unroll
-    for (int j = 0; j < FE; ++j) {
-      const int e = tid + j * THREADS;
-      if (e < pairs && 2 * (e % PAIRS) == HD) lrow[e / PAIRS] = facc[j][1];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < FE; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / PAIRS, d = 2 * (e % PAIRS);
-      if (e < pairs && d < HD) {
-        const int R = ROWS * mt + r;
-        // + 0.0f: the combine's 0 + 1 * x, which makes a -0 of x +0 as there
-        const float total = lrow[r] + 0.0f;
-        T* o = out + ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d;
-        o[0] = static_cast<T>(total > 0.0f ? (facc[j][0] + 0.0f) / total : 0.0f);
-        o[1] = static_cast<T>(total > 0.0f ? (facc[j][1] + 0.0f) / total : 0.0f);
-      }
-    }
-    MUSER_STAMP(6);
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < FE; ++j) {
-    const int e = tid + j * THREADS;
-    if (e < pairs) {
-      const int r = e / PAIRS, col = 2 * (e % PAIRS);
-      // the pair (m, l): the group's max, its weighted sum
-      const float a0 = col == HD ? ftop[r] : facc[j][0];
-      *reinterpret_cast<float2*>(mout + r * OUTW + col) = make_float2(a0, facc[j][1]);
-    }
-  }
-
-  // This fold is written; the last fold combines them all.
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) flags[1] = atomicAdd(ctr + groups, 1) == groups - 1;
-  __syncthreads();
-  if (!flags[1]) return;
-  __threadfence();
-  MUSER_STAMP(5);  // the last fold: the combine starts
-
-  const float* gin = merged + (static_cast<int64_t>(b * Hkv + h) * groups * nG + ROWS * mt) * OUTW;
-  const int folds = (count + FOLD - 1) / FOLD;
-  float* cw = scratch;                   // [groups][ROWS]: a fold's max, then its weight
-  float* cl = cw + groups * ROWS;        // [groups][ROWS]: its sum
-  float* total_s = cl + groups * ROWS;   // [ROWS]
+  const bool with_sinks = sinks != nullptr;
+  float* cw = wts;                  // [groups][ROWS]: a fold's max, then its weight
+  float* cl = cw + groups * ROWS;   // [groups][ROWS]: its sum
   constexpr int ML = 8;  // (m, l) pairs a thread has in flight
   for (int i0 = tid; i0 < folds * ROWS; i0 += ML * THREADS) {
     float2 ml[ML];
@@ -748,7 +688,7 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
   }
   __syncthreads();
   if (tid < rows_out) {
-    const int qhead = h * G + (ROWS * mt + tid) % G;
+    const int qhead = head0 + (row0 + tid) % G;
     float top = neg_inf();
     for (int f = 0; f < folds; ++f) {
       const float m = cw[f * ROWS + tid];
@@ -767,26 +707,161 @@ __device__ __forceinline__ void fold_and_combine(const float* sinks, const int32
       cw[f * ROWS + tid] = w;
     }
     if (with_sinks) total += expf(sink - top);
-    total_s[tid] = total;
+    totals[tid] = total;
   }
-  __syncthreads();
+  MUSER_STAMP(11);  // the folds' weights
   constexpr int CE = (ROWS * (HD / 2) + THREADS - 1) / THREADS;  // a thread's elements
-  constexpr int CB = 32 / CE > 0 ? 32 / CE : 1;                   // folds a round
   const int elems = rows_out * (HD / 2);
+  float* cstage = cl + groups * ROWS;
   float cacc[CE][2];
-  ascending_sums<CE, CB, HD / 2, OUTW, 0>(cacc, gin, step, cw, elems, folds);
+  staged_sums<CE, HD / 2, OUTW>(cacc, gin, step, cw, elems, folds, rows_out * OUTW, cstage,
+                                (ring_floats(HD) - TAIL_FIXED - 2 * groups * ROWS) / stage_pitch(HD));
+  MUSER_STAMP(12);  // the combine's sums
+  __syncthreads();  // the stage is read: it takes the sums
 #pragma unroll
   for (int j = 0; j < CE; ++j) {
     const int e = tid + j * THREADS;
     if (e < elems) {
       const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
-      const int R = ROWS * mt + r;
-      const float total = total_s[r];
-      T* o = out + ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD + d;
-      o[0] = static_cast<T>(total > 0.0f ? cacc[j][0] / total : 0.0f);
-      o[1] = static_cast<T>(total > 0.0f ? cacc[j][1] / total : 0.0f);
+      *reinterpret_cast<float2*>(cstage + r * HD + d) = make_float2(cacc[j][0], cacc[j][1]);
     }
   }
+  return cstage;
+}
+
+// The second half of one launch: the chunk partials of a (sequence, K/V head,
+// M tile) folded FOLD at a time, in ascending order against the group's max,
+// by the last block of each group to finish (a counter per group), then the
+// folds combined in ascending order against their common max (and the sink)
+// by the last fold to finish, written in T: the arithmetic of
+// kernels/attend_merge.inc and attend_combine.inc, statement for statement.
+// Which block comes last changes no sum: every sum runs over the partials in
+// ascending order, after all of them are written. Counters: zero at launch,
+// (groups + 1) per (b, h, mt); integer atomics only. A fold of a sequence's
+// single group is exact (its weight against itself is exp(0) = 1), so always
+// folding gives every sequence one rule whatever max_chunks the batch has.
+template <typename T, int HD, int SPAN>
+__device__ __forceinline__ void fold_and_combine(const Block& at, const float* sinks,
+                                                 const int32_t* params, int params_len,
+                                                 const float* partials, float* merged,
+                                                 int* counters, T* out MUSER_TL_PARAM) {
+  MUSER_STAMP(3);  // the partial is written (or the block had no key)
+  constexpr int OUTW = HD + 2;
+  static_assert((ring_floats(HD) - TAIL_FIXED - FOLD * ROWS) / stage_pitch(HD) >= 1,
+                "the fold stages at least one chunk");
+  extern __shared__ __align__(16) unsigned char muser_attend_smem[];
+  int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
+  float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
+  int64_t* orow = reinterpret_cast<int64_t*>(scratch);  // [ROWS]
+  float* ftop = scratch + 2 * ROWS;                      // [ROWS]
+  float* totals = ftop + ROWS;                           // [ROWS]
+  float* wts = scratch + TAIL_FIXED;                     // the weights, then the stage
+
+  const int Hkv = at.Hkv, G = at.G, n = at.n, max_chunks = at.max_chunks, nG = at.nG, MT = at.MT;
+  const int mt = at.mt, c = at.c, h = at.h, b = at.b;
+  if (b >= at.B) return;
+  const bool with_sinks = params_len - 5 * at.B == 9 && params[8] != 0;
+  const int count = chunk_count(at.seq[1], at.seq[2], n, at.window, at.CHUNK, max_chunks);
+  const int tid = threadIdx.x;
+  const int rows_out = min(ROWS, nG - ROWS * mt);
+  const int groups = (max_chunks + FOLD - 1) / FOLD;
+  const int gi = c / FOLD;
+  int* ctr = counters + (static_cast<int64_t>(b * Hkv + h) * MT + mt) * (groups + 1);
+  const int64_t step = static_cast<int64_t>(nG) * OUTW;  // one chunk (or fold) further
+  const int floats = rows_out * OUTW;                     // a chunk's (or fold's) rows
+
+  // This block's partial is written; the last of its group folds the group.
+  __threadfence();
+  __syncthreads();
+  // (the block's chunks count at once: its span lies in group gi)
+  if (tid == 0) flags[0] = atomicAdd(ctr + gi, at.chunks) + at.chunks == min(FOLD, max_chunks - gi * FOLD);
+  __syncthreads();
+  if (!flags[0]) return;
+  __threadfence();
+  MUSER_STAMP(4);  // the last of its group: the fold starts
+
+  // Each output row's offset; the chunks' max scores, then their weights.
+  const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
+  const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
+  float* fw = wts;  // [FOLD][ROWS]: a chunk's max, then its weight (-inf: unseen)
+  if (tid < rows_out) {
+    const int R = ROWS * mt + tid;
+    orow[tid] = ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD;
+  }
+  for (int i = tid; i < FOLD * ROWS; i += THREADS) {
+    const int k = i / ROWS, r = i % ROWS;
+    fw[i] = c0 + k < c1 && r < rows_out ? __ldcg(pin + (c0 + k) * step + r * OUTW + HD) : neg_inf();
+  }
+  __syncthreads();
+  if (tid < rows_out) {
+    float top = neg_inf();
+    for (int k = 0; k < c1 - c0; ++k) {
+      const float m = fw[k * ROWS + tid];
+      if (m > top) top = m;
+    }
+    for (int k = 0; k < c1 - c0; ++k) {
+      const float m = fw[k * ROWS + tid];
+      fw[k * ROWS + tid] = m != neg_inf() ? expf(m - top) : neg_inf();
+    }
+    ftop[tid] = top;
+  }
+  constexpr int PAIRS = OUTW / 2;  // rows of o, m, l as 8-byte pairs (OUTW is even)
+  constexpr int FE = (ROWS * PAIRS + THREADS - 1) / THREADS;  // a thread's elements
+  const int pairs = rows_out * PAIRS;
+  MUSER_STAMP(7);  // the fold's weights
+  float* fstage = fw + FOLD * ROWS;
+  float facc[FE][2];  // the group's chunks c0 .. c1 - 1 (c1 <= c0 + FOLD)
+  staged_sums<FE, PAIRS, OUTW>(facc, pin + c0 * step, step, fw, pairs, c1 - c0, floats, fstage,
+                               (ring_floats(HD) - TAIL_FIXED - FOLD * ROWS) / stage_pitch(HD));
+  MUSER_STAMP(8);  // the fold's sums
+  float* res = fstage;  // [rows_out][HD]: the sums the output divides by its row's total
+  if (groups == 1 && !with_sinks) {
+    // The batch's only fold: the combine would weigh it by exp(m - m) = 1 and
+    // sum nothing else, so its output is this fold's o / l, bit for bit; it is
+    // written here, without the counter and the second pass over L2.
+    MUSER_STAMP(5);
+    __syncthreads();  // the stage is read: it takes the sums
+#pragma unroll
+    for (int j = 0; j < FE; ++j) {
+      const int e = tid + j * THREADS;
+      const int r = e / PAIRS, d = 2 * (e % PAIRS);
+      // + 0.0f: the combine's 0 + 1 * x, which makes a -0 of x +0 as there
+      if (e < pairs && d < HD) {
+        *reinterpret_cast<float2*>(fstage + r * HD + d) = make_float2(facc[j][0] + 0.0f, facc[j][1] + 0.0f);
+      } else if (e < pairs) {
+        totals[r] = facc[j][1] + 0.0f;  // the pair (m, l): l
+      }
+    }
+  } else {
+    float* mout = merged + ((static_cast<int64_t>(b * Hkv + h) * groups + gi) * nG + ROWS * mt) * OUTW;
+#pragma unroll
+    for (int j = 0; j < FE; ++j) {
+      const int e = tid + j * THREADS;
+      if (e < pairs) {
+        const int r = e / PAIRS, col = 2 * (e % PAIRS);
+        // the pair (m, l): the group's max, its weighted sum
+        const float a0 = col == HD ? ftop[r] : facc[j][0];
+        *reinterpret_cast<float2*>(mout + r * OUTW + col) = make_float2(a0, facc[j][1]);
+      }
+    }
+
+    // This fold is written; the last fold combines them all.
+    __threadfence();
+    MUSER_STAMP(9);  // the fold is written and fenced
+    __syncthreads();
+    if (tid == 0) flags[1] = atomicAdd(ctr + groups, 1) == groups - 1;
+    __syncthreads();
+    if (!flags[1]) return;
+    __threadfence();
+    MUSER_STAMP(5);  // the last fold: the combine starts
+
+    res = combine_folds<HD>(merged + (static_cast<int64_t>(b * Hkv + h) * groups * nG + ROWS * mt) * OUTW,
+                            step, groups, (count + FOLD - 1) / FOLD, rows_out, h * G, G, ROWS * mt,
+                            with_sinks ? sinks : nullptr, wts, totals MUSER_TL_ARG);
+    MUSER_STAMP(10);  // the combine's sums are in shared memory
+  }
+  __syncthreads();
+  write_rows<T, HD>(out, orow, res, totals, rows_out);
   MUSER_STAMP(6);  // the output is written
 }
 
@@ -800,11 +875,13 @@ __device__ __forceinline__ void attend(
     const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
     const float* scale_in, const float* sinks, const int32_t* params, int params_len,
     const int32_t* counters, T* out, float* partials, float* merged MUSER_TL_PARAM) {
-  attend_partials<T, P, HD, SPAN>(queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values, vs0,
-                            vs1, vs2, vs3, scale_in, params, params_len, partials MUSER_TL_ARG);
+  const Block at(params, params_len, SPAN);
+  attend_partials<T, P, HD, SPAN>(at, queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values,
+                                  vs0, vs1, vs2, vs3, scale_in, params, params_len,
+                                  partials MUSER_TL_ARG);
   // counters: an input MLX made zero for this launch alone (the launcher's), counted here
-  fold_and_combine<T, HD, SPAN>(sinks, params, params_len, partials, merged,
-                          const_cast<int*>(counters), out MUSER_TL_ARG);
+  fold_and_combine<T, HD, SPAN>(at, sinks, params, params_len, partials, merged,
+                                const_cast<int*>(counters), out MUSER_TL_ARG);
 }
 
 }  // namespace muser_attend

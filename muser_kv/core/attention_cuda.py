@@ -46,6 +46,7 @@ no spills, NVRTC sm_90a). The kernel text ships as
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
@@ -166,11 +167,15 @@ def launch_geometry(batch: int, kv_heads: int, max_chunks: int, n_g: int,
     return (THREADS * blocks, 1, 1), (THREADS, 1, 1), blocks
 
 
+@lru_cache(maxsize=None)
 def most_chunks(head_dim: int) -> int:
     """The most chunks a sequence may have: the combine keeps a weight and a sum
-    per fold and query row in the block's K/V rings (``fold_and_combine``)."""
-    floats = WARPS * STAGES * 2 * TILE_KEYS * (head_dim + 8) * 2 // 4 - 4
-    return (floats // ROWS - 1) // 2 * FOLD
+    per fold and query row in the block's K/V rings, beside each row's offset,
+    max and total, and stages at least one fold's rows there
+    (``fold_and_combine``: ``ring_floats``, ``TAIL_FIXED``, ``stage_pitch``)."""
+    ring = WARPS * STAGES * 2 * TILE_KEYS * (head_dim + 8) * 2 // 4 - 4
+    stage = (ROWS * (head_dim + 2) + 3) // 4 * 4
+    return (ring - 4 * ROWS - stage) // (2 * ROWS) * FOLD
 
 
 def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
