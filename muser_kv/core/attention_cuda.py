@@ -224,21 +224,33 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
     elif scale.dtype != mx.float32 or scale.size != 1:
         scale = scale.astype(mx.float32).reshape(1)
     if sinks is None:
-        sinks = _NO_SINKS
+        sinks = NO_SINKS
     elif sinks.dtype != mx.float32 or sinks.size != hq:
         raise ValueError(f"attend_mma: sinks float32 [{hq}], got {sinks.dtype} {tuple(sinks.shape)}")
+    if span is not None and span not in SPANS:
+        raise ValueError(f"attend_mma: span {span}, one of {SPANS}")
+    return launch(queries, keys, values, params, scale, max_chunks, n_g, sinks, span)
+
+
+def launch(queries: mx.array, keys: mx.array, values: mx.array, params: mx.array,
+           scale: mx.array, max_chunks: int, n_g: int, sinks: mx.array,
+           span: Optional[int] = None) -> Tuple[mx.array, mx.array]:
+    """``attend_mma`` for arguments already in its checked form (``params``
+    int32, ``scale`` float32 ``[1]``, ``sinks`` float32 ``[Hq]`` or
+    ``NO_SINKS``): the launch alone, for a caller that built them
+    (``KernelBackend.attend``), since every layer of every step comes here."""
+    b, hq, n, d = queries.shape
+    kv_heads = keys.shape[1]
     if span is None:
         span = span_for(b, kv_heads, max_chunks, n_g)
-    elif span not in SPANS:
-        raise ValueError(f"attend_mma: span {span}, one of {SPANS}")
     groups = -(-max_chunks // FOLD)
     tiles = -(-n_g // ROWS)
     counters = _COUNTERS.take(b * kv_heads * tiles * (groups + 1))
-    grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g, span)
     out, partials, _ = _kernel(d, span)(
         inputs=[queries, keys, values, scale, sinks, params, counters],
         template=[("T", queries.dtype), ("P", keys.dtype), ("HD", d), ("SPAN", span)],
-        grid=grid, threadgroup=threadgroup,
+        grid=(THREADS * b * kv_heads * -(-max_chunks // span) * tiles, 1, 1),
+        threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, hq, n, d), (b, kv_heads, max_chunks, n_g, d + 2),
                        (b, kv_heads, groups, n_g, d + 2)],
         output_dtypes=[queries.dtype, mx.float32, mx.float32],
@@ -250,7 +262,7 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
 #: array kept between calls is made from host data, never a lazy op: MLX's
 #: streams are per thread, and serve builds steps in threads other than the
 #: one that made it ("There is no Stream(gpu, 0) in current thread").
-_NO_SINKS = mx.array([0.0], dtype=mx.float32)
+NO_SINKS = mx.array([0.0], dtype=mx.float32)
 
 
 class Counters:
