@@ -384,3 +384,25 @@ def test_params_that_ask_for_sinks_need_sinks():
     params = [1, 2, 16, 1, 128, 256, 2, 0, 1, 0, 512, 512, 0, 512]
     with pytest.raises(ValueError, match="ask for sinks"):
         attention_cuda.attend_mma(q, kv, kv, params, 0.1, 2, 16)
+
+
+def test_the_l2_read_probe_compiles(nvrtc, monkeypatch):
+    """``benchmarks/l2_read.py`` (one block's L2 read rate, the question behind
+    the tail's design) launches its kernel only on a GPU: here its source, as
+    MLX wraps it, compiles for sm_90a, and reads with ``ld.global.cg``."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import l2_read
+
+    calls = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recording_cuda_kernel(calls))
+    kernel = l2_read.make_kernel()
+    kernel(inputs=[mx.zeros((4096,)), mx.array([2048], mx.int32)], grid=(256, 1, 1),
+           threadgroup=(128, 1, 1), output_shapes=[(256,), (4,)], output_dtypes=[mx.float32, mx.uint64])
+    result = nvrtc.compile(calls[0].cuda_source(FULL_HEADER), arch=ARCH,
+                           name_expressions=[calls[0].name_expression])
+    assert result.ok, result.log
+    assert "ld.global.cg" in result.ptx and "%globaltimer" in result.ptx
+    assert l2_read.parse_cases("1x133x128,16x8.3x64") == [(1, 133.0, 128), (16, 8.3, 64)]
