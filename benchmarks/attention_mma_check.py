@@ -427,10 +427,13 @@ def timeline(depth: int, b: int, span: int = 1) -> None:
 
     def span(a, z):
         return f"{w[z] - w[a]:.1f}" if not np.isnan(w[z] - w[a]) else "-"
-    print(f"  the last output's block: its fold's weights {span(4, 7)}, sums {span(7, 8)}, write "
-          f"and fence {span(8, 9)}, counter {span(9, 5)}; the combine's weights {span(5, 11)}, "
-          f"sums {span(11, 12)}, into shared memory {span(12, 10)}, the write {span(10, 6)}; "
-          f"single fold: its sums staged and written {span(8, 6)}")
+    if np.isnan(w[11]):  # no combine: the batch's only fold wrote the output
+        print(f"  the last output's block (a single fold): its weights {span(4, 7)}, sums {span(7, 8)}, "
+              f"the sums staged and the output written {span(8, 6)}")
+    else:
+        print(f"  the last output's block: its fold's weights {span(4, 7)}, sums {span(7, 8)}, write "
+              f"and fence {span(8, 9)}, counter {span(9, 5)}; the combine's weights {span(5, 11)}, "
+              f"sums {span(11, 12)}, into shared memory {span(12, 10)}, the write {span(10, 6)}")
     # blocks resident at once on one SM (occupancy as it ran): the most [start,
     # written] intervals that overlap on any SM
     most = 0
