@@ -11,6 +11,7 @@ and the rate a block reads at. If many blocks of 8 KB each finish in the time
 one block takes for 8 KB, a tail spread over blocks is that many times faster.
 
     python3 benchmarks/l2_read.py                       # GPU only (MLX CUDA)
+    bash benchmarks/device.sh tail                      # with the tail's timelines
     python3 benchmarks/l2_read.py --cases 1x133x128,16x8.3x128
 """
 
