@@ -197,8 +197,7 @@ struct Block {
     CHUNK = params[5], max_chunks = params[6], window = params[7];
     nG = n * G;
     MT = (nG + ROWS - 1) / ROWS;
-    // 32-bit unsigned: a 64-bit division is a long subroutine, and every
-    // instruction here is fetched cold at the block's start
+    // 32-bit unsigned: a 64-bit division is a long subroutine
     unsigned blk = blockIdx.x;
     mt = static_cast<int>(blk % static_cast<unsigned>(MT));
     blk /= static_cast<unsigned>(MT);
@@ -747,8 +746,9 @@ __device__ __forceinline__ void fold_and_combine(const Block& at, const float* s
                                                  int* counters, T* out MUSER_TL_PARAM) {
   MUSER_STAMP(3);  // the partial is written (or the block had no key)
   constexpr int OUTW = HD + 2;
-  static_assert((ring_floats(HD) - TAIL_FIXED - FOLD * ROWS) / stage_pitch(HD) >= 1,
-                "the fold stages at least one chunk");
+  // chunks the fold's stage holds beside its weights
+  constexpr int FOLD_BATCH = (ring_floats(HD) - TAIL_FIXED - FOLD * ROWS) / stage_pitch(HD);
+  static_assert(FOLD_BATCH >= 1, "the fold stages at least one chunk");
   extern __shared__ __align__(16) unsigned char muser_attend_smem[];
   int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
   float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
@@ -812,7 +812,7 @@ __device__ __forceinline__ void fold_and_combine(const Block& at, const float* s
   float* fstage = fw + FOLD * ROWS;
   float facc[FE][2];  // the group's chunks c0 .. c1 - 1 (c1 <= c0 + FOLD)
   staged_sums<FE, PAIRS, OUTW>(facc, pin + c0 * step, step, fw, pairs, c1 - c0, floats, fstage,
-                               (ring_floats(HD) - TAIL_FIXED - FOLD * ROWS) / stage_pitch(HD));
+                               FOLD_BATCH);
   MUSER_STAMP(8);  // the fold's sums
   float* res = fstage;  // [rows_out][HD]: the sums the output divides by its row's total
   if (groups == 1 && !with_sinks) {

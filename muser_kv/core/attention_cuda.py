@@ -92,10 +92,9 @@ def compact(text: str) -> str:
     """``text`` without its comments, blank lines and indentation, every other
     character kept: MLX builds a launch's whole source from the header at every
     call and hashes it at every evaluation, so each byte of it is host time in
-    every layer of every step (36.6 KB of text, 23.7 KB of code). An NVRTC
-    error's line numbers count this text's lines. A text whose meaning the
-    cut could change (a continued line followed by one it drops, a backslash
-    before trailing blanks) is refused."""
+    every layer of every step. An NVRTC error's line numbers count this text's
+    lines. A text whose meaning the cut could change (a continued line followed
+    by one it drops, a backslash before trailing blanks) is refused."""
     out: List[str] = []
     continued = False
     for number, line in enumerate(text.splitlines(), 1):
@@ -198,17 +197,11 @@ def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
     kv_heads = keys.shape[1]
     if queries.dtype not in (mx.float32, mx.float16, mx.bfloat16):
         raise ValueError(f"attend_mma: queries f32, f16 or bf16, got {queries.dtype}")
-    if keys.dtype not in (mx.float16, mx.bfloat16) or values.dtype != keys.dtype:
-        raise ValueError(f"attend_mma: keys and values f16 or bf16 of one type, got "
-                         f"{keys.dtype} and {values.dtype}")
     if d not in HEAD_DIMS or keys.shape[3] != d or values.shape[3] != d:
         raise ValueError(f"attend_mma: head_dim {d} (keys {keys.shape[3]}), supported {HEAD_DIMS}")
     if hq % kv_heads or n_g != n * (hq // kv_heads) or max_chunks < 1:
         raise ValueError(f"attend_mma: n_g {n_g} != n * G for queries "
                          f"{tuple(queries.shape)} and {kv_heads} K/V heads")
-    if max_chunks > most_chunks(d):
-        raise ValueError(f"attend_mma: {max_chunks} chunks of {attention.CHUNK} keys; at head_dim "
-                         f"{d} the combine takes at most {most_chunks(d)}")
     if not isinstance(params, mx.array):
         params = list(params)
         if len(params) - 5 * b == 9 and params[8] and sinks is None:
@@ -237,20 +230,27 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, params: mx.array
            span: Optional[int] = None) -> Tuple[mx.array, mx.array]:
     """``attend_mma`` for arguments already in its checked form (``params``
     int32, ``scale`` float32 ``[1]``, ``sinks`` float32 ``[Hq]`` or
-    ``NO_SINKS``): the launch alone, for a caller that built them
-    (``KernelBackend.attend``), since every layer of every step comes here."""
+    ``NO_SINKS``), for a caller that built them (``KernelBackend.attend``):
+    every layer of every step comes here, so it checks only what such a caller
+    does not decide, the planes' type and the combine's room."""
     b, hq, n, d = queries.shape
     kv_heads = keys.shape[1]
+    if keys.dtype not in (mx.float16, mx.bfloat16) or values.dtype != keys.dtype:
+        raise ValueError(f"attend_mma: keys and values f16 or bf16 of one type, got "
+                         f"{keys.dtype} and {values.dtype}")
+    if max_chunks > most_chunks(d):
+        raise ValueError(f"attend_mma: {max_chunks} chunks of {attention.CHUNK} keys; at head_dim "
+                         f"{d} the combine takes at most {most_chunks(d)}")
     if span is None:
         span = span_for(b, kv_heads, max_chunks, n_g)
     groups = -(-max_chunks // FOLD)
     tiles = -(-n_g // ROWS)
     counters = _COUNTERS.take(b * kv_heads * tiles * (groups + 1))
+    grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g, span)
     out, partials, _ = _kernel(d, span)(
         inputs=[queries, keys, values, scale, sinks, params, counters],
         template=[("T", queries.dtype), ("P", keys.dtype), ("HD", d), ("SPAN", span)],
-        grid=(THREADS * b * kv_heads * -(-max_chunks // span) * tiles, 1, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=grid, threadgroup=threadgroup,
         output_shapes=[(b, hq, n, d), (b, kv_heads, max_chunks, n_g, d + 2),
                        (b, kv_heads, groups, n_g, d + 2)],
         output_dtypes=[queries.dtype, mx.float32, mx.float32],

@@ -385,10 +385,6 @@ class KernelBackend(ReferenceBackend):
         scale_ = self._small(float(scale))
         logits = None if sinks is None else sinks.astype(mx.float32)
         if self.name == "cuda" and d in attention_cuda.HEAD_DIMS:  # on the tensor cores
-            if read.keys.dtype not in (mx.float16, mx.bfloat16) or \
-                    chunks > attention_cuda.most_chunks(d):  # what the launch alone does not check
-                return attention_cuda.attend_mma(queries, read.keys, read.values, params, scale_,
-                                                 chunks, n * g, logits)[0]
             return attention_cuda.launch(queries, read.keys, read.values, params, scale_, chunks,
                                          n * g, attention_cuda.NO_SINKS if logits is None else logits)[0]
         partials = self.kernel("attend")(
