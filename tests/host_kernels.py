@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -113,6 +114,24 @@ extern "C" void {fn}({", ".join(params)}) {{
     return fn, text
 
 
+def build_library(source: str, flags: Sequence[str] = ("-std=c++17", "-O2")) -> ctypes.CDLL:
+    """``source`` compiled by g++ with ``flags`` into a shared library, kept in the
+    temp dir under the digest of both (built under a name of its own, then moved
+    into place: test workers build at once)."""
+    digest = hashlib.sha256("\0".join([source, *flags]).encode()).hexdigest()[:16]
+    build = Path(tempfile.gettempdir()) / "muser_kv_host"
+    build.mkdir(exist_ok=True)
+    lib = build / f"kernels_{digest}.so"
+    if not lib.exists():
+        src = build / f"kernels_{digest}.cpp"
+        src.write_text(source)
+        tmp = build / f"kernels_{digest}.{os.getpid()}.so"
+        subprocess.run([shutil.which("g++") or "g++", *flags, "-shared", "-fPIC", "-o", str(tmp),
+                        str(src)], check=True, capture_output=True, text=True)
+        tmp.replace(lib)
+    return ctypes.CDLL(str(lib))
+
+
 class HostKernels:
     """Compiles every (kernel, input type, plane type) instantiation once, into one
     library: 16 functions (gather and install read planes only: input type = plane
@@ -128,19 +147,7 @@ class HostKernels:
                     fn, text = _function(name, dtype, plane)
                     funcs[(name, dtype, plane)] = fn
                     texts.append(text)
-        source = "\n".join(texts)
-        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-        build = Path(tempfile.gettempdir()) / "muser_kv_host"
-        build.mkdir(exist_ok=True)
-        lib = build / f"kernels_{digest}.so"
-        if not lib.exists():
-            src = build / f"kernels_{digest}.cpp"
-            src.write_text(source)
-            tmp = build / f"kernels_{digest}.{id(self)}.so"
-            subprocess.run([shutil.which("g++") or "g++", "-std=c++17", "-O2", "-shared", "-fPIC",
-                            "-o", str(tmp), str(src)], check=True, capture_output=True, text=True)
-            tmp.replace(lib)
-        self.lib = ctypes.CDLL(str(lib))
+        self.lib = build_library("\n".join(texts))
         self.funcs = funcs
 
     def call(self, name: str, dtype: str, args: Sequence, threads: int,

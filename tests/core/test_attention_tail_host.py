@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from host_kernels import build_library
 
 from muser_kv.core import attention_cuda
 
@@ -117,16 +116,10 @@ def helpers_text() -> str:
 
 @pytest.fixture(scope="module")
 def lib():
-    compiler = shutil.which("g++")
-    if compiler is None:
+    if shutil.which("g++") is None:
         pytest.skip("g++ not found")
-    tmp = Path(tempfile.mkdtemp(prefix="muser_tail_"))
-    src = tmp / "tail.cpp"
-    src.write_text(SHIM % dict(threads=THREADS, rows=ROWS, helpers=helpers_text()))
-    so = tmp / "tail.so"
-    subprocess.run([compiler, "-std=c++20", "-O2", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
-                    "-Wno-unknown-pragmas", str(src), "-o", str(so)], check=True, capture_output=True)
-    out = ctypes.CDLL(str(so))
+    out = build_library(SHIM % dict(threads=THREADS, rows=ROWS, helpers=helpers_text()),
+                        ("-std=c++20", "-O2", "-ffp-contract=off", "-pthread", "-Wno-unknown-pragmas"))
     f32p = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
     out.run_sums.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, f32p,
                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, f32p]
