@@ -395,7 +395,7 @@ def timeline(depth: int, b: int, span: int = 1) -> None:
     groups = -(-chunks // attention.FOLD)
 
     def launch():
-        counters = mx.zeros((b * hkv * (groups + 1),), mx.int32)
+        counters = mx.zeros((attention_cuda.counter_count(b, hkv, chunks, n * g),), mx.int32)
         return kernel(
             inputs=[q, keys, values, mx.array([d ** -0.5], mx.float32),
                     mx.array([0.0], mx.float32), params, counters],

@@ -183,30 +183,38 @@ __device__ __forceinline__ int chunk_count(int end, int held, int n, int window,
   return lo >= end ? 0 : min(max_chunks, (end - 1) / chunk - lo / chunk + 1);
 }
 
-// What a block is: the params' header, and this block's (b, h, span, mt) and
-// sequence, decoded from blockIdx (the grid's order: mt fastest, then the
-// span of `span` chunks, the K/V head, the sequence). c: the span's first
-// chunk; chunks: how many of its chunks are below max_chunks. A span never
-// straddles two fold groups (span divides FOLD).
+// What a block is: the params' header, and this block's task (b, h, span,
+// mt) and sequence. Tasks are numbered in the order fold_and_combine's waits
+// need (the K/V head's groups in turn, the M tiles of a group in turn, a
+// tile's spans of `span` chunks last), and a block takes the next task when
+// it starts (`task`: the launch's ticket counter's count), so a block never
+// waits for a task no block has taken while later ones run. c: the span's
+// first chunk; chunks: how many of its chunks are below max_chunks. A span
+// never straddles two fold groups (span divides FOLD).
 struct Block {
   int B, Hkv, G, n, CHUNK, max_chunks, window, nG, MT, mt, c, chunks, h, b;
   const int32_t* seq;  // slot, end, held, origin, wrap
 
-  __device__ __forceinline__ Block(const int32_t* params, int params_len, int span) {
+  __device__ __forceinline__ Block(const int32_t* params, int params_len, int span, unsigned task) {
     B = params[0], Hkv = params[1], G = params[2], n = params[3];
     CHUNK = params[5], max_chunks = params[6], window = params[7];
     nG = n * G;
     MT = (nG + ROWS - 1) / ROWS;
     // 32-bit unsigned: a 64-bit division is a long subroutine
-    unsigned blk = blockIdx.x;
-    mt = static_cast<int>(blk % static_cast<unsigned>(MT));
-    blk /= static_cast<unsigned>(MT);
     const unsigned spans = static_cast<unsigned>((max_chunks + span - 1) / span);
-    c = static_cast<int>(blk % spans) * span;
+    const unsigned per_head = spans * static_cast<unsigned>(MT);
+    const unsigned bh = task / per_head;
+    unsigned rest = task % per_head;
+    const unsigned full = static_cast<unsigned>(FOLD / span) * static_cast<unsigned>(MT);  // a whole group's tasks
+    const unsigned gi = rest / full;  // a last, partial group has fewer tasks, not more
+    rest -= gi * full;
+    // the group's spans (fewer in a last, partial group)
+    const unsigned members = min(spans - gi * static_cast<unsigned>(FOLD / span), static_cast<unsigned>(FOLD / span));
+    mt = static_cast<int>(rest / members);
+    c = static_cast<int>(gi) * FOLD + static_cast<int>(rest % members) * span;
     chunks = min(span, max_chunks - c);
-    blk /= spans;
-    h = static_cast<int>(blk % static_cast<unsigned>(Hkv));
-    b = static_cast<int>(blk / static_cast<unsigned>(Hkv));
+    h = static_cast<int>(bh % static_cast<unsigned>(Hkv));
+    b = static_cast<int>(bh / static_cast<unsigned>(Hkv));
     seq = params + (params_len - 5 * B) + 5 * (b < B ? b : 0);
   }
 };
@@ -559,135 +567,232 @@ __device__ __forceinline__ void attend_partials(
   finish(live - 1);
 }
 
-// Copies `floats` floats (a source's rows; an even count, `src` 8-byte
-// aligned) from global memory (L2: other blocks wrote them) to shared `dst`
-// (16-byte aligned): 16-byte cp.async when `src` is 16-byte aligned (every
-// copy in flight at once, no register held), else 8-byte loads.
-__device__ __forceinline__ void stage_rows(float* dst, const float* src, int floats) {
-  const int tid = threadIdx.x;
-  if ((reinterpret_cast<unsigned long long>(src) & 15) == 0) {
-#pragma unroll 1
-    for (int i = tid; i < floats / 4; i += THREADS) cp_async16(smem_addr(dst + 4 * i), src + 4 * i);
-    if (tid == 0 && floats % 4) {
-      *reinterpret_cast<float2*>(dst + floats - 2) = __ldcg(reinterpret_cast<const float2*>(src + floats - 2));
-    }
-  } else {
-#pragma unroll 4
-    for (int i = tid; i < floats / 2; i += THREADS) {
-      reinterpret_cast<float2*>(dst)[i] = __ldcg(reinterpret_cast<const float2*>(src) + i);
-    }
-  }
+// Member j of m's share of `elems` elements: [share(j), share(j + 1)), in
+// order, every element in exactly one share.
+__device__ __forceinline__ int share(int elems, int j, int m) {
+  return static_cast<int>(static_cast<long long>(elems) * j / m);
 }
 
-// acc[j] for element e = threadIdx.x + j * THREADS of `elems` (row e / PER_ROW,
-// columns 2 * (e % PER_ROW) and the next): the sum over sources s < `sources`,
-// in ascending order, of weight[s * ROWS + row] * src[s * step + row * OUTW +
-// col], a source of weight -inf skipped: the fold's and the combine's
-// arithmetic (kernels/attend_merge.inc, attend_combine.inc). The sources'
-// `floats` floats each come into shared `stage`, `batch` sources at a time,
-// all of a batch's copies in flight at once, in loops that stay loops (this
-// code runs once a launch). Block-uniform arguments; every thread calls it.
-template <int E, int PER_ROW, int OUTW>
-__device__ __forceinline__ void staged_sums(float (&acc)[E][2], const float* src, int64_t step,
-                                            const float* weight, int elems, int sources,
-                                            int floats, float* stage, int batch) {
-  const int tid = threadIdx.x;
-  const int spitch = (floats + 3) & ~3;  // a source's floats in the stage (16-byte aligned)
+// The sum over sources s < `sources`, in ascending order, of w[s * ROWS] *
+// src[s * step .. + 1] (a float pair), a source of weight -inf skipped unread:
+// the fold's and the combine's arithmetic for one element (kernels/
+// attend_merge.inc, attend_combine.inc). BATCH sources' loads in flight at
+// once (the sources are in L2: other blocks wrote them).
+template <int BATCH>
+__device__ __forceinline__ float2 weighted_sum(const float* src, int64_t step, const float* w,
+                                               int sources) {
+  float2 acc = make_float2(0.0f, 0.0f);
+#pragma unroll 1
+  for (int s0 = 0; s0 < sources; s0 += BATCH) {
+    float2 v[BATCH];
 #pragma unroll
-  for (int j = 0; j < E; ++j) acc[j][0] = acc[j][1] = 0.0f;
-#pragma unroll 1
-  for (int s0 = 0; s0 < sources; s0 += batch) {
-    const int nb = min(batch, sources - s0);
-    __syncthreads();  // the last batch is read: the stage may be refilled
-#pragma unroll 1
-    for (int k = 0; k < nb; ++k) stage_rows(stage + k * spitch, src + (s0 + k) * step, floats);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll 1
-    for (int k = 0; k < nb; ++k) {
-      const float* in = stage + k * spitch;
-      const float* wk = weight + (s0 + k) * ROWS;
+    for (int k = 0; k < BATCH; ++k) {
+      const int s = s0 + k;
+      v[k] = s < sources && w[s * ROWS] != neg_inf()
+                 ? __ldcg(reinterpret_cast<const float2*>(src + s * step))
+                 : make_float2(0.0f, 0.0f);
+    }
 #pragma unroll
-      for (int j = 0; j < E; ++j) {
-        const int e = tid + j * THREADS;
-        if (e < elems) {
-          const int r = e / PER_ROW, col = 2 * (e % PER_ROW);
-          const float w = wk[r];
-          if (w != neg_inf()) {
-            const float2 v = *reinterpret_cast<const float2*>(in + r * OUTW + col);
-            acc[j][0] += w * v.x;
-            acc[j][1] += w * v.y;
-          }
+    for (int k = 0; k < BATCH; ++k) {
+      const int s = s0 + k;
+      if (s < sources) {
+        const float wk = w[s * ROWS];
+        if (wk != neg_inf()) {
+          acc.x += wk * v[k].x;
+          acc.y += wk * v[k].y;
         }
       }
     }
   }
+  return acc;
 }
 
-// The M tile's output rows: res[r * HD + d] / total[r] in T (0 where the
-// total is not > 0), row r at out + orow[r]. One loop for every path.
+// Output element e (row e / (HD / 2), columns 2 * (e % (HD / 2)) and the
+// next) of the M tile: sum / total in T (0 where the total is not > 0), row r
+// at out + orow[r].
 template <typename T, int HD>
-__device__ __forceinline__ void write_rows(T* out, const int64_t* orow, const float* res,
-                                           const float* total, int rows_out) {
-#pragma unroll 1
-  for (int e = threadIdx.x; e < rows_out * (HD / 2); e += THREADS) {
-    const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
-    const float t = total[r];
-    const float2 x = *reinterpret_cast<const float2*>(res + r * HD + d);
-    T* o = out + orow[r] + d;
-    o[0] = static_cast<T>(t > 0.0f ? x.x / t : 0.0f);
-    o[1] = static_cast<T>(t > 0.0f ? x.y / t : 0.0f);
+__device__ __forceinline__ void write_pair(T* out, const int64_t* orow, int e, float2 sum, float total) {
+  const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
+  T* o = out + orow[r] + d;
+  o[0] = static_cast<T>(total > 0.0f ? sum.x / total : 0.0f);
+  o[1] = static_cast<T>(total > 0.0f ? sum.y / total : 0.0f);
+}
+
+// Thread 0 waits until *ctr > after (acquire), then the block goes on with
+// the count it saw (`seen`: a shared int): what the blocks that counted wrote
+// (and fenced) before counting is read after.
+__device__ __forceinline__ int wait_above(const int* ctr, int after, int* seen) {
+  if (threadIdx.x == 0) {
+    int v;
+    while (true) {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
+      if (v > after) break;
+      __nanosleep(64);
+    }
+    __threadfence();
+    *seen = v;
   }
+  __syncthreads();
+  return *seen;
 }
 
 // Shared memory of the second half, in floats from the block's K/V rings
-// (no longer read), after the two counters' flags (4 ints): each output
-// row's offset (int64, ROWS), the fold's max (ROWS), each row's total (ROWS),
-// then the weights: the fold's [FOLD][ROWS], or the combine's weight and sum
-// [groups][ROWS] each; then the stage (staged_sums), as many sources as fit.
+// (no longer read): each output row's offset (int64, ROWS), the fold's max
+// (ROWS), each row's total (ROWS), then the weights: the fold's chunk max
+// and sum [FOLD][ROWS] each, or the combine's fold weight and sum [groups]
+// [ROWS] each.
 constexpr int TAIL_FIXED = 2 * ROWS + 2 * ROWS;  // orow (as floats), ftop, totals
 __host__ __device__ constexpr int ring_floats(int hd) { return WARPS * warp_bytes(hd) / 4 - 4; }
-__host__ __device__ constexpr int stage_pitch(int hd) { return (ROWS * (hd + 2) + 3) & ~3; }
 
-// The combine (kernels/attend_combine.inc) by the last fold of a (sequence,
-// K/V head, M tile): `folds` folds at gin, `step` floats apart, against their
-// common max (and the sink of each row's query head, when `sinks`): each
-// row's total into `totals`, and the sums it divides, [rows_out][HD], into
-// shared memory, whose address it returns. `wts`: the shared weights and
-// stage (fold_and_combine's layout); query heads head0 + (row0 + r) % G.
-template <int HD>
-__device__ __forceinline__ float* combine_folds(const float* gin, int64_t step, int groups, int folds,
-                                                int rows_out, int head0, int G, int row0,
-                                                const float* sinks, float* wts,
-                                                float* totals MUSER_TL_PARAM) {
+// The last pass: the chunk partials of a (sequence b, K/V head h, M tile mt)
+// folded FOLD at a time, in ascending order against the group's max, then the
+// folds combined in ascending order against their common max (and the sink):
+// the arithmetic of kernels/attend_merge.inc and attend_combine.inc,
+// statement for statement. Every block of a group takes a share of the work:
+// once all the group's partials are written (its counter), each folds its
+// share of the elements (each row's weights and sum it computes whole), and
+// once every fold is written, the group whose fold came last combines, each
+// block its share again. A batch with one fold group and no sinks writes the
+// output at the fold (its combine would weigh it by exp(0) = 1: the same bits).
+// Which block takes which share, or which group combines, changes no sum: each
+// runs over the partials in ascending order after all of them are written.
+// Waiting is deadlock-free: a block waits only for its own group's blocks,
+// whose tasks are consecutive (Block: tasks are taken in order), so only the
+// group at the front of the queue can be partly running, and it has fewer
+// blocks than the GPU runs at once. Counters (zero at launch), per (b, h,
+// mt): each group's partials written [groups], each group's shares folded
+// [groups] (its last block adds 1, or 2 when its group combines), folds
+// written [1]; integer atomics only.
+template <typename T, int HD, int SPAN>
+__device__ __forceinline__ void fold_and_combine(const Block& at, const float* sinks,
+                                                 const int32_t* params, int params_len,
+                                                 const float* partials, float* merged,
+                                                 int* counters, T* out MUSER_TL_PARAM) {
+  MUSER_STAMP(3);  // the partial is written (or the block had no key)
   constexpr int OUTW = HD + 2;
+  constexpr int PAIRS = HD / 2;  // output pairs a row
+  static_assert(THREADS >= ROWS, "a thread a row for the weights");
+  extern __shared__ __align__(16) unsigned char muser_attend_smem[];
+  int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
+  float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
+  int64_t* orow = reinterpret_cast<int64_t*>(scratch);  // [ROWS]
+  float* ftop = scratch + 2 * ROWS;                      // [ROWS]
+  float* totals = ftop + ROWS;                           // [ROWS]
+  float* wts = scratch + TAIL_FIXED;                     // the weights, then the sums
+
+  const int Hkv = at.Hkv, G = at.G, n = at.n, max_chunks = at.max_chunks, nG = at.nG, MT = at.MT;
+  const int mt = at.mt, c = at.c, h = at.h, b = at.b;
+  if (b >= at.B) return;
+  const bool with_sinks = params_len - 5 * at.B == 9 && params[8] != 0;
+  const int count = chunk_count(at.seq[1], at.seq[2], n, at.window, at.CHUNK, max_chunks);
   const int tid = threadIdx.x;
-  const bool with_sinks = sinks != nullptr;
-  float* cw = wts;                  // [groups][ROWS]: a fold's max, then its weight
-  float* cl = cw + groups * ROWS;   // [groups][ROWS]: its sum
-  constexpr int ML = 8;  // (m, l) pairs a thread has in flight
-  for (int i0 = tid; i0 < folds * ROWS; i0 += ML * THREADS) {
-    float2 ml[ML];
-#pragma unroll
-    for (int k = 0; k < ML; ++k) {
-      const int i = i0 + k * THREADS, f = i / ROWS, r = i % ROWS;
-      ml[k] = i < folds * ROWS && r < rows_out
-                  ? __ldcg(reinterpret_cast<const float2*>(gin + f * step + r * OUTW + HD))
-                  : make_float2(neg_inf(), 0.0f);
-    }
-#pragma unroll
-    for (int k = 0; k < ML; ++k) {
-      const int i = i0 + k * THREADS;
-      if (i < folds * ROWS) {
-        cw[i] = ml[k].x;
-        cl[i] = ml[k].y;
-      }
-    }
+  const int rows_out = min(ROWS, nG - ROWS * mt);
+  const int groups = (max_chunks + FOLD - 1) / FOLD;
+  const int gi = c / FOLD;
+  const int gchunks = min(FOLD, max_chunks - gi * FOLD);  // the group's chunks (its blocks')
+  const int members = (gchunks + SPAN - 1) / SPAN, j = (c - gi * FOLD) / SPAN;
+  int* ctr = counters + 1 + (static_cast<int64_t>(b * Hkv + h) * MT + mt) * (2 * groups + 1);
+  const int64_t step = static_cast<int64_t>(nG) * OUTW;  // one chunk (or fold) further
+  const int elems = rows_out * PAIRS;
+  const int lo = share(elems, j, members), hi = share(elems, j + 1, members);
+
+  // This block's partials are written; the group's blocks fold once all are.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) atomicAdd(ctr + gi, at.chunks);
+  wait_above(ctr + gi, gchunks - 1, flags);
+  MUSER_STAMP(4);  // the group's partials are written: the fold starts
+
+  // Each output row's offset; each row's chunk max and sum, then its weights,
+  // the group's max and the group's sum.
+  const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
+  const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
+  float* fw = wts;               // [FOLD][ROWS]: a chunk's max, then its weight (-inf: unseen)
+  float* fl = fw + FOLD * ROWS;  // [FOLD][ROWS]: its sum
+  if (tid < rows_out) {
+    const int R = ROWS * mt + tid;
+    orow[tid] = ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD;
+  }
+  for (int i = tid; i < FOLD * ROWS; i += THREADS) {
+    const int k = i / ROWS, r = i % ROWS;
+    const float2 ml = c0 + k < c1 && r < rows_out
+                          ? __ldcg(reinterpret_cast<const float2*>(pin + (c0 + k) * step + r * OUTW + HD))
+                          : make_float2(neg_inf(), 0.0f);
+    fw[i] = ml.x;
+    fl[i] = ml.y;
   }
   __syncthreads();
   if (tid < rows_out) {
-    const int qhead = head0 + (row0 + tid) % G;
+    float top = neg_inf();
+    for (int k = 0; k < c1 - c0; ++k) {
+      const float m = fw[k * ROWS + tid];
+      if (m > top) top = m;
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < c1 - c0; ++k) {
+      const float m = fw[k * ROWS + tid];
+      const float w = m != neg_inf() ? expf(m - top) : neg_inf();
+      fw[k * ROWS + tid] = w;
+      if (w != neg_inf()) sum += w * fl[k * ROWS + tid];
+    }
+    ftop[tid] = top;
+    totals[tid] = sum;
+  }
+  __syncthreads();
+  MUSER_STAMP(7);  // the fold's weights
+
+  // This block's share of the fold, elements lo .. hi - 1 of the M tile's o:
+  // the output, when the batch has this one fold and no sinks (the combine
+  // would weigh it by exp(m - m) = 1 and sum nothing else, so the output is
+  // this fold's o / l bit for bit; + 0.0f: the combine's 0 + 1 * x, which
+  // makes a -0 of x +0 as there), else `merged`, with (max, sum) of the rows
+  // whose first element is in the share.
+  const bool only = groups == 1 && !with_sinks;
+  float* mout = merged + ((static_cast<int64_t>(b * Hkv + h) * groups + gi) * nG + ROWS * mt) * OUTW;
+#pragma unroll 1
+  for (int e = lo + tid; e < hi; e += THREADS) {
+    const int r = e / PAIRS, d = 2 * (e % PAIRS);
+    const float2 s = weighted_sum<FOLD>(pin + c0 * step + r * OUTW + d, step, fw + r, c1 - c0);
+    if (only) {
+      write_pair<T, HD>(out, orow, e, make_float2(s.x + 0.0f, s.y + 0.0f), totals[r] + 0.0f);
+    } else {
+      *reinterpret_cast<float2*>(mout + r * OUTW + d) = s;
+      if (d == 0) *reinterpret_cast<float2*>(mout + r * OUTW + HD) = make_float2(ftop[r], totals[r]);
+    }
+  }
+  if (only) {
+    MUSER_STAMP(6);  // the output is written
+    return;
+  }
+  __threadfence();
+  __syncthreads();
+  MUSER_STAMP(8);  // the share is summed, written and fenced
+  if (tid == 0 && atomicAdd(ctr + groups + gi, 1) == members - 1) {
+    // the group's last share: the group is folded; the last group folded combines
+    __threadfence();
+    const bool last = atomicAdd(ctr + 2 * groups, 1) == groups - 1;
+    __threadfence();
+    atomicAdd(ctr + groups + gi, last ? 2 : 1);
+  }
+  if (wait_above(ctr + groups + gi, members, flags) != members + 2) return;  // not the combining group
+  MUSER_STAMP(5);  // every fold is written: the combine starts
+
+  // The combine: each row's folds against their common max (and the sink of
+  // the row's query head), then this block's share of the elements.
+  const float* gin = merged + (static_cast<int64_t>(b * Hkv + h) * groups * nG + ROWS * mt) * OUTW;
+  const int folds = (count + FOLD - 1) / FOLD;
+  float* cw = wts;                 // [groups][ROWS]: a fold's max, then its weight
+  float* cl = cw + groups * ROWS;  // [groups][ROWS]: its sum
+  for (int i = tid; i < folds * ROWS; i += THREADS) {
+    const int f = i / ROWS, r = i % ROWS;
+    const float2 ml = r < rows_out ? __ldcg(reinterpret_cast<const float2*>(gin + f * step + r * OUTW + HD))
+                                   : make_float2(neg_inf(), 0.0f);
+    cw[i] = ml.x;
+    cl[i] = ml.y;
+  }
+  __syncthreads();
+  if (tid < rows_out) {
+    const int qhead = h * G + (ROWS * mt + tid) % G;
     float top = neg_inf();
     for (int f = 0; f < folds; ++f) {
       const float m = cw[f * ROWS + tid];
@@ -708,166 +813,20 @@ __device__ __forceinline__ float* combine_folds(const float* gin, int64_t step, 
     if (with_sinks) total += expf(sink - top);
     totals[tid] = total;
   }
+  __syncthreads();
   MUSER_STAMP(11);  // the folds' weights
-  constexpr int CE = (ROWS * (HD / 2) + THREADS - 1) / THREADS;  // a thread's elements
-  const int elems = rows_out * (HD / 2);
-  float* cstage = cl + groups * ROWS;
-  float cacc[CE][2];
-  staged_sums<CE, HD / 2, OUTW>(cacc, gin, step, cw, elems, folds, rows_out * OUTW, cstage,
-                                (ring_floats(HD) - TAIL_FIXED - 2 * groups * ROWS) / stage_pitch(HD));
-  MUSER_STAMP(12);  // the combine's sums
-  __syncthreads();  // the stage is read: it takes the sums
-#pragma unroll
-  for (int j = 0; j < CE; ++j) {
-    const int e = tid + j * THREADS;
-    if (e < elems) {
-      const int r = e / (HD / 2), d = 2 * (e % (HD / 2));
-      *reinterpret_cast<float2*>(cstage + r * HD + d) = make_float2(cacc[j][0], cacc[j][1]);
-    }
+#pragma unroll 1
+  for (int e = lo + tid; e < hi; e += THREADS) {
+    const int r = e / PAIRS, d = 2 * (e % PAIRS);
+    write_pair<T, HD>(out, orow, e, weighted_sum<8>(gin + r * OUTW + d, step, cw + r, folds), totals[r]);
   }
-  return cstage;
-}
-
-// The second half of one launch: the chunk partials of a (sequence, K/V head,
-// M tile) folded FOLD at a time, in ascending order against the group's max,
-// by the last block of each group to finish (a counter per group), then the
-// folds combined in ascending order against their common max (and the sink)
-// by the last fold to finish, written in T: the arithmetic of
-// kernels/attend_merge.inc and attend_combine.inc, statement for statement.
-// Which block comes last changes no sum: every sum runs over the partials in
-// ascending order, after all of them are written. Counters: zero at launch,
-// (groups + 1) per (b, h, mt); integer atomics only. A fold of a sequence's
-// single group is exact (its weight against itself is exp(0) = 1), so always
-// folding gives every sequence one rule whatever max_chunks the batch has.
-template <typename T, int HD, int SPAN>
-__device__ __forceinline__ void fold_and_combine(const Block& at, const float* sinks,
-                                                 const int32_t* params, int params_len,
-                                                 const float* partials, float* merged,
-                                                 int* counters, T* out MUSER_TL_PARAM) {
-  MUSER_STAMP(3);  // the partial is written (or the block had no key)
-  constexpr int OUTW = HD + 2;
-  // chunks the fold's stage holds beside its weights
-  constexpr int FOLD_BATCH = (ring_floats(HD) - TAIL_FIXED - FOLD * ROWS) / stage_pitch(HD);
-  static_assert(FOLD_BATCH >= 1, "the fold stages at least one chunk");
-  extern __shared__ __align__(16) unsigned char muser_attend_smem[];
-  int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
-  float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
-  int64_t* orow = reinterpret_cast<int64_t*>(scratch);  // [ROWS]
-  float* ftop = scratch + 2 * ROWS;                      // [ROWS]
-  float* totals = ftop + ROWS;                           // [ROWS]
-  float* wts = scratch + TAIL_FIXED;                     // the weights, then the stage
-
-  const int Hkv = at.Hkv, G = at.G, n = at.n, max_chunks = at.max_chunks, nG = at.nG, MT = at.MT;
-  const int mt = at.mt, c = at.c, h = at.h, b = at.b;
-  if (b >= at.B) return;
-  const bool with_sinks = params_len - 5 * at.B == 9 && params[8] != 0;
-  const int count = chunk_count(at.seq[1], at.seq[2], n, at.window, at.CHUNK, max_chunks);
-  const int tid = threadIdx.x;
-  const int rows_out = min(ROWS, nG - ROWS * mt);
-  const int groups = (max_chunks + FOLD - 1) / FOLD;
-  const int gi = c / FOLD;
-  int* ctr = counters + (static_cast<int64_t>(b * Hkv + h) * MT + mt) * (groups + 1);
-  const int64_t step = static_cast<int64_t>(nG) * OUTW;  // one chunk (or fold) further
-  const int floats = rows_out * OUTW;                     // a chunk's (or fold's) rows
-
-  // This block's partial is written; the last of its group folds the group.
-  __threadfence();
-  __syncthreads();
-  // (the block's chunks count at once: its span lies in group gi)
-  if (tid == 0) flags[0] = atomicAdd(ctr + gi, at.chunks) + at.chunks == min(FOLD, max_chunks - gi * FOLD);
-  __syncthreads();
-  if (!flags[0]) return;
-  __threadfence();
-  MUSER_STAMP(4);  // the last of its group: the fold starts
-
-  // Each output row's offset; the chunks' max scores, then their weights.
-  const float* pin = partials + (static_cast<int64_t>(b * Hkv + h) * max_chunks * nG + ROWS * mt) * OUTW;
-  const int c0 = gi * FOLD, c1 = min(c0 + FOLD, count);
-  float* fw = wts;  // [FOLD][ROWS]: a chunk's max, then its weight (-inf: unseen)
-  if (tid < rows_out) {
-    const int R = ROWS * mt + tid;
-    orow[tid] = ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD;
-  }
-  for (int i = tid; i < FOLD * ROWS; i += THREADS) {
-    const int k = i / ROWS, r = i % ROWS;
-    fw[i] = c0 + k < c1 && r < rows_out ? __ldcg(pin + (c0 + k) * step + r * OUTW + HD) : neg_inf();
-  }
-  __syncthreads();
-  if (tid < rows_out) {
-    float top = neg_inf();
-    for (int k = 0; k < c1 - c0; ++k) {
-      const float m = fw[k * ROWS + tid];
-      if (m > top) top = m;
-    }
-    for (int k = 0; k < c1 - c0; ++k) {
-      const float m = fw[k * ROWS + tid];
-      fw[k * ROWS + tid] = m != neg_inf() ? expf(m - top) : neg_inf();
-    }
-    ftop[tid] = top;
-  }
-  constexpr int PAIRS = OUTW / 2;  // rows of o, m, l as 8-byte pairs (OUTW is even)
-  constexpr int FE = (ROWS * PAIRS + THREADS - 1) / THREADS;  // a thread's elements
-  const int pairs = rows_out * PAIRS;
-  MUSER_STAMP(7);  // the fold's weights
-  float* fstage = fw + FOLD * ROWS;
-  float facc[FE][2];  // the group's chunks c0 .. c1 - 1 (c1 <= c0 + FOLD)
-  staged_sums<FE, PAIRS, OUTW>(facc, pin + c0 * step, step, fw, pairs, c1 - c0, floats, fstage,
-                               FOLD_BATCH);
-  MUSER_STAMP(8);  // the fold's sums
-  float* res = fstage;  // [rows_out][HD]: the sums the output divides by its row's total
-  if (groups == 1 && !with_sinks) {
-    // The batch's only fold: the combine would weigh it by exp(m - m) = 1 and
-    // sum nothing else, so its output is this fold's o / l, bit for bit; it is
-    // written here, without the counter and the second pass over L2.
-    MUSER_STAMP(5);
-    __syncthreads();  // the stage is read: it takes the sums
-#pragma unroll
-    for (int j = 0; j < FE; ++j) {
-      const int e = tid + j * THREADS;
-      const int r = e / PAIRS, d = 2 * (e % PAIRS);
-      // + 0.0f: the combine's 0 + 1 * x, which makes a -0 of x +0 as there
-      if (e < pairs && d < HD) {
-        *reinterpret_cast<float2*>(fstage + r * HD + d) = make_float2(facc[j][0] + 0.0f, facc[j][1] + 0.0f);
-      } else if (e < pairs) {
-        totals[r] = facc[j][1] + 0.0f;  // the pair (m, l): l
-      }
-    }
-  } else {
-    float* mout = merged + ((static_cast<int64_t>(b * Hkv + h) * groups + gi) * nG + ROWS * mt) * OUTW;
-#pragma unroll
-    for (int j = 0; j < FE; ++j) {
-      const int e = tid + j * THREADS;
-      if (e < pairs) {
-        const int r = e / PAIRS, col = 2 * (e % PAIRS);
-        // the pair (m, l): the group's max, its weighted sum
-        const float a0 = col == HD ? ftop[r] : facc[j][0];
-        *reinterpret_cast<float2*>(mout + r * OUTW + col) = make_float2(a0, facc[j][1]);
-      }
-    }
-
-    // This fold is written; the last fold combines them all.
-    __threadfence();
-    MUSER_STAMP(9);  // the fold is written and fenced
-    __syncthreads();
-    if (tid == 0) flags[1] = atomicAdd(ctr + groups, 1) == groups - 1;
-    __syncthreads();
-    if (!flags[1]) return;
-    __threadfence();
-    MUSER_STAMP(5);  // the last fold: the combine starts
-
-    res = combine_folds<HD>(merged + (static_cast<int64_t>(b * Hkv + h) * groups * nG + ROWS * mt) * OUTW,
-                            step, groups, (count + FOLD - 1) / FOLD, rows_out, h * G, G, ROWS * mt,
-                            with_sinks ? sinks : nullptr, wts, totals MUSER_TL_ARG);
-    MUSER_STAMP(10);  // the combine's sums are in shared memory
-  }
-  __syncthreads();
-  write_rows<T, HD>(out, orow, res, totals, rows_out);
   MUSER_STAMP(6);  // the output is written
 }
 
-// Decode attention in one launch: each block's chunk partials (attend_partials,
-// SPAN chunks a block), then the fold and the combine by the last blocks
-// (fold_and_combine).
+// Decode attention in one launch: a block takes the next task from the
+// ticket (counters[0]) as it starts, computes its chunk partials
+// (attend_partials, SPAN chunks a block), then its shares of the fold and the
+// combine (fold_and_combine).
 template <typename T, typename P, int HD, int SPAN>
 __device__ __forceinline__ void attend(
     const T* queries, int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,
@@ -875,7 +834,10 @@ __device__ __forceinline__ void attend(
     const P* values, int64_t vs0, int64_t vs1, int64_t vs2, int64_t vs3,
     const float* scale_in, const float* sinks, const int32_t* params, int params_len,
     const int32_t* counters, T* out, float* partials, float* merged MUSER_TL_PARAM) {
-  const Block at(params, params_len, SPAN);
+  __shared__ unsigned task;
+  if (threadIdx.x == 0) task = atomicAdd(reinterpret_cast<unsigned*>(const_cast<int32_t*>(counters)), 1u);
+  __syncthreads();
+  const Block at(params, params_len, SPAN, task);
   attend_partials<T, P, HD, SPAN>(at, queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values,
                                   vs0, vs1, vs2, vs3, scale_in, params, params_len,
                                   partials MUSER_TL_ARG);

@@ -12,12 +12,15 @@ query rows). Each block writes its chunk's partial:
 ``exp(s_j - m)``; a row that sees no key of the chunk (or ``c >= count``) gets
 ``m = -inf``, ``l = 0``, ``o = 0``.
 
-Then, in the same launch, the last block of each group of ``FOLD`` chunks to
-finish folds the group (``merged``), and the last fold combines them into the
-output, with ``kernels/attend_merge.inc`` and ``attend_combine.inc``'s
-arithmetic: integer counters (``counters``, zeros of the call's own) pick the
-block, and every sum runs in ascending order over partials already written,
-so the bits do not depend on which block comes last.
+Then, in the same launch, the blocks of each group of ``FOLD`` chunks fold
+the group (``merged``) once all its partials are written, each a share of the
+elements, and the blocks of the group whose fold comes last combine the folds
+into the output, each a share again, with ``kernels/attend_merge.inc`` and
+``attend_combine.inc``'s arithmetic: integer counters (``counters``, zeros of
+the call's own, ``counter_count``) order them, and every sum runs in ascending
+order over partials already written, so the bits do not depend on which block
+takes which share. Blocks take their tasks from a ticket as they start, a
+group's tasks in a row, so a block waits only for blocks already running.
 
 ``params`` (int32): ``B, Hkv, G, n, D, CHUNK, max_chunks, window``, optionally
 the combine's ``sinks`` flag (``KernelBackend.attend``'s layout: the kernel
@@ -170,11 +173,16 @@ def launch_geometry(batch: int, kv_heads: int, max_chunks: int, n_g: int,
 def most_chunks(head_dim: int) -> int:
     """The most chunks a sequence may have: the combine keeps a weight and a sum
     per fold and query row in the block's K/V rings, beside each row's offset,
-    max and total, and stages at least one fold's rows there
-    (``fold_and_combine``: ``ring_floats``, ``TAIL_FIXED``, ``stage_pitch``)."""
+    max and total (``fold_and_combine``: ``ring_floats``, ``TAIL_FIXED``)."""
     ring = WARPS * STAGES * 2 * TILE_KEYS * (head_dim + 8) * 2 // 4 - 4
-    stage = (ROWS * (head_dim + 2) + 3) // 4 * 4
-    return (ring - 4 * ROWS - stage) // (2 * ROWS) * FOLD
+    return (ring - 4 * ROWS) // (2 * ROWS) * FOLD
+
+
+def counter_count(batch: int, kv_heads: int, max_chunks: int, n_g: int) -> int:
+    """The zeros a launch counts in (``attend``, ``fold_and_combine``): the
+    tasks' ticket, then per (sequence, K/V head, M tile) each fold group's
+    written partials and folded shares, and the folds written."""
+    return 1 + batch * kv_heads * -(-n_g // ROWS) * (2 * -(-max_chunks // FOLD) + 1)
 
 
 def attend_mma(queries: mx.array, keys: mx.array, values: mx.array,
@@ -244,8 +252,7 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, params: mx.array
     if span is None:
         span = span_for(b, kv_heads, max_chunks, n_g)
     groups = -(-max_chunks // FOLD)
-    tiles = -(-n_g // ROWS)
-    counters = _COUNTERS.take(b * kv_heads * tiles * (groups + 1))
+    counters = _COUNTERS.take(counter_count(b, kv_heads, max_chunks, n_g))
     grid, threadgroup, _ = launch_geometry(b, kv_heads, max_chunks, n_g, span)
     out, partials, _ = _kernel(d, span)(
         inputs=[queries, keys, values, scale, sinks, params, counters],
