@@ -419,8 +419,9 @@ def timeline(depth: int, b: int, span: int = 1) -> None:
     print(f"  per block, median us: params + Q tile {med(t[:, 1] - t[:, 0])}, warp 0's tiles "
           f"{med(t[:, 2] - t[:, 1])}, the warps' combine + the write {med(t[:, 3] - t[:, 2])}, "
           f"start to written {med(t[:, 3] - t[:, 0])}")
-    print(f"  fold blocks ({int((~np.isnan(t[:, 4])).sum())}): the counter to the fold {med(t[:, 4] - t[:, 3])}, "
-          f"the fold {med(t[:, 5] - t[:, 4])} (to the last fold's combine); the combine "
+    print(f"  every block: its group's partials awaited {med(t[:, 4] - t[:, 3])}, the fold's weights "
+          f"{med(t[:, 7] - t[:, 4])}, its share {med(t[:, 8] - t[:, 7])}; combining blocks "
+          f"({int((~np.isnan(t[:, 5])).sum())}): the folds awaited {med(t[:, 5] - t[:, 8])}, the combine "
           f"{med(t[:, 6] - t[:, 5])}; the last output at {np.nanmax(t[:, 6]):.1f} us")
     last = int(np.nanargmax(t[:, 6]))  # the block that wrote the output last
     w = t[last]
@@ -428,12 +429,12 @@ def timeline(depth: int, b: int, span: int = 1) -> None:
     def span(a, z):
         return f"{w[z] - w[a]:.1f}" if not np.isnan(w[z] - w[a]) else "-"
     if np.isnan(w[11]):  # no combine: the batch's only fold wrote the output
-        print(f"  the last output's block (a single fold): its weights {span(4, 7)}, sums {span(7, 8)}, "
-              f"the sums staged and the output written {span(8, 6)}")
+        print(f"  the last output's block (a single fold): the group awaited {span(3, 4)}, its weights "
+              f"{span(4, 7)}, its share summed and written {span(7, 6)}")
     else:
-        print(f"  the last output's block: its fold's weights {span(4, 7)}, sums {span(7, 8)}, write "
-              f"and fence {span(8, 9)}, counter {span(9, 5)}; the combine's weights {span(5, 11)}, "
-              f"sums {span(11, 12)}, into shared memory {span(12, 10)}, the write {span(10, 6)}")
+        print(f"  the last output's block: the group awaited {span(3, 4)}, the fold's weights {span(4, 7)}, "
+              f"its share {span(7, 8)}, the folds awaited {span(8, 5)}; the combine's weights {span(5, 11)}, "
+              f"its share summed and written {span(11, 6)}")
     # blocks resident at once on one SM (occupancy as it ran): the most [start,
     # written] intervals that overlap on any SM
     most = 0
