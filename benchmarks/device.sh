@@ -13,8 +13,8 @@
 #                                        # its fold and combine, at 131k and 32k, and its blocks'
 #                                        # phases (--timeline), for each span (SPANS=1,2,4,8,16)
 #   bash benchmarks/device.sh tail       # the launch's tail: one block's L2 read rate against many
-#                                        # blocks' (l2_read.py), then PASS and the tail's phases at
-#                                        # 131k and 32k (attention_mma_check.py --timeline 1)
+#                                        # blocks' (l2_read.py), then PASS, B = 1 and 8 chained, and
+#                                        # the tail's phases at 131k and 32k (--timeline 1)
 #   bash benchmarks/device.sh mixed      # batched decode at 131k, mixed lengths (16k..131k) beside
 #                                        # an equal batch of the same rows, B = 2, 8, 16, 32
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
@@ -128,8 +128,8 @@ tail)
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
     *H200*) bw=4.8e12 ;; *) bw=3.35e12 ;; esac
   b l2_read 60 benchmarks/l2_read.py
-  b tail 200 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1 --timeline 1 --spans 1
-  b tail 80 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1 --depth 32768 --skip-check \
+  b tail 240 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 --timeline 1 --spans 1
+  b tail 100 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 --depth 32768 --skip-check \
     --timeline 1 --spans 1
   ;;
 mixed)
