@@ -55,6 +55,10 @@ constexpr int ROWS = 16;     // query rows per M tile (mma's M)
 constexpr int TK = 16;       // keys per tile (two n8 tiles for S, one k16 step for PV)
 constexpr int STAGES = 2;    // cp.async ring depth per warp (attention_cuda.STAGES)
 constexpr int FOLD = 16;     // chunks folded into one partial (core.attention.FOLD)
+// Blocks an SM runs at once (at D = 128 and one chunk a block: smem_bytes of
+// 74,496 B and about 150 registers a thread): only where the tail is spread
+// (fold_and_combine), never a bit or the waits' safety.
+constexpr int RESIDENT = 3;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -193,6 +197,7 @@ __device__ __forceinline__ int chunk_count(int end, int held, int n, int window,
 // never straddles two fold groups (span divides FOLD).
 struct Block {
   int B, Hkv, G, n, CHUNK, max_chunks, window, nG, MT, mt, c, chunks, h, b;
+  unsigned first;      // the task of the group's first block
   const int32_t* seq;  // slot, end, held, origin, wrap
 
   __device__ __forceinline__ Block(const int32_t* params, int params_len, int span, unsigned task) {
@@ -211,6 +216,7 @@ struct Block {
     // the group's spans (fewer in a last, partial group)
     const unsigned members = min(spans - gi * static_cast<unsigned>(FOLD / span), static_cast<unsigned>(FOLD / span));
     mt = static_cast<int>(rest / members);
+    first = task - rest % members;
     c = static_cast<int>(gi) * FOLD + static_cast<int>(rest % members) * span;
     chunks = min(span, max_chunks - c);
     h = static_cast<int>(bh % static_cast<unsigned>(Hkv));
@@ -636,6 +642,13 @@ __device__ __forceinline__ int wait_above(const int* ctr, int after, int* seen) 
   return *seen;
 }
 
+// The GPU's SMs (%nsmid: at least their count).
+__device__ __forceinline__ unsigned sm_count() {
+  unsigned n;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+  return n;
+}
+
 // Shared memory of the second half, in floats from the block's K/V rings
 // (no longer read): each output row's offset (int64, ROWS), the fold's max
 // (ROWS), each row's total (ROWS), then the weights: the fold's chunk max
@@ -648,21 +661,24 @@ __host__ __device__ constexpr int ring_floats(int hd) { return WARPS * warp_byte
 // folded FOLD at a time, in ascending order against the group's max, then the
 // folds combined in ascending order against their common max (and the sink):
 // the arithmetic of kernels/attend_merge.inc and attend_combine.inc,
-// statement for statement. Every block of a group takes a share of the work:
-// once all the group's partials are written (its counter), each folds its
-// share of the elements (each row's weights and sum it computes whole), and
-// once every fold is written, the group whose fold came last combines, each
-// block its share again. A batch with one fold group and no sinks writes the
-// output at the fold (its combine would weigh it by exp(0) = 1: the same bits).
-// Which block takes which share, or which group combines, changes no sum: each
-// runs over the partials in ascending order after all of them are written.
-// Waiting is deadlock-free: a block waits only for its own group's blocks,
-// whose tasks are consecutive (Block: tasks are taken in order), so only the
-// group at the front of the queue can be partly running, and it has fewer
-// blocks than the GPU runs at once. Counters (zero at launch), per (b, h,
-// mt): each group's partials written [groups], each group's shares folded
-// [groups] (its last block adds 1, or 2 when its group combines), folds
-// written [1]; integer atomics only.
+// statement for statement. A group in the launch's last wave of tasks (the
+// GPU's resident blocks: the launch ends with it, nothing to overlap) is
+// spread: once all its partials are written (its counter), each of its blocks
+// folds a share of the elements (each row's weights and sum it computes
+// whole), and when its fold comes last of the (b, h, mt)'s, each combines a
+// share again. An earlier group is folded by the block that wrote its last
+// partial, alone, and combines alone, while other blocks stream: there a
+// block waiting for its group would only hold a slot they need. A batch with
+// one fold group and no sinks writes the output at the fold (its combine
+// would weigh it by exp(0) = 1: the same bits). Which block takes which share,
+// or which group combines, changes no sum: each runs over the partials in
+// ascending order after all of them are written. Waiting is deadlock-free: a
+// block waits only for its own group's blocks, whose tasks are consecutive
+// (Block: tasks are taken in order), so only the group at the front of the
+// queue can be partly running, and it has fewer blocks than the GPU runs at
+// once. Counters (zero at launch), per (b, h, mt): each group's partials
+// written [groups], each group's shares folded [groups] (its last share adds
+// 1 more, 2 when its group combines), folds written [1]; integer atomics only.
 template <typename T, int HD, int SPAN>
 __device__ __forceinline__ void fold_and_combine(const Block& at, const float* sinks,
                                                  const int32_t* params, int params_len,
@@ -690,17 +706,25 @@ __device__ __forceinline__ void fold_and_combine(const Block& at, const float* s
   const int groups = (max_chunks + FOLD - 1) / FOLD;
   const int gi = c / FOLD;
   const int gchunks = min(FOLD, max_chunks - gi * FOLD);  // the group's chunks (its blocks')
-  const int members = (gchunks + SPAN - 1) / SPAN, j = (c - gi * FOLD) / SPAN;
+  // a spread group's blocks share the work; else the last block alone
+  const bool spread = at.first + RESIDENT * sm_count() >= gridDim.x;
+  const int members = spread ? (gchunks + SPAN - 1) / SPAN : 1, j = spread ? (c - gi * FOLD) / SPAN : 0;
   int* ctr = counters + 1 + (static_cast<int64_t>(b * Hkv + h) * MT + mt) * (2 * groups + 1);
   const int64_t step = static_cast<int64_t>(nG) * OUTW;  // one chunk (or fold) further
   const int elems = rows_out * PAIRS;
   const int lo = share(elems, j, members), hi = share(elems, j + 1, members);
 
-  // This block's partials are written; the group's blocks fold once all are.
+  // This block's partials are written; the group is folded once all are.
   __threadfence();
   __syncthreads();
-  if (tid == 0) atomicAdd(ctr + gi, at.chunks);
-  wait_above(ctr + gi, gchunks - 1, flags);
+  if (tid == 0) flags[1] = atomicAdd(ctr + gi, at.chunks) + at.chunks;
+  if (spread) {
+    wait_above(ctr + gi, gchunks - 1, flags);
+  } else {
+    __syncthreads();
+    if (flags[1] != gchunks) return;  // not the group's last block
+    __threadfence();
+  }
   MUSER_STAMP(4);  // the group's partials are written: the fold starts
 
   // Each output row's offset; each row's chunk max and sum, then its weights,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 import shutil
 from pathlib import Path
 
@@ -41,6 +42,7 @@ SHIM = r"""
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +59,8 @@ SHIM = r"""
 #define MUSER_STAMP(i) do {} while (0)
 struct Dim { unsigned x; };
 thread_local Dim threadIdx;
+Dim gridDim;           // the launch's blocks (tasks)
+unsigned host_sms;     // the SMs the tail counts its last wave by
 thread_local std::barrier<>* block_barrier;
 thread_local unsigned char* block_smem;
 inline void __syncthreads() { block_barrier->arrive_and_wait(); }
@@ -75,13 +79,17 @@ constexpr int ROWS = %(rows)d;
 constexpr int TK = %(tk)d;
 constexpr int STAGES = %(stages)d;
 constexpr int FOLD = %(fold)d;
+constexpr int RESIDENT = %(resident)d;
 inline float neg_inf() { return -INFINITY; }
+inline unsigned sm_count() { return host_sms; }
 %(geometry)s
 %(helpers)s
 inline int wait_above(const int* ctr, int after, int* seen) {
   if (threadIdx.x == 0) {
     int v;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while ((v = std::atomic_ref<int>(*const_cast<int*>(ctr)).load(std::memory_order_acquire)) <= after) {
+      if (std::chrono::steady_clock::now() > give_up) std::abort();  // a deadlock fails, not hangs
       std::this_thread::yield();
     }
     *seen = v;
@@ -125,7 +133,9 @@ static void launch(const int32_t* params, int params_len, int blocks, const floa
 
 extern "C" void run_tail(int hd, int span, const int32_t* params, int params_len, int blocks,
                          const float* partials, float* merged, int* counters, const float* sinks,
-                         float* out, int slots) {
+                         float* out, int slots, int sms) {
+  gridDim.x = blocks;
+  host_sms = sms;
   if (hd == 64 && span == 1) launch<64, 1>(params, params_len, blocks, partials, merged, counters, sinks, out, slots);
   if (hd == 64 && span == 4) launch<64, 4>(params, params_len, blocks, partials, merged, counters, sinks, out, slots);
   if (hd == 128 && span == 1) launch<128, 1>(params, params_len, blocks, partials, merged, counters, sinks, out, slots);
@@ -144,10 +154,11 @@ def shim() -> str:
     text = HEADER.read_text()
     smem = "  extern __shared__ __align__(16) unsigned char muser_attend_smem[];\n"
     tail = cut(text, "// Shared memory of the second half", "// Decode attention in one launch")
+    resident = int(re.search(r"constexpr int RESIDENT = (\d+);", text).group(1))
     assert tail.count(smem) == 1
     return SHIM % dict(
         warps=attention_cuda.WARPS, threads=THREADS, rows=ROWS, tk=attention_cuda.TILE_KEYS,
-        stages=attention_cuda.STAGES, fold=FOLD,
+        stages=attention_cuda.STAGES, fold=FOLD, resident=resident,
         geometry=cut(text, "__host__ __device__ constexpr int pitch(int hd)", "// The first pass for one block"),
         helpers=cut(text, "// Member j of m's share", "// Thread 0 waits until"),
         tail=tail.replace(smem, "  unsigned char* muser_attend_smem = block_smem;\n"))
@@ -161,7 +172,7 @@ def lib():
     f32p = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
     i32p = np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS")
     out.run_tail.argtypes = [ctypes.c_int, ctypes.c_int, i32p, ctypes.c_int, ctypes.c_int, f32p, f32p, i32p,
-                             f32p, f32p, ctypes.c_int]
+                             f32p, f32p, ctypes.c_int, ctypes.c_int]
     return out
 
 
@@ -242,9 +253,13 @@ CASES = [  # hd, span, B, Hkv, G, n, max_chunks, counts, sinks, slots
 ]
 
 
+@pytest.mark.parametrize("sms", [1000, 4, 1], ids=["spread", "last-wave", "alone"])
 @pytest.mark.parametrize("hd,span,b,hkv,g,n,max_chunks,counts,with_sinks,slots", CASES)
 def test_fold_and_combine_are_the_rule_bit_for_bit(lib, hd, span, b, hkv, g, n, max_chunks, counts,
-                                                   with_sinks, slots):
+                                                   with_sinks, slots, sms):
+    """``sms``: every group spread (its blocks share the fold and the combine),
+    the groups of the last ``RESIDENT * sms`` tasks spread and earlier ones
+    folded by their last block, or (1 SM) almost none spread."""
     rng = np.random.default_rng(hd + span * 7 + max_chunks * 31 + b * 1000 + g)
     ng = n * g
     partials = rng.standard_normal((b, hkv, max_chunks, ng, hd + 2)).astype(np.float32)
@@ -266,7 +281,7 @@ def test_fold_and_combine_are_the_rule_bit_for_bit(lib, hd, span, b, hkv, g, n, 
     out = np.full((b, hkv * g, n, hd), np.nan, np.float32)
     _, _, blocks = attention_cuda.launch_geometry(b, hkv, max_chunks, ng, span)
     lib.run_tail(hd, span, params, params.size, blocks, partials, merged, counters,
-                 sinks if sinks is not None else np.zeros(1, np.float32), out, slots)
+                 sinks if sinks is not None else np.zeros(1, np.float32), out, slots, sms)
     assert counters[0] == blocks  # every block took one ticket
     want = rule(partials, counts, sinks, g, hd)  # [B, Hkv, nG, D], row r = i * G + g
     want = want.reshape(b, hkv, n, g, hd).transpose(0, 1, 3, 2, 4).reshape(b, hkv * g, n, hd)
