@@ -665,20 +665,22 @@ __host__ __device__ constexpr int ring_floats(int hd) { return WARPS * warp_byte
 // GPU's resident blocks: the launch ends with it, nothing to overlap) is
 // spread: once all its partials are written (its counter), each of its blocks
 // folds a share of the elements (each row's weights and sum it computes
-// whole), and when its fold comes last of the (b, h, mt)'s, each combines a
-// share again. An earlier group is folded by the block that wrote its last
-// partial, alone, and combines alone, while other blocks stream: there a
-// block waiting for its group would only hold a slot they need. A batch with
-// one fold group and no sinks writes the output at the fold (its combine
-// would weigh it by exp(0) = 1: the same bits). Which block takes which share,
+// whole). An earlier group is folded by the block that wrote its last
+// partial, alone, while other blocks stream: there a block waiting for its
+// group would only hold a slot they need. The (b, h, mt)'s last group
+// combines the folds once all are written (a counter), its blocks a share
+// each when it is spread. A batch with one fold group and no sinks writes the
+// output at the fold (its combine would weigh it by exp(0) = 1: the same
+// bits). Which block takes which share,
 // or which group combines, changes no sum: each runs over the partials in
 // ascending order after all of them are written. Waiting is deadlock-free: a
 // block waits only for its own group's blocks, whose tasks are consecutive
 // (Block: tasks are taken in order), so only the group at the front of the
 // queue can be partly running, and it has fewer blocks than the GPU runs at
-// once. Counters (zero at launch), per (b, h, mt): each group's partials
-// written [groups], each group's shares folded [groups] (its last share adds
-// 1 more, 2 when its group combines), folds written [1]; integer atomics only.
+// once; the last group waits for earlier groups, whose tasks are all taken.
+// Counters (zero at launch), per (b, h, mt): each group's partials written
+// [groups], each group's shares folded [groups], folds written [1]; integer
+// atomics only.
 template <typename T, int HD, int SPAN>
 __device__ __forceinline__ void fold_and_combine(const Block& at, const float* sinks,
                                                  const int32_t* params, int params_len,
@@ -792,13 +794,11 @@ __device__ __forceinline__ void fold_and_combine(const Block& at, const float* s
   __syncthreads();
   MUSER_STAMP(8);  // the share is summed, written and fenced
   if (tid == 0 && atomicAdd(ctr + groups + gi, 1) == members - 1) {
-    // the group's last share: the group is folded; the last group folded combines
-    __threadfence();
-    const bool last = atomicAdd(ctr + 2 * groups, 1) == groups - 1;
-    __threadfence();
-    atomicAdd(ctr + groups + gi, last ? 2 : 1);
+    __threadfence();  // the group's last share: the group is folded
+    atomicAdd(ctr + 2 * groups, 1);
   }
-  if (wait_above(ctr + groups + gi, members, flags) != members + 2) return;  // not the combining group
+  if (gi != groups - 1) return;  // the last group combines, once every group is folded
+  wait_above(ctr + 2 * groups, groups - 1, flags);
   MUSER_STAMP(5);  // every fold is written: the combine starts
 
   // The combine: each row's folds against their common max (and the sink of
