@@ -189,12 +189,14 @@ __device__ __forceinline__ int chunk_count(int end, int held, int n, int window,
 
 // What a block is: the params' header, and this block's task (b, h, span,
 // mt) and sequence. Tasks are numbered in the order fold_and_combine's waits
-// need (the K/V head's groups in turn, the M tiles of a group in turn, a
-// tile's spans of `span` chunks last), and a block takes the next task when
-// it starts (`task`: the launch's ticket counter's count), so a block never
-// waits for a task no block has taken while later ones run. c: the span's
-// first chunk; chunks: how many of its chunks are below max_chunks. A span
-// never straddles two fold groups (span divides FOLD).
+// need: the fold groups in turn (every sequence's, K/V head's and M tile's
+// first group, then every second group, ...), a group's spans of `span`
+// chunks in a row; and a block takes the next task when it starts (`task`:
+// the launch's ticket counter's count), so a block never waits for a task no
+// block has taken while later ones run. The last groups, which combine, end
+// the launch together. c: the span's first chunk; chunks: how many of its
+// chunks are below max_chunks. A span never straddles two fold groups (span
+// divides FOLD).
 struct Block {
   int B, Hkv, G, n, CHUNK, max_chunks, window, nG, MT, mt, c, chunks, h, b;
   unsigned first;      // the task of the group's first block
@@ -206,19 +208,18 @@ struct Block {
     nG = n * G;
     MT = (nG + ROWS - 1) / ROWS;
     // 32-bit unsigned: a 64-bit division is a long subroutine
+    const unsigned units = static_cast<unsigned>(B * Hkv * MT);  // (b, h, mt)s
+    const unsigned whole = static_cast<unsigned>(FOLD / span);  // a whole group's spans
     const unsigned spans = static_cast<unsigned>((max_chunks + span - 1) / span);
-    const unsigned per_head = spans * static_cast<unsigned>(MT);
-    const unsigned bh = task / per_head;
-    unsigned rest = task % per_head;
-    const unsigned full = static_cast<unsigned>(FOLD / span) * static_cast<unsigned>(MT);  // a whole group's tasks
-    const unsigned gi = rest / full;  // a last, partial group has fewer tasks, not more
-    rest -= gi * full;
-    // the group's spans (fewer in a last, partial group)
-    const unsigned members = min(spans - gi * static_cast<unsigned>(FOLD / span), static_cast<unsigned>(FOLD / span));
-    mt = static_cast<int>(rest / members);
-    first = task - rest % members;
-    c = static_cast<int>(gi) * FOLD + static_cast<int>(rest % members) * span;
+    const unsigned gi = task / (units * whole);  // a last, partial group has fewer tasks, not more
+    const unsigned members = min(spans - gi * whole, whole);  // the group's spans
+    const unsigned rest = task - gi * units * whole;
+    const unsigned unit = rest / members, j = rest % members;
+    first = task - j;
+    c = static_cast<int>(gi) * FOLD + static_cast<int>(j) * span;
     chunks = min(span, max_chunks - c);
+    mt = static_cast<int>(unit % static_cast<unsigned>(MT));
+    const unsigned bh = unit / static_cast<unsigned>(MT);
     h = static_cast<int>(bh % static_cast<unsigned>(Hkv));
     b = static_cast<int>(bh / static_cast<unsigned>(Hkv));
     seq = params + (params_len - 5 * B) + 5 * (b < B ? b : 0);
