@@ -1,9 +1,10 @@
 """How fast does one threadblock read what a kernel just wrote (L2), against the bytes spread over blocks?
 
 Decode attention's tail (``kernels/attend_mma.h``: the fold and the combine)
-is one block per (sequence, K/V head) reading 66-266 KB of partials from L2,
-and its timeline shows about 10 GB/s a block whichever way the block loads
-(``docs/performance.md``, "Decode attention"). This asks the GPU directly:
+reads 66-266 KB of partials from L2 per (sequence, K/V head); done by one
+block, its timeline showed about 10 GB/s whichever way the block loaded, so
+it is spread over a fold group's blocks (``docs/performance.md``, "Decode
+attention"). This asks the GPU directly:
 each case launches ``blocks`` blocks of ``threads`` threads, each summing its
 own ``KB`` of a float32 array an elementwise op wrote just before, and prints
 the median block's time between its first load and its last (``%globaltimer``)
