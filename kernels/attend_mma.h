@@ -200,6 +200,7 @@ __device__ __forceinline__ int chunk_count(int end, int held, int n, int window,
 struct Block {
   int B, Hkv, G, n, CHUNK, max_chunks, window, nG, MT, mt, c, chunks, h, b;
   unsigned first;      // the task of the group's first block
+  unsigned tasks;      // the launch's tasks (its blocks)
   const int32_t* seq;  // slot, end, held, origin, wrap
 
   __device__ __forceinline__ Block(const int32_t* params, int params_len, int span, unsigned task) {
@@ -211,6 +212,7 @@ struct Block {
     const unsigned units = static_cast<unsigned>(B * Hkv * MT);  // (b, h, mt)s
     const unsigned whole = static_cast<unsigned>(FOLD / span);  // a whole group's spans
     const unsigned spans = static_cast<unsigned>((max_chunks + span - 1) / span);
+    tasks = units * spans;
     const unsigned gi = task / (units * whole);  // a last, partial group has fewer tasks, not more
     const unsigned members = min(spans - gi * whole, whole);  // the group's spans
     const unsigned rest = task - gi * units * whole;
@@ -627,7 +629,9 @@ __device__ __forceinline__ void write_pair(T* out, const int64_t* orow, int e, f
 
 // Thread 0 waits until *ctr > after (acquire), then the block goes on with
 // the count it saw (`seen`: a shared int): what the blocks that counted wrote
-// (and fenced) before counting is read after.
+// (and fenced) before counting is read after. The fence after the acquire is
+// what orders the other writer threads' stores (each fenced before its
+// block's barrier) for this block's threads.
 __device__ __forceinline__ int wait_above(const int* ctr, int after, int* seen) {
   if (threadIdx.x == 0) {
     int v;
@@ -651,10 +655,10 @@ __device__ __forceinline__ unsigned sm_count() {
 }
 
 // Shared memory of the second half, in floats from the block's K/V rings
-// (no longer read): each output row's offset (int64, ROWS), the fold's max
-// (ROWS), each row's total (ROWS), then the weights: the fold's chunk max
-// and sum [FOLD][ROWS] each, or the combine's fold weight and sum [groups]
-// [ROWS] each.
+// (no longer read), after the counters' flags (4 ints): each output row's
+// offset (int64, ROWS), the fold's max (ROWS), each row's total (ROWS), then
+// the weights: each chunk's weight and sum [FOLD][ROWS] each for the fold, or
+// each fold's weight and sum [groups][ROWS] each for the combine.
 constexpr int TAIL_FIXED = 2 * ROWS + 2 * ROWS;  // orow (as floats), ftop, totals
 __host__ __device__ constexpr int ring_floats(int hd) { return WARPS * warp_bytes(hd) / 4 - 4; }
 
@@ -679,6 +683,8 @@ __host__ __device__ constexpr int ring_floats(int hd) { return WARPS * warp_byte
 // (Block: tasks are taken in order), so only the group at the front of the
 // queue can be partly running, and it has fewer blocks than the GPU runs at
 // once; the last group waits for earlier groups, whose tasks are all taken.
+// So a launch needs FOLD / SPAN of its blocks resident at once (16 at span 1:
+// any GPU of 16 SMs or more), or a spread group would wait for ever.
 // Counters (zero at launch), per (b, h, mt): each group's partials written
 // [groups], each group's shares folded [groups], folds written [1]; integer
 // atomics only.
@@ -691,17 +697,17 @@ __device__ __forceinline__ void fold_and_combine(const Block& at, const float* s
   constexpr int OUTW = HD + 2;
   constexpr int PAIRS = HD / 2;  // output pairs a row
   static_assert(THREADS >= ROWS, "a thread a row for the weights");
+  static_assert(TAIL_FIXED + 2 * FOLD * ROWS <= ring_floats(HD), "the fold's weights fit the rings");
   extern __shared__ __align__(16) unsigned char muser_attend_smem[];
   int* flags = reinterpret_cast<int*>(muser_attend_smem + q_bytes(HD));
   float* scratch = reinterpret_cast<float*>(flags + 4);  // the K/V rings, no longer read
   int64_t* orow = reinterpret_cast<int64_t*>(scratch);  // [ROWS]
   float* ftop = scratch + 2 * ROWS;                      // [ROWS]
   float* totals = ftop + ROWS;                           // [ROWS]
-  float* wts = scratch + TAIL_FIXED;                     // the weights, then the sums
+  float* wts = scratch + TAIL_FIXED;                     // the weights and sums
 
   const int Hkv = at.Hkv, G = at.G, n = at.n, max_chunks = at.max_chunks, nG = at.nG, MT = at.MT;
   const int mt = at.mt, c = at.c, h = at.h, b = at.b;
-  if (b >= at.B) return;
   const bool with_sinks = params_len - 5 * at.B == 9 && params[8] != 0;
   const int count = chunk_count(at.seq[1], at.seq[2], n, at.window, at.CHUNK, max_chunks);
   const int tid = threadIdx.x;
@@ -863,6 +869,7 @@ __device__ __forceinline__ void attend(
   if (threadIdx.x == 0) task = atomicAdd(reinterpret_cast<unsigned*>(const_cast<int32_t*>(counters)), 1u);
   __syncthreads();
   const Block at(params, params_len, SPAN, task);
+  if (task >= at.tasks) return;  // a grid larger than its tasks: no group counts this block
   attend_partials<T, P, HD, SPAN>(at, queries, qs0, qs1, qs2, qs3, keys, ks0, ks1, ks2, ks3, values,
                                   vs0, vs1, vs2, vs3, scale_in, params, params_len,
                                   partials MUSER_TL_ARG);

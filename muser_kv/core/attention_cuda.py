@@ -12,15 +12,18 @@ query rows). Each block writes its chunk's partial:
 ``exp(s_j - m)``; a row that sees no key of the chunk (or ``c >= count``) gets
 ``m = -inf``, ``l = 0``, ``o = 0``.
 
-Then, in the same launch, the blocks of each group of ``FOLD`` chunks fold
-the group (``merged``) once all its partials are written, each a share of the
-elements, and the blocks of the group whose fold comes last combine the folds
-into the output, each a share again, with ``kernels/attend_merge.inc`` and
-``attend_combine.inc``'s arithmetic: integer counters (``counters``, zeros of
-the call's own, ``counter_count``) order them, and every sum runs in ascending
-order over partials already written, so the bits do not depend on which block
-takes which share. Blocks take their tasks from a ticket as they start, a
-group's tasks in a row, so a block waits only for blocks already running.
+Then, in the same launch, each group of ``FOLD`` chunks is folded
+(``merged``) once all its partials are written, and each sequence's (head's,
+tile's) last group combines the folds into the output once every group is
+folded, with ``kernels/attend_merge.inc`` and ``attend_combine.inc``'s
+arithmetic. A group in the launch's last wave is spread (its blocks fold, and
+combine, a share of the elements each); an earlier one is folded by its last
+block alone. Integer counters (``counters``, zeros of the call's own,
+``counter_count``) order them, and every sum runs in ascending order over
+partials already written, so the bits do not depend on which block takes which
+share. Blocks take their tasks from a ticket as they start, fold group by fold
+group, a group's tasks in a row, so a block only waits for its own group or
+earlier ones, never for a task behind one not yet taken.
 
 ``params`` (int32): ``B, Hkv, G, n, D, CHUNK, max_chunks, window``, optionally
 the combine's ``sinks`` flag (``KernelBackend.attend``'s layout: the kernel

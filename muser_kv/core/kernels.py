@@ -370,7 +370,7 @@ class KernelBackend(ReferenceBackend):
     def attend(self, queries, read, scale, sinks=None):
         """Decode attention over ``read`` (``core.attention``'s rule). On CUDA one
         launch on the tensor cores (``attention_cuda.attend_mma``: the chunks'
-        partials, folded and combined by the blocks of each fold group). Elsewhere the chunks'
+        partials, folded and combined by the same blocks). Elsewhere the chunks'
         partials (``attend``), folded ``attention.FOLD`` at a time
         (``attend_merge``), then combined (``attend_combine``); a sequence
         folds to itself bit for bit when it has one group and no sinks, so the

@@ -1,5 +1,5 @@
 """Decode attention's tensor-core kernel (kernels/attend_mma.{cu,h}: the chunks'
-partials, folded and combined by the last blocks, in one launch) compiles with
+partials, folded and combined by the same blocks, in one launch) compiles with
 NVRTC for sm_90a, exactly as MLX 0.32 wraps it, no GPU needed.
 
 ``attention_cuda.attend_mma`` is driven with ``mx.fast.cuda_kernel``
