@@ -15,6 +15,9 @@
 #   bash benchmarks/device.sh tail       # the launch's tail: one block's L2 read rate against many
 #                                        # blocks' (l2_read.py), then PASS, B = 1 and 8 chained, and
 #                                        # the tail's phases at 131k and 32k (--timeline 1)
+#   bash benchmarks/device.sh spread     # decode attention in one call: PASS, B = 1 and 8 chained and
+#                                        # the tail's phases at 131k and 32k, the host's cost of a call
+#                                        # (host_attend.py), then decode.py's 52 layers
 #   bash benchmarks/device.sh mixed      # batched decode at 131k, mixed lengths (16k..131k) beside
 #                                        # an equal batch of the same rows, B = 2, 8, 16, 32
 #   bash benchmarks/device.sh e2e DTYPE  # end to end on the real Muse Glimmer geometry
@@ -131,6 +134,16 @@ tail)
   b tail 240 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 --timeline 1 --spans 1
   b tail 100 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 --depth 32768 --skip-check \
     --timeline 1 --spans 1
+  ;;
+spread)
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
+    *H200*) bw=4.8e12 ;; *) bw=3.35e12 ;; esac
+  b spread 240 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 --timeline 1 --spans 1
+  b spread 100 benchmarks/attention_mma_check.py --bandwidth $bw --batches 1,8 --depth 32768 --skip-check \
+    --timeline 1 --spans 1
+  b spread 60 benchmarks/host_attend.py --include
+  b spread 120 benchmarks/decode.py --dtype bfloat16 --depths 32768,131072 --max-contexts 131590 --repeats 3 \
+    --modes pipelined
   ;;
 mixed)
   b mixed 580 benchmarks/batched.py --contexts 131072 --batches ${2:-2,8,16,32} --systems muser-kv \
