@@ -627,6 +627,47 @@ __device__ __forceinline__ void write_pair(T* out, const int64_t* orow, int e, f
   o[1] = static_cast<T>(total > 0.0f ? sum.y / total : 0.0f);
 }
 
+// Each source's (max, sum) pair of rows 0 .. rows_out - 1 (at src + s * step
+// + r * (HD + 2) + HD) into shared w and l, [slots][ROWS], for the sources s <
+// `sources`; the rest (-inf, 0). Every thread calls it.
+template <int HD>
+__device__ __forceinline__ void stage_maxes(float* w, float* l, const float* src, int64_t step,
+                                            int sources, int rows_out, int slots) {
+  for (int i = threadIdx.x; i < slots * ROWS; i += THREADS) {
+    const int s = i / ROWS, r = i % ROWS;
+    const float2 ml = s < sources && r < rows_out
+                          ? __ldcg(reinterpret_cast<const float2*>(src + s * step + r * (HD + 2) + HD))
+                          : make_float2(neg_inf(), 0.0f);
+    w[i] = ml.x;
+    l[i] = ml.y;
+  }
+}
+
+// One row's weights (thread r, over stage_maxes' w and l at w + r, l + r):
+// top = the sources' max (raised to `least` where that is above it), each
+// source's max replaced by its weight exp(m - top) (-inf where m is), and
+// the sum of weight * sum in ascending order, returned: the fold's and the
+// combine's rule (kernels/attend_merge.inc, attend_combine.inc).
+__device__ __forceinline__ float weigh_row(float* w, const float* l, int sources, float least, float& top) {
+  top = neg_inf();
+  for (int s = 0; s < sources; ++s) {
+    const float m = w[s * ROWS];
+    if (m > top) top = m;
+  }
+  if (least > top) top = least;
+  float total = 0.0f;
+  for (int s = 0; s < sources; ++s) {
+    const float m = w[s * ROWS];
+    float wt = neg_inf();
+    if (m != neg_inf()) {
+      wt = expf(m - top);
+      total += wt * l[s * ROWS];
+    }
+    w[s * ROWS] = wt;
+  }
+  return total;
+}
+
 // Thread 0 waits until *ctr > after (acquire), then the block goes on with
 // the count it saw (`seen`: a shared int): what the blocks that counted wrote
 // (and fenced) before counting is read after. The fence after the acquire is
@@ -746,31 +787,9 @@ __device__ __forceinline__ void fold_and_combine(const Block& at, const float* s
     const int R = ROWS * mt + tid;
     orow[tid] = ((static_cast<int64_t>(b) * Hkv * G + h * G + R % G) * n + R / G) * HD;
   }
-  for (int i = tid; i < FOLD * ROWS; i += THREADS) {
-    const int k = i / ROWS, r = i % ROWS;
-    const float2 ml = c0 + k < c1 && r < rows_out
-                          ? __ldcg(reinterpret_cast<const float2*>(pin + (c0 + k) * step + r * OUTW + HD))
-                          : make_float2(neg_inf(), 0.0f);
-    fw[i] = ml.x;
-    fl[i] = ml.y;
-  }
+  stage_maxes<HD>(fw, fl, pin + c0 * step, step, c1 - c0, rows_out, FOLD);
   __syncthreads();
-  if (tid < rows_out) {
-    float top = neg_inf();
-    for (int k = 0; k < c1 - c0; ++k) {
-      const float m = fw[k * ROWS + tid];
-      if (m > top) top = m;
-    }
-    float sum = 0.0f;
-    for (int k = 0; k < c1 - c0; ++k) {
-      const float m = fw[k * ROWS + tid];
-      const float w = m != neg_inf() ? expf(m - top) : neg_inf();
-      fw[k * ROWS + tid] = w;
-      if (w != neg_inf()) sum += w * fl[k * ROWS + tid];
-    }
-    ftop[tid] = top;
-    totals[tid] = sum;
-  }
+  if (tid < rows_out) totals[tid] = weigh_row(fw + tid, fl + tid, c1 - c0, neg_inf(), ftop[tid]);
   __syncthreads();
   MUSER_STAMP(7);  // the fold's weights
 
@@ -814,35 +833,13 @@ __device__ __forceinline__ void fold_and_combine(const Block& at, const float* s
   const int folds = (count + FOLD - 1) / FOLD;
   float* cw = wts;                 // [groups][ROWS]: a fold's max, then its weight
   float* cl = cw + groups * ROWS;  // [groups][ROWS]: its sum
-  for (int i = tid; i < folds * ROWS; i += THREADS) {
-    const int f = i / ROWS, r = i % ROWS;
-    const float2 ml = r < rows_out ? __ldcg(reinterpret_cast<const float2*>(gin + f * step + r * OUTW + HD))
-                                   : make_float2(neg_inf(), 0.0f);
-    cw[i] = ml.x;
-    cl[i] = ml.y;
-  }
+  stage_maxes<HD>(cw, cl, gin, step, folds, rows_out, folds);
   __syncthreads();
   if (tid < rows_out) {
-    const int qhead = h * G + (ROWS * mt + tid) % G;
-    float top = neg_inf();
-    for (int f = 0; f < folds; ++f) {
-      const float m = cw[f * ROWS + tid];
-      if (m > top) top = m;
-    }
-    const float sink = with_sinks ? sinks[qhead] : 0.0f;
-    if (with_sinks && sink > top) top = sink;
-    float total = 0.0f;
-    for (int f = 0; f < folds; ++f) {
-      const float m = cw[f * ROWS + tid];
-      float w = neg_inf();
-      if (m != neg_inf()) {
-        w = expf(m - top);
-        total += w * cl[f * ROWS + tid];
-      }
-      cw[f * ROWS + tid] = w;
-    }
-    if (with_sinks) total += expf(sink - top);
-    totals[tid] = total;
+    const float sink = with_sinks ? sinks[h * G + (ROWS * mt + tid) % G] : neg_inf();
+    float top;
+    const float total = weigh_row(cw + tid, cl + tid, folds, sink, top);
+    totals[tid] = with_sinks ? total + expf(sink - top) : total;
   }
   __syncthreads();
   MUSER_STAMP(11);  // the folds' weights
