@@ -271,6 +271,8 @@ def test_fold_and_combine_are_the_rule_bit_for_bit(lib, hd, span, b, hkv, g, n, 
     for i, c in enumerate(counts):  # chunks a sequence does not hold: never read
         partials[i, :, c:] = np.nan
     sinks = (rng.standard_normal(hkv * g) * 2).astype(np.float32) if with_sinks else None
+    if sinks is not None:
+        sinks[::2] += 40  # heads whose sink is above every fold's max: it sets the weights' max
     params = [b, hkv, g, n, hd, CHUNK, max_chunks, 0, int(with_sinks)]
     for i, c in enumerate(counts):  # end = held = c chunks' keys: chunk_count gives c
         params += [i, c * CHUNK, c * CHUNK, 0, c * CHUNK]
